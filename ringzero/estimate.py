@@ -222,6 +222,33 @@ def s0_total(r):
 
 
 # ---- CLI ------------------------------------------------------------------------
+_DIMS = ("n_layer", "n_embd", "n_head", "vocab", "block_size")
+
+
+def add_model_args(ap):
+    """--params / --model / --n-layer ...: shared with ``python -m ringzero.explain traffic``."""
+    src = ap.add_argument_group("model size (one of)")
+    src.add_argument("--params", help="parameter count with K/M/B/T suffix, e.g. 7.5B")
+    src.add_argument("--model", choices=sorted(PRESETS), help="a GPT-2 preset; Ψ from its layout")
+    for k, h in (("n_layer", "blocks"), ("n_embd", "width"), ("n_head", "heads"),
+                 ("vocab", "vocabulary"), ("block_size", "context length")):
+        src.add_argument("--" + k.replace("_", "-"), type=int, help=f"GPT {h} (overrides --model)")
+
+
+def model_from_args(a):
+    """(Ψ, GPTConfig or None) from parsed model args; ValueError on a bad or missing size."""
+    dims = {k: getattr(a, k) for k in _DIMS if getattr(a, k) is not None}
+    if a.params and (a.model or dims):
+        raise ValueError("give --params or a GPT shape (--model / --n-layer ...), not both")
+    if a.params:
+        return acc.parse_count(a.params), None
+    if a.model or dims:
+        base = PRESETS[a.model] if a.model else GPTConfig()
+        cfg = GPTConfig(**{**base.__dict__, **dims})
+        return gpt_psi(cfg), cfg
+    raise ValueError("no model size: give --params 7.5B or --model gpt2-xl or --n-layer ...")
+
+
 def build_parser():
     ap = argparse.ArgumentParser(
         prog="python -m ringzero.estimate",
@@ -232,12 +259,7 @@ def build_parser():
                     "whether it fits (with --gpu-mem), and other published accountings.",
         epilog="Examples: --params 7.5B --nd 64 (the seed's 120/31.4/16.6/1.88 GB);  "
                "--model gpt2-xl --nd 1 --batch 32 --seq 1024 --gpu-mem 32GB")
-    src = ap.add_argument_group("model size (one of)")
-    src.add_argument("--params", help="parameter count with K/M/B/T suffix, e.g. 7.5B")
-    src.add_argument("--model", choices=sorted(PRESETS), help="a GPT-2 preset; Ψ from its layout")
-    for k, h in (("n_layer", "blocks"), ("n_embd", "width"), ("n_head", "heads"),
-                 ("vocab", "vocabulary"), ("block_size", "context length")):
-        src.add_argument("--" + k.replace("_", "-"), type=int, help=f"GPT {h} (overrides --model)")
+    add_model_args(ap)
     ap.add_argument("--nd", type=int, default=64, help="data-parallel ranks Nd (default 64)")
     ap.add_argument("--ranks-per-node", type=int, help="Ng: adds the HYBRID_SHARD row")
     ap.add_argument("--batch", type=int, help="micro-batch per rank, for activations (GPT only)")
@@ -253,20 +275,8 @@ def build_parser():
 def main(argv=None):
     ap = build_parser()
     a = ap.parse_args(argv)
-    dims = {k: getattr(a, k) for k in ("n_layer", "n_embd", "n_head", "vocab", "block_size")
-            if getattr(a, k) is not None}
-    cfg = None
     try:
-        if a.params and (a.model or dims):
-            raise ValueError("give --params or a GPT shape (--model / --n-layer ...), not both")
-        if a.params:
-            psi = acc.parse_count(a.params)
-        elif a.model or dims:
-            base = PRESETS[a.model] if a.model else GPTConfig()
-            cfg = GPTConfig(**{**base.__dict__, **dims})
-            psi = gpt_psi(cfg)
-        else:
-            raise ValueError("no model size: give --params 7.5B or --model gpt2-xl or --n-layer ...")
+        psi, cfg = model_from_args(a)
         if a.nd < 1:
             raise ValueError(f"--nd must be >= 1, got {a.nd}")
         if a.ranks_per_node is not None and (a.ranks_per_node < 1 or a.nd % a.ranks_per_node):
