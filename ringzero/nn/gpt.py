@@ -58,3 +58,216 @@ def gpt_units(cfg: GPTConfig) -> tuple:
     units.append(Unit("head", (P("lnf.w", (C,), "ones", False), P("lnf.b", (C,), "zeros", False)),
                       needs=("embed",)))
     return tuple(units)
+
+
+# ---------------------------------------------------------------------------
+# The model: forward/backward per unit, on views the runtime hands in.
+# ---------------------------------------------------------------------------
+import numpy as np  # noqa: E402
+
+from ringzero.nn.layers import (GELU, CausalSelfAttention, Embedding, LayerNorm,  # noqa: E402
+                                Linear, Pool, Residual, SoftmaxCrossEntropy, Unembed,
+                                array_module, cache_nbytes)
+
+_BLOCK_PARAMS = ("ln1", "attn", "ln2", "fc", "fc2")
+
+
+class GPT:
+    """A GPT-2-style decoder over the units of ``gpt_units(cfg)``.
+
+    Unit 0 embeds, units 1..n_layer are blocks, the last unit is the final
+    layernorm, the tied head and the loss. The model owns no parameters: every
+    call gets ``P``/``G`` dicts of named views (compute dtype) from the runtime.
+
+    checkpoint=True: a block's cache is only its input; backward recomputes
+    the block's forward (into buffers shared by all blocks) and then runs its
+    backward, so gradients are bitwise those of checkpoint=False.
+
+    A unit's cache stays valid until that unit's next forward_unit: the
+    activation buffers are reused from step to step (``self.pool``).
+    """
+
+    def __init__(self, cfg: GPTConfig = GPTConfig(), checkpoint: bool = False, pool: Pool | None = None):
+        self.cfg = cfg
+        self.units = gpt_units(cfg)
+        self.checkpoint = bool(checkpoint)
+        self.pool = pool if pool is not None else Pool()
+        self.last = cfg.n_layer + 1
+        pl = self.pool
+        self.embed = Embedding(pl, "embed")
+        self.blocks = []
+        for i in range(cfg.n_layer):
+            t = "block" if self.checkpoint else f"block{i}"   # checkpointed blocks share workspaces
+            self.blocks.append(dict(
+                ln1=LayerNorm(pl, t + ".ln1"), attn=CausalSelfAttention(cfg.n_head, pl, t + ".attn"),
+                res=Residual(pl, t + ".res"), ln2=LayerNorm(pl, t + ".ln2"),
+                fc=Linear(pl, t + ".fc"), gelu=GELU(pl, t + ".gelu"), fc2=Linear(pl, t + ".fc2")))
+        self.lnf = LayerNorm(pl, "lnf")
+        self.head = Unembed(pl, "head")
+        self.ce = SoftmaxCrossEntropy(pl, "ce")
+        self._pd = {}   # unit -> persistent dict of per-layer param dicts, refilled on every call
+
+    # ---- parameter dicts ----------------------------------------------------
+    def _params(self, u, P):
+        """Per-layer param dicts for unit u, refilled in place from P.
+
+        Caches keep references to these same dicts, so refilling them before
+        backward makes every layer read the views handed to backward (stage 3
+        may have re-gathered the unit into another buffer).
+        """
+        d = self._pd.setdefault(u, {})
+        try:
+            if u == 0:
+                d.setdefault("embed", {}).update(wte=P["wte"], wpe=P["wpe"])
+            elif u == self.last:
+                d.setdefault("lnf", {}).update(w=P["lnf.w"], b=P["lnf.b"])
+                d.setdefault("head", {}).update(w=P["wte"])
+            else:
+                h = f"h{u - 1}."
+                for n in ("ln1", "ln2", "fc", "fc2"):
+                    d.setdefault(n, {}).update(w=P[h + n + ".w"], b=P[h + n + ".b"])
+                d.setdefault("attn", {}).update({k: P[h + k] for k in ("attn.w", "attn.b", "proj.w", "proj.b")})
+        except KeyError as e:
+            raise KeyError(f"unit {u} ({self.units[u].name}) needs parameter {e.args[0]!r}, "
+                           f"not in the dict given (has {len(P)} names)") from None
+        return d
+
+    def _params_like(self, u, G):
+        if u == 0:
+            return {"embed": {"wte": G["wte"], "wpe": G["wpe"]}}
+        if u == self.last:
+            return {"lnf": {"w": G["lnf.w"], "b": G["lnf.b"]}, "head": {"w": G["wte"]}}
+        h = f"h{u - 1}."
+        g = {n: {"w": G[h + n + ".w"], "b": G[h + n + ".b"]} for n in ("ln1", "ln2", "fc", "fc2")}
+        g["attn"] = {k: G[h + k] for k in ("attn.w", "attn.b", "proj.w", "proj.b")}
+        return g
+
+    def _check_unit(self, u):
+        if not 0 <= u <= self.last:
+            raise ValueError(f"unit index must be in [0, {self.last}], got {u}")
+
+    # ---- blocks --------------------------------------------------------------
+    def _block_forward(self, u, pd, x):                        # x (B, T, C)
+        L = self.blocks[u - 1]
+        h1, c_ln1 = L["ln1"].forward(pd["ln1"], x)
+        a, c_attn = L["attn"].forward(pd["attn"], h1)
+        x2, _ = L["res"].forward(None, (a, x), out=a)           # x2 = x + attn(ln1(x)), in place
+        h2, c_ln2 = L["ln2"].forward(pd["ln2"], x2)
+        f, c_fc = L["fc"].forward(pd["fc"], h2)                 # (B, T, 4C)
+        gg, c_gelu = L["gelu"].forward(None, f)
+        y = self.pool.get((f"unit{u}", "y"), x.shape, x.dtype, array_module(x))
+        m, c_fc2 = L["fc2"].forward(pd["fc2"], gg, out=y)
+        L["res"].forward(None, (m, x2), out=y)                  # y = x2 + mlp(ln2(x2))
+        return y, (c_ln1, c_attn, c_ln2, c_fc, c_gelu, c_fc2)
+
+    def _block_backward(self, u, dy, c, gd):                   # dy (B, T, C)
+        L = self.blocks[u - 1]
+        c_ln1, c_attn, c_ln2, c_fc, c_gelu, c_fc2 = c
+        dm, dres = L["res"].backward(dy, None, None)            # both residual branches see dy
+        d = L["fc2"].backward(dm, c_fc2, gd["fc2"])             # (B, T, 4C)
+        d = L["gelu"].backward(d, c_gelu, None)
+        d = L["fc"].backward(d, c_fc, gd["fc"])                 # (B, T, C)
+        dx2 = L["ln2"].backward(d, c_ln2, gd["ln2"])
+        dx2 += dres                                             # d(loss)/d x2, in ln2's buffer
+        da, dres2 = L["res"].backward(dx2, None, None)
+        d = L["attn"].backward(da, c_attn, gd["attn"])
+        d = L["ln1"].backward(d, c_ln1, gd["ln1"])
+        xp = array_module(dy)
+        dx = self.pool.get((f"unit{u}", "dx"), dy.shape, dy.dtype, xp)
+        xp.add(d, dres2, out=dx)
+        return dx
+
+    # ---- the contract used by the runtime ------------------------------------
+    def forward_unit(self, u, P, x, targets=None):
+        """Unit u's forward. Returns (y, cache); the last unit returns (loss, cache)
+        with targets, or (logits (B, T, V), None) without them."""
+        self._check_unit(u)
+        pd = self._params(u, P)
+        if u == 0:
+            return self.embed.forward(pd["embed"], x)           # (B, T) -> (B, T, C)
+        if u == self.last:
+            B, T, C = x.shape
+            xl, c_lnf = self.lnf.forward(pd["lnf"], x)
+            logits, c_head = self.head.forward(pd["head"], xl)  # (B, T, V)
+            if targets is None:
+                return logits, None
+            if tuple(targets.shape) != (B, T):
+                raise ValueError(f"targets must have shape {(B, T)}, got {tuple(targets.shape)}")
+            loss, c_ce = self.ce.forward(None, (logits.reshape(B * T, -1), targets.reshape(B * T)))
+            return float(loss), (c_lnf, c_head, c_ce)
+        if self.checkpoint:
+            y, _ = self._block_forward(u, pd, x)
+            return y, (x,)
+        return self._block_forward(u, pd, x)
+
+    def backward_unit(self, u, dy, cache, P, G):
+        """Unit u's backward: adds into G, returns d(input) (None for unit 0)."""
+        self._check_unit(u)
+        if cache is None:
+            raise ValueError(f"unit {u} has no cache: run forward_unit (with targets for the last unit) first")
+        pd = self._params(u, P)     # refill the dicts the caches point at
+        gd = self._params_like(u, G)
+        if u == 0:
+            return self.embed.backward(dy, cache, gd["embed"])
+        if u == self.last:
+            c_lnf, c_head, c_ce = cache
+            dl = self.ce.backward(dy, c_ce, None)               # (B*T, V)
+            dxl = self.head.backward(dl, c_head, gd["head"])    # (B, T, C)
+            return self.lnf.backward(dxl, c_lnf, gd["lnf"])
+        if self.checkpoint:
+            _, cache = self._block_forward(u, pd, cache[0])     # recompute, then backward
+        return self._block_backward(u, dy, cache, gd)
+
+    @staticmethod
+    def cache_nbytes(cache) -> int:
+        """Bytes of activations a unit's cache holds."""
+        return cache_nbytes(cache)
+
+    # ---- conveniences built on the unit calls ---------------------------------
+    def loss_and_grad(self, P, G, idx, targets, scale=1.0):
+        """Forward and backward through every unit; adds scale * d(loss) into G."""
+        caches, x = [], idx
+        for u in range(self.last + 1):
+            x, c = self.forward_unit(u, P, x, targets if u == self.last else None)
+            caches.append(c)
+        dy = scale
+        for u in range(self.last, -1, -1):
+            dy = self.backward_unit(u, dy, caches[u], P, G)
+        return x
+
+    def loss(self, P, idx, targets):
+        x = idx
+        for u in range(self.last + 1):
+            x, _ = self.forward_unit(u, P, x, targets if u == self.last else None)
+        return x
+
+    def logits(self, P, idx):
+        """(B, T, V) logits; buffers are not reused (T may vary)."""
+        reuse, self.pool.reuse = self.pool.reuse, False
+        try:
+            x = idx
+            for u in range(self.last + 1):
+                x, _ = self.forward_unit(u, P, x)
+            return x
+        finally:
+            self.pool.reuse = reuse
+
+    def generate(self, P, idx, n_new, temperature=1.0, rng=None):
+        """Append n_new sampled tokens to idx (B, T0); temperature 0 is greedy."""
+        xp = array_module(P["wte"])
+        rng = rng if rng is not None else np.random.default_rng()
+        out = idx
+        for _ in range(int(n_new)):
+            ctx = out[:, -self.cfg.block_size:]
+            lg = self.logits(P, ctx)[:, -1, :].astype(np.float64)  # (B, V)
+            if temperature <= 0:
+                nxt = lg.argmax(axis=1)
+            else:
+                lg = lg / temperature
+                lg -= lg.max(axis=1, keepdims=True)
+                pr = xp.exp(lg)
+                cdf = xp.cumsum(pr, axis=1)
+                u = xp.asarray(rng.random(lg.shape[0])) * cdf[:, -1]
+                nxt = xp.minimum((cdf < u[:, None]).sum(axis=1), lg.shape[1] - 1)
+            out = xp.concatenate([out, nxt[:, None].astype(out.dtype)], axis=1)
+        return out

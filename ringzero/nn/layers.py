@@ -1,0 +1,432 @@
+"""Layers with hand-written forward and backward, written once against ``xp``.
+
+What it is
+    The building blocks of ringzero's models (token+position embedding,
+    linear, layernorm, GELU (tanh), causal multi-head self-attention, residual,
+    tied unembedding, fused softmax cross-entropy), each a small object with
+
+        forward(p, x)        -> (y, cache)
+        backward(dy, cache, g) -> dx
+
+    ``p`` and ``g`` are dicts of named views (for a Linear: {"w", "b"}) into the
+    flat parameter and gradient buffers. Backward ADDS weight gradients into
+    ``g`` (the runtime zeroes the gradient buffer once per step) and returns the
+    gradient of the input. A cache holds the ``p`` dict it was made with; a
+    model that may be handed fresh parameter views before backward (stage 3
+    frees and re-gathers them) refills that same dict in place.
+
+    The arithmetic is the same for NumPy and CuPy: ``xp = array_module(x)``.
+    Statistics (layernorm mean/var, softmax sums, the loss) accumulate in
+    float32 even when the compute dtype is float16 (float64 stays float64).
+
+Hot path
+    Activations and workspaces come from a ``Pool``: one buffer per (tag, name,
+    shape, dtype), made on first use and reused every step after, filled with
+    ``out=`` forms. A cache therefore stays valid until the same layer's next
+    forward. ``Pool(reuse=False)`` hands out fresh arrays (inference at
+    varying shapes, tests). ``pool.allocs`` counts the buffers made.
+
+What it is not
+    No autograd, no parameter allocation, no loss scaling (the caller passes
+    the scale as ``dy`` of the loss), no communication.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+LN_EPS = 1e-5
+GELU_K = math.sqrt(2.0 / math.pi)
+GELU_A = 0.044715
+
+
+def array_module(x):
+    """numpy, or cupy for a cupy array (without importing cupy otherwise)."""
+    if type(x).__module__.split(".")[0] == "cupy":
+        import cupy
+        return cupy
+    return np
+
+
+def acc_dtype(dtype):
+    """Dtype that statistics accumulate in: float64 stays, anything else float32."""
+    return np.float64 if np.dtype(dtype) == np.float64 else np.float32
+
+
+def _same_module(xp, *arrays):
+    for a in arrays:
+        if array_module(a) is not xp:
+            raise TypeError(f"mixed array modules: expected {xp.__name__} arrays, got {type(a).__module__}."
+                            f"{type(a).__name__}; move data with the backend's staging, not implicitly")
+
+
+class Pool:
+    """Buffers made once per (key, shape, dtype) and handed out again after."""
+
+    def __init__(self, reuse: bool = True):
+        self.reuse = reuse
+        self.bufs = {}
+        self.allocs = 0        # arrays made by get(), reused or not
+
+    def get(self, key, shape, dtype, xp=np):
+        shape = tuple(int(s) for s in shape)
+        if not self.reuse:
+            self.allocs += 1
+            return xp.empty(shape, dtype)
+        k = (key, shape, np.dtype(dtype).str, xp.__name__)
+        b = self.bufs.get(k)
+        if b is None:
+            b = self.bufs[k] = xp.empty(shape, dtype)
+            self.allocs += 1
+        return b
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.bufs.values())
+
+    def clear(self):
+        self.bufs.clear()
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes of activation arrays a cache holds (parameter dicts not counted).
+
+    Arrays are counted once each, by their data pointer, so a buffer referenced
+    from two places is not double-counted.
+    """
+    seen = {}
+
+    def walk(c):
+        if c is None or isinstance(c, (dict, int, float, str)):
+            return                       # dicts are parameter views, not activations
+        if isinstance(c, (tuple, list)):
+            for e in c:
+                walk(e)
+            return
+        if hasattr(c, "nbytes") and hasattr(c, "shape"):
+            ptr = c.data.ptr if hasattr(c.data, "ptr") else c.__array_interface__["data"][0]
+            seen[(ptr, c.nbytes)] = c.nbytes
+    walk(cache)
+    return sum(seen.values())
+
+
+class Layer:
+    """Common plumbing: a pool and a tag that names this layer's buffers."""
+
+    def __init__(self, pool: Pool | None = None, tag: str = ""):
+        self.pool = pool if pool is not None else Pool(reuse=False)
+        self.tag = tag
+
+    def buf(self, name, shape, dtype, xp):
+        return self.pool.get((self.tag, name), shape, dtype, xp)
+
+
+class Embedding(Layer):
+    """Token + position embedding. p: wte (V, C), wpe (Tmax, C); x: idx int (B, T)."""
+
+    def forward(self, p, idx):
+        wte, wpe = p["wte"], p["wpe"]
+        xp = array_module(wte)
+        _same_module(xp, idx, wpe)
+        if idx.ndim != 2 or idx.dtype.kind not in "iu":
+            raise TypeError(f"embedding expects integer idx of shape (B, T), got {idx.dtype} {tuple(idx.shape)}")
+        B, T = idx.shape
+        V, C = wte.shape
+        if T > wpe.shape[0]:
+            raise ValueError(f"sequence length T={T} exceeds block_size={wpe.shape[0]}")
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= V):
+            raise ValueError(f"token ids must lie in [0, {V}), got range [{int(idx.min())}, {int(idx.max())}]")
+        y = self.buf("y", (B, T, C), wte.dtype, xp)             # (B, T, C)
+        xp.take(wte, idx.reshape(-1), axis=0, out=y.reshape(B * T, C))
+        y += wpe[:T]
+        return y, (p, idx)
+
+    def backward(self, dy, cache, g):                           # dy (B, T, C)
+        p, idx = cache
+        xp = array_module(dy)
+        B, T, C = dy.shape
+        g["wpe"][:T] += dy.sum(axis=0, dtype=acc_dtype(dy.dtype))
+        if xp is np:
+            np.add.at(g["wte"], idx.reshape(-1), dy.reshape(B * T, C))
+        else:
+            import cupyx
+            cupyx.scatter_add(g["wte"], idx.reshape(-1), dy.reshape(B * T, C))
+        return None
+
+
+class Linear(Layer):
+    """y = x @ w + b. p: w (in, out), b (out,); x (..., in) -> y (..., out)."""
+
+    def forward(self, p, x, out=None):
+        w, b = p["w"], p["b"]
+        xp = array_module(w)
+        _same_module(xp, x, b)
+        if x.shape[-1] != w.shape[0]:
+            raise ValueError(f"linear expects input width {w.shape[0]}, got x of shape {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        y = out if out is not None else self.buf("y", lead + (w.shape[1],), w.dtype, xp)
+        y2 = y.reshape(-1, w.shape[1])                          # (N, out)
+        xp.matmul(x.reshape(-1, w.shape[0]), w, out=y2)
+        y2 += b
+        return y, (p, x)
+
+    def backward(self, dy, cache, g):                           # dy (..., out)
+        p, x = cache
+        w = p["w"]
+        xp = array_module(dy)
+        n_in, n_out = w.shape
+        x2, dy2 = x.reshape(-1, n_in), dy.reshape(-1, n_out)    # (N, in), (N, out)
+        dw = self.buf("dw", w.shape, w.dtype, xp)
+        xp.matmul(x2.T, dy2, out=dw)
+        g["w"] += dw
+        g["b"] += dy2.sum(axis=0, dtype=acc_dtype(dy.dtype))
+        dx = self.buf("dx", x.shape, x.dtype, xp)
+        xp.matmul(dy2, w.T, out=dx.reshape(-1, n_in))
+        return dx
+
+
+class Unembed(Layer):
+    """Tied head: logits = x @ w.T. p: w (V, C) (the token embedding); x (N, C) -> (N, V)."""
+
+    def forward(self, p, x):
+        w = p["w"]
+        xp = array_module(w)
+        _same_module(xp, x)
+        if x.shape[-1] != w.shape[1]:
+            raise ValueError(f"unembed expects input width {w.shape[1]}, got x of shape {tuple(x.shape)}")
+        y = self.buf("y", x.shape[:-1] + (w.shape[0],), w.dtype, xp)
+        xp.matmul(x.reshape(-1, w.shape[1]), w.T, out=y.reshape(-1, w.shape[0]))
+        return y, (p, x)
+
+    def backward(self, dy, cache, g):                           # dy (N, V)
+        p, x = cache
+        w = p["w"]
+        xp = array_module(dy)
+        V, C = w.shape
+        x2, dy2 = x.reshape(-1, C), dy.reshape(-1, V)
+        dw = self.buf("dw", w.shape, w.dtype, xp)
+        xp.matmul(dy2.T, x2, out=dw)                            # (V, C)
+        g["w"] += dw
+        dx = self.buf("dx", x.shape, x.dtype, xp)
+        xp.matmul(dy2, w, out=dx.reshape(-1, C))
+        return dx
+
+
+class LayerNorm(Layer):
+    """y = (x - mean) / sqrt(var + eps) * w + b over the last axis. p: w (C,), b (C,)."""
+
+    def forward(self, p, x):
+        w, b = p["w"], p["b"]
+        xp = array_module(w)
+        _same_module(xp, x, b)
+        if x.shape[-1] != w.shape[0]:
+            raise ValueError(f"layernorm expects width {w.shape[0]}, got x of shape {tuple(x.shape)}")
+        C = x.shape[-1]
+        x2 = x.reshape(-1, C)                                   # (N, C)
+        ad = acc_dtype(x.dtype)
+        mean = x2.mean(axis=1, dtype=ad, keepdims=True)         # (N, 1) fp32 statistics
+        xhat = self.buf("xhat", x2.shape, x.dtype, xp)
+        xp.subtract(x2, mean, out=xhat, casting="unsafe")
+        sq = self.buf("sq", x2.shape, x.dtype, xp)
+        xp.multiply(xhat, xhat, out=sq)
+        var = sq.mean(axis=1, dtype=ad, keepdims=True)
+        rstd = 1.0 / xp.sqrt(var + LN_EPS)                      # (N, 1)
+        xp.multiply(xhat, rstd, out=xhat, casting="unsafe")
+        y = self.buf("y", x.shape, x.dtype, xp)
+        y2 = y.reshape(-1, C)
+        xp.multiply(xhat, w, out=y2)
+        y2 += b
+        return y, (p, xhat, rstd)
+
+    def backward(self, dy, cache, g):                           # dy (..., C)
+        p, xhat, rstd = cache
+        w = p["w"]
+        xp = array_module(dy)
+        C = w.shape[0]
+        dy2 = dy.reshape(-1, C)
+        ad = acc_dtype(dy.dtype)
+        g["b"] += dy2.sum(axis=0, dtype=ad)
+        t = self.buf("t", dy2.shape, dy.dtype, xp)
+        xp.multiply(dy2, xhat, out=t)
+        g["w"] += t.sum(axis=0, dtype=ad)
+        dxhat = self.buf("dx", dy.shape, dy.dtype, xp)
+        d2 = dxhat.reshape(-1, C)
+        xp.multiply(dy2, w, out=d2)                             # dxhat = dy * w
+        m1 = d2.mean(axis=1, dtype=ad, keepdims=True)           # mean(dxhat)
+        xp.multiply(d2, xhat, out=t)
+        m2 = t.mean(axis=1, dtype=ad, keepdims=True)            # mean(dxhat * xhat)
+        # dx = rstd * (dxhat - m1 - xhat * m2)
+        xp.multiply(xhat, m2, out=t, casting="unsafe")
+        d2 -= t
+        xp.subtract(d2, m1, out=d2, casting="unsafe")
+        xp.multiply(d2, rstd, out=d2, casting="unsafe")
+        return dxhat
+
+
+class GELU(Layer):
+    """y = 0.5 x (1 + tanh(k (x + a x^3))), k = sqrt(2/pi), a = 0.044715. No params."""
+
+    def forward(self, p, x):
+        xp = array_module(x)
+        t = self.buf("t", x.shape, x.dtype, xp)                 # tanh(...), kept for backward
+        xp.multiply(x, x, out=t)
+        t *= GELU_A
+        t += 1.0
+        t *= x
+        t *= GELU_K
+        xp.tanh(t, out=t)
+        y = self.buf("y", x.shape, x.dtype, xp)
+        xp.add(t, 1.0, out=y)
+        y *= x
+        y *= 0.5
+        return y, (x, t)
+
+    def backward(self, dy, cache, g):
+        x, t = cache
+        xp = array_module(dy)
+        # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3a x^2)
+        d = self.buf("dx", x.shape, x.dtype, xp)
+        s = self.buf("s", x.shape, x.dtype, xp)
+        xp.multiply(x, x, out=d)
+        d *= 3.0 * GELU_A * GELU_K
+        d += GELU_K
+        d *= x
+        xp.multiply(t, t, out=s)
+        xp.subtract(1.0, s, out=s)
+        d *= s
+        d += t
+        d += 1.0
+        d *= 0.5
+        d *= dy
+        return d
+
+
+class Residual(Layer):
+    """y = x + r. With out=x (or r) the add is in place. Backward: (dy, dy)."""
+
+    def forward(self, p, xs, out=None):
+        x, r = xs
+        xp = array_module(x)
+        if x.shape != r.shape:
+            raise ValueError(f"residual expects equal shapes, got {tuple(x.shape)} and {tuple(r.shape)}")
+        y = out if out is not None else self.buf("y", x.shape, x.dtype, xp)
+        xp.add(x, r, out=y)
+        return y, None
+
+    def backward(self, dy, cache, g):
+        return dy, dy
+
+
+class CausalSelfAttention(Layer):
+    """Multi-head causal self-attention with its projections.
+
+    p: attn.w (C, 3C), attn.b (3C,), proj.w (C, C), proj.b (C,); x (B, T, C) -> (B, T, C).
+    Heads are batched matmuls over strided views of the fused qkv buffer: no
+    per-head Python loop and no transposing copies.
+    """
+
+    def __init__(self, n_head: int, pool: Pool | None = None, tag: str = ""):
+        super().__init__(pool, tag)
+        self.n_head = n_head
+        self.qkv = Linear(self.pool, tag + ".qkv")
+        self.proj = Linear(self.pool, tag + ".proj")
+        self._masks = {}
+
+    def _split(self, qkv, B, T, C):
+        """(B, T, 3C) -> three (B, H, T, D) strided views."""
+        H = self.n_head
+        v5 = qkv.reshape(B, T, 3, H, C // H)
+        return (v5[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+
+    def _mask(self, T, dtype, xp):
+        k = (T, np.dtype(dtype).str, xp.__name__)
+        if k not in self._masks:
+            m = np.triu(np.full((T, T), -np.inf, dtype=dtype), 1)   # (T, T): -inf above diagonal
+            self._masks[k] = xp.asarray(m)
+        return self._masks[k]
+
+    def forward(self, p, x, out=None):
+        B, T, C = x.shape
+        H = self.n_head
+        if C % H:
+            raise ValueError(f"width C={C} must be divisible by n_head={H}")
+        xp = array_module(x)
+        qkv, _ = self.qkv.forward({"w": p["attn.w"], "b": p["attn.b"]}, x)     # (B, T, 3C)
+        q, k, v = self._split(qkv, B, T, C)                     # (B, H, T, D) views
+        att = self.buf("att", (B, H, T, T), x.dtype, xp)
+        xp.matmul(q, k.transpose(0, 1, 3, 2), out=att)          # (B, H, T, T)
+        att *= 1.0 / math.sqrt(C // H)
+        att += self._mask(T, x.dtype, xp)
+        att -= att.max(axis=-1, keepdims=True)
+        xp.exp(att, out=att)
+        att /= att.sum(axis=-1, dtype=acc_dtype(x.dtype), keepdims=True).astype(x.dtype)
+        yh = self.buf("yh", (B, T, C), x.dtype, xp)             # heads side by side
+        xp.matmul(att, v, out=yh.reshape(B, T, H, C // H).transpose(0, 2, 1, 3))
+        y, _ = self.proj.forward({"w": p["proj.w"], "b": p["proj.b"]}, yh, out=out)
+        return y, (p, x, qkv, att, yh)
+
+    def backward(self, dy, cache, g):                           # dy (B, T, C)
+        p, x, qkv, att, yh = cache          # p read now: it may hold re-gathered views
+        B, T, C = dy.shape
+        H, D = self.n_head, C // self.n_head
+        xp = array_module(dy)
+        dyh = self.proj.backward(dy, ({"w": p["proj.w"], "b": p["proj.b"]}, yh),
+                                 {"w": g["proj.w"], "b": g["proj.b"]})            # (B, T, C)
+        dyh4 = dyh.reshape(B, T, H, D).transpose(0, 2, 1, 3)    # (B, H, T, D)
+        q, k, v = self._split(qkv, B, T, C)
+        dqkv = self.buf("dqkv", (B, T, 3 * C), dy.dtype, xp)
+        dq, dk, dv = self._split(dqkv, B, T, C)
+        xp.matmul(att.transpose(0, 1, 3, 2), dyh4, out=dv)      # dv = att^T dY
+        datt = self.buf("datt", att.shape, dy.dtype, xp)
+        xp.matmul(dyh4, v.transpose(0, 1, 3, 2), out=datt)     # datt = dY v^T
+        # softmax backward: ds = att * (datt - sum(datt * att)), then the 1/sqrt(D) scale
+        prod = self.buf("prod", att.shape, dy.dtype, xp)
+        xp.multiply(datt, att, out=prod)
+        datt -= prod.sum(axis=-1, dtype=acc_dtype(dy.dtype), keepdims=True).astype(dy.dtype)
+        datt *= att
+        datt *= 1.0 / math.sqrt(D)
+        xp.matmul(datt, k, out=dq)                              # dq = ds k
+        xp.matmul(datt.transpose(0, 1, 3, 2), q, out=dk)        # dk = ds^T q
+        return self.qkv.backward(dqkv, ({"w": p["attn.w"], "b": p["attn.b"]}, x),
+                                 {"w": g["attn.w"], "b": g["attn.b"]})
+
+
+class SoftmaxCrossEntropy(Layer):
+    """Mean cross-entropy of logits (N, V) against targets int (N,), fused with softmax.
+
+    Forward returns the loss as a 0-d array (float32 or float64); backward's
+    dy is the multiplier of d(loss) (the loss scale) and it returns dlogits
+    in the logits' dtype. The probabilities live in a float32 buffer.
+    """
+
+    def forward(self, p, xs):
+        logits, targets = xs
+        xp = array_module(logits)
+        _same_module(xp, targets)
+        N, V = logits.shape
+        if targets.shape != (N,) or targets.dtype.kind not in "iu":
+            raise ValueError(f"targets must be integers of shape ({N},), got {targets.dtype} {tuple(targets.shape)}")
+        if N and (int(targets.min()) < 0 or int(targets.max()) >= V):
+            raise ValueError(f"targets must lie in [0, {V}), got range [{int(targets.min())}, {int(targets.max())}]")
+        ad = acc_dtype(logits.dtype)
+        pr = self.buf("probs", (N, V), ad, xp)                  # (N, V) fp32 statistics
+        xp.copyto(pr, logits)
+        pr -= pr.max(axis=1, keepdims=True)
+        rows = xp.arange(N)
+        picked = pr[rows, targets]                              # (N,) shifted target logits
+        xp.exp(pr, out=pr)
+        s = pr.sum(axis=1)                                      # (N,)
+        loss = (xp.log(s) - picked).mean()
+        pr /= s[:, None]
+        return loss, (pr, targets, logits.dtype)
+
+    def backward(self, dy, cache, g):
+        pr, targets, dtype = cache
+        xp = array_module(pr)
+        N = pr.shape[0]
+        k = float(dy) / N
+        dl = self.buf("dlogits", pr.shape, dtype, xp)
+        xp.multiply(pr, k, out=dl, casting="unsafe")           # (p - onehot) * dy / N
+        dl[xp.arange(N), targets] -= k
+        return dl
