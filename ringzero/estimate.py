@@ -146,8 +146,8 @@ def _g(b):
     return f"{b / GB:,.4f}"
 
 
-def print_report(r: dict, cfg, f=sys.stdout):
-    p = lambda *a: print(*a, file=f)  # noqa: E731
+def print_report(r: dict, cfg, f=None):
+    p = lambda *a: print(*a, file=f or sys.stdout)  # noqa: E731
     psi, nd = r["psi"], r["nd"]
     p(f"Ψ = {psi:,} parameters   Nd = {nd}" + (f"   Ng = {r['ranks_per_node']} ranks per node"
                                                   if r["ranks_per_node"] else ""))

@@ -156,8 +156,8 @@ def scaler_trace(steps: int = 12, overflow_at=(3,), grad_max: float = 2.0) -> li
     return out
 
 
-def print_precision(f=sys.stdout):
-    p = lambda *a: print(*a, file=f)  # noqa: E731
+def print_precision(f=None):
+    p = lambda *a: print(*a, file=f or sys.stdout)  # noqa: E731
     fi = np.finfo(f16)
     u = underflow_threshold()
     p("== Underflow: the smallest magnitude that does not become 0 in fp16 (bisection over float64)")
@@ -271,8 +271,8 @@ def read_summary(path: str) -> dict:
     return summ
 
 
-def print_traffic(psi, nd, rpn, cfg, metrics, f=sys.stdout):
-    p = lambda *a: print(*a, file=f)  # noqa: E731
+def print_traffic(psi, nd, rpn, cfg, metrics, f=None):
+    p = lambda *a: print(*a, file=f or sys.stdout)  # noqa: E731
     units = None
     if cfg is not None:
         from ringzero.nn.gpt import gpt_units

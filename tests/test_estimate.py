@@ -1,0 +1,186 @@
+"""ringzero.accounting and ``python -m ringzero.estimate`` against the seed's figures.
+
+The seed's printed figures (120 / 31.4 / 16.6 / 1.88 GB, ...) are the
+reference; the code's numbers come from the formulas and are rounded the way
+the seed rounds. Ψ of the GPT-2 presets is checked against the closed-form
+GPT-2 parameter count, computed here independently of the layout table.
+"""
+import json
+
+import pytest
+
+from ringzero import accounting as acc
+from ringzero import estimate as est
+from ringzero.flat import Layout
+from ringzero.nn.gpt import PRESETS, GPTConfig, gpt_units
+
+GB = 1e9
+PSI_75B = 7_500_000_000
+
+
+def gpt2_closed_form(cfg):
+    """GPT-2 parameter count, tied head: 12Lh² + 13Lh + (V + T)h + 2h."""
+    L, h = cfg.n_layer, cfg.n_embd
+    return 12 * L * h * h + 13 * L * h + (cfg.vocab + cfg.block_size) * h + 2 * h
+
+
+# ---- the seed's table -----------------------------------------------------------
+@pytest.mark.parametrize("stage,seed", [("0", "120"), ("1", "31.4"), ("2", "16.6"), ("3", "1.88")])
+def test_seed_stage_table(stage, seed):
+    psi = acc.parse_count("7.5B")
+    assert psi == PSI_75B
+    got = acc.model_state_total(stage, psi, 64)
+    # the formula written out here, separately from accounting.py's class table
+    ref = {"0": 16 * psi, "1": 4 * psi + 12 * psi / 64, "2": 2 * psi + 14 * psi / 64,
+           "3": 16 * psi / 64}[stage]
+    assert got == ref
+    assert est.sig3(got / GB) == seed
+
+
+def test_seed_table_through_cli(capsys):
+    est.main(["--params", "7.5B", "--nd", "64", "--json"])
+    r = json.loads(capsys.readouterr().out)
+    assert [est.sig3(s["GB"]) for s in r["stages"]] == ["120", "31.4", "16.6", "1.88"]
+    assert [s["formula"] for s in r["stages"]] == ["16Ψ", "4Ψ + 12Ψ/Nd", "2Ψ + 14Ψ/Nd", "16Ψ/Nd"]
+    s0 = r["stages"][0]["by_class"]
+    assert s0["params_fp16"] / GB == 15          # "fp16 weights of a 7.5B model fit in 15 GB"
+    assert s0["params_fp16"] / sum(s0.values()) == 0.125          # 12.5 %
+    opt = s0["master_fp32"] + s0["adam_m_fp32"] + s0["adam_v_fp32"]
+    assert opt / sum(s0.values()) == 0.75                         # 75 %
+    # traffic: 2Ψ for stages 0-2 and 3Ψ for stage 3, each x (Nd-1)/Nd for the ring
+    el = [s["traffic_elements"] for s in r["stages"]]
+    assert el == [2 * PSI_75B * 63 / 64] * 3 + [3 * PSI_75B * 63 / 64]
+
+
+def test_text_report_prints_seed_figures(capsys):
+    est.main(["--params", "7.5B", "--nd", "64"])
+    out = capsys.readouterr().out
+    for fig in (" 120 ", " 31.4 ", " 16.6 ", " 1.88 "):
+        assert fig in out
+
+
+def test_reduction_limits():
+    """Stage 1 -> 4x and stage 2 -> 8x less than stage 0 as Nd grows (the seed's claim)."""
+    big = 2 ** 40
+    assert round(acc.bytes_per_param("0", big) / acc.bytes_per_param("1", big), 6) == 4
+    assert round(acc.bytes_per_param("0", big) / acc.bytes_per_param("2", big), 6) == 8
+
+
+# ---- GPT-2 1.5B figures ------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_psi_matches_closed_form(name):
+    assert est.gpt_psi(PRESETS[name]) == gpt2_closed_form(PRESETS[name])
+
+
+def test_gpt2_xl_seed_figures():
+    psi = est.gpt_psi(PRESETS["gpt2-xl"])
+    assert round(psi / 1e9, 1) == 1.6 and round(psi / 1e9) == 2   # "1.5B" is a name, not a count
+    exact = acc.parse_count("1.5B")
+    assert acc.model_state_bytes("0", exact, 1)["params_fp16"] / GB == 3      # ~3 GB fp16 weights
+    assert acc.model_state_total("0", exact, 1) / GB == 24                    # 24 GB model state
+    assert acc.model_state_total("0", psi, 1) / GB >= 24
+    r = est.estimate(exact, 1)
+    assert r["buffers"]["fp32_flat_allreduce_bytes"] / GB == 6                # 6 GB buffer
+
+
+def test_activations_seed():
+    cfg = PRESETS["gpt2-xl"]
+    a = est.activations(cfg, 32, 1024)
+    b, s, h, L = 32, 1024, cfg.n_embd, cfg.n_layer
+    assert a["zero_paper"] == 2 * 12 * h * b * s * L
+    assert round(a["zero_paper"] / GB, -1) == 60                               # "about 60 GB"
+    # the seed's ~8 GB lies between the layer-input checkpoints alone and
+    # checkpoints + one recomputed layer + logits, as the tool says
+    assert 2 * b * s * h * L < 8 * GB < a["zero_ckpt"] + a["logits"]
+    assert a["korthikanti"] > a["zero_paper"]   # counts the attention scores ZeRO leaves out
+
+
+def test_fit_gpt2_xl_plain_dp_does_not_fit_32gb():
+    cfg = PRESETS["gpt2-xl"]
+    psi = est.gpt_psi(cfg)
+    r = est.estimate(psi, 1, cfg=cfg, batch=32, seq=1024, gpu_mem=acc.parse_bytes("32GB"))
+    f0 = r["fit"]["stages"][0]
+    assert f0["stage"] == "0" and not f0["no_ckpt"]["fits"] and not f0["ckpt"]["fits"]
+    assert f0["no_ckpt"]["smallest_group"] is None      # stage 0 never divides its state
+
+
+@pytest.mark.parametrize("stage", ["1", "2", "3", "hybrid"])
+def test_smallest_group_brute_force(stage):
+    psi, budget, extra = 10**9, 5 * 10**9, 10**9
+    got = est.smallest_group(stage, psi, budget, extra)
+    brute = next((n for n in range(1, 10**4)
+                  if acc.model_state_total(stage, psi, n, n if stage == "hybrid" else None)
+                  + extra <= budget), None)
+    assert got == brute
+
+
+# ---- accounting ----------------------------------------------------------------------
+def test_padded_psi_matches_layout_shards():
+    """With the padded Ψ, the sharded classes are exactly one Layout shard per rank."""
+    units = gpt_units(GPTConfig(n_layer=2, n_head=2, n_embd=48, block_size=16, vocab=77))
+    for nd in (1, 2, 3, 4, 8):
+        lay = Layout(units, nd)
+        b = acc.model_state_bytes("3", lay.padded, nd)
+        assert b == {c: acc.CLASS_BYTES[c] * lay.shard_numel for c in acc.CLASSES}
+        b1 = acc.model_state_bytes("1", lay.padded, nd)
+        assert b1["params_fp16"] == 2 * lay.padded and b1["master_fp32"] == 4 * lay.shard_numel
+        assert all(isinstance(v, int) for v in b.values())
+
+
+def test_hybrid_limits():
+    """Ng = Nd is stage 3; Ng = 1 is plain data parallelism (an all-reduce of 2Ψ(n-1)/n)."""
+    psi, nd = 4096 * 24, 8
+    assert acc.model_state_bytes("hybrid", psi, nd, nd) == acc.model_state_bytes("3", psi, nd)
+    assert acc.traffic_elements("hybrid", psi, nd, nd) == {
+        **acc.traffic_elements("3", psi, nd), "all_reduce": 0}
+    assert acc.model_state_total("hybrid", psi, nd, 1) == 16 * psi
+    el = acc.traffic_elements("hybrid", psi, nd, 1)
+    assert el == {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 2 * psi * (nd - 1) / nd}
+    el = acc.traffic_elements("hybrid", psi, 8, 4)       # 2 nodes of 4
+    assert el["all_reduce"] == 2 * (psi / 4) * (2 - 1) / 2
+    assert acc.traffic_bytes("hybrid", psi, 8, 4)["all_gather"] == 2 * el["all_gather"]
+
+
+def test_stage_aliases_and_errors():
+    for alias, st in (("NO_SHARD", "0"), ("SHARD_GRAD_OP", "2"), ("FULL_SHARD", "3"),
+                      ("HYBRID_SHARD", "hybrid"), (0, "0"), (3, "3"), ("hybrid", "hybrid")):
+        assert acc.parse_stage(alias) == st
+    with pytest.raises(ValueError, match="FULL_SHARD"):
+        acc.parse_stage("4")
+    with pytest.raises(ValueError, match="nd % Ng"):
+        acc.model_state_bytes("hybrid", 100, 6, 4)
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        acc.traffic_elements("hybrid", 100, 4)
+    with pytest.raises(ValueError, match="nd must be"):
+        acc.model_state_bytes("2", 100, 0)
+
+
+def test_parse_quantities():
+    assert acc.parse_count("0.1B") == 10**8 and acc.parse_count("125M") == 125 * 10**6
+    assert acc.parse_bytes("32GB") == 32 * 10**9 and acc.parse_bytes("512MiB") == 512 * 2**20
+    for bad in ("7.5X", "", "B", "-1B"):
+        with pytest.raises(ValueError, match="expected a number"):
+            acc.parse_count(bad)
+    with pytest.raises(ValueError, match="whole number"):
+        acc.parse_count("1.5")
+
+
+@pytest.mark.parametrize("argv", [
+    ["--params", "7.5X"], ["--params", "1B", "--nd", "0"], ["--model", "gpt2", "--params", "1B"],
+    ["--params", "1B", "--batch", "4"], ["--model", "gpt2", "--batch", "1", "--seq", "4096"],
+    ["--params", "1B", "--nd", "6", "--ranks-per-node", "4"], ["--params", "1B", "--gpu-mem", "3XB"],
+    [], ["--n-layer", "2", "--n-embd", "100", "--n-head", "3"], ["--nd", "x", "--params", "1B"],
+])
+def test_cli_bad_input_exits_2_with_one_line(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        est.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("python -m ringzero.estimate: error:")
+
+
+def test_cli_full_report_runs(capsys):
+    est.main(["--model", "gpt2-xl", "--nd", "8", "--ranks-per-node", "4", "--batch", "32",
+              "--seq", "1024", "--gpu-mem", "32GB"])
+    out = capsys.readouterr().out
+    assert "HYBRID_SHARD" in out and "Fits in 32 GB" in out and "Korthikanti" in out

@@ -1,0 +1,144 @@
+"""``python -m ringzero.explain``: precision thresholds found by experiment, checked
+against fp16 facts numpy states independently (finfo.smallest_subnormal,
+np.spacing), and the traffic explainer on a hand-made metrics file."""
+import json
+
+import numpy as np
+import pytest
+
+from ringzero import accounting as acc
+from ringzero import explain as ex
+
+f16 = np.float16
+SUB = float(np.finfo(f16).smallest_subnormal)      # 2^-24
+
+
+def test_underflow_threshold_is_half_the_smallest_subnormal():
+    u = ex.underflow_threshold()
+    assert u["largest_zero"] == SUB / 2                 # 2^-25: a tie, rounds to even 0
+    assert u["rounds_to"] == SUB                        # just above it rounds up to 2^-24
+    assert u["threshold"] == float(np.nextafter(SUB / 2, 1.0))
+    assert u["tie_2^-25_to"] == 0.0
+    assert f16(u["threshold"]) != 0 and f16(u["largest_zero"]) == 0
+
+
+def test_swamp_ratio_at_one_is_2048():
+    s = ex.swamp_ratio(1.0)
+    assert s["ratio"] == 2 / float(np.spacing(f16(1)))     # 1 / (ulp/2) = 2048
+    assert s["ratio"] == 2048
+
+
+@pytest.mark.parametrize("w", [1.5, 1.25, 3.0, 100.0, 0.25, 1000.0, 0.125])
+def test_swamp_ratio_even_significand(w):
+    """An even-mantissa w swallows exactly Δw <= ulp(w)/2, so the ratio is w/(ulp/2)."""
+    s = ex.swamp_ratio(w)
+    assert not s["odd"]
+    assert s["ratio"] == w / (float(np.spacing(f16(w))) / 2)
+
+
+def test_swamp_ratio_across_binades():
+    rng = np.random.default_rng(0)
+    ws = rng.uniform(-2, 10, 40)            # log2 w: normal weights, Δw normal too
+    for w in 2.0 ** ws:
+        s = ex.swamp_ratio(w)
+        w16 = f16(s["w"])
+        lost = f16(s["largest_lost_dw"])
+        nxt = np.nextafter(lost, f16(np.inf))
+        assert w16 + lost == w16 and w16 + nxt != w16     # exactly the boundary
+        assert 2048 <= s["ratio"] <= 4096 * (1 + 2 ** -10)
+        assert abs(s["ratio"] / (2048 * s["significand"]) - 1) < 2 ** -9
+
+
+def test_toy_run_fp16_stalls_master_tracks():
+    t = ex.toy_run(n=256, steps=3000, lr=1e-4)
+    assert t["fp32_moved"] > 0.05
+    assert t["fp16_err"] > 0.9 * t["fp32_moved"]          # fp16 weights barely moved
+    assert t["master_err"] < 0.01 * t["fp32_moved"]        # master tracks the fp32 run
+    assert t["copy_within_half_ulp"]
+
+
+def test_loss_scaling_rescues_underflow():
+    ls = ex.loss_scaling(scale=2.0 ** 16, n=20000)
+    # independent count: gradients <= 2^-25 underflow; log-uniform over [-34, -14]
+    assert abs(ls["zero_plain"] - (34 - 25) / 20) < 0.02
+    assert ls["zero_scaled"] == 0
+    # scaled values reach 2^-18, fp16 subnormal spacing 2^-24: rel. error <= 2^-25 / 2^-18
+    assert ls["max_rel_err_scaled"] <= 2.0 ** -7
+
+
+def test_scaler_backs_off_and_skips():
+    pytest.importorskip("ringzero.optim")
+    tr = ex.scaler_trace(steps=12, overflow_at=(3,), grad_max=2.0)
+    # real overflows while 2 * scale > 65504 (fp16 max), then the injected one at step 3
+    fmax = float(np.finfo(f16).max)
+    for r in tr:
+        edge = fmax + (fmax - float(np.nextafter(f16(fmax), f16(0)))) / 2   # 65520 ties to Inf
+        expect_inf = 2.0 * r["scale"] >= edge or r["step"] == 3
+        assert r["found_inf"] == expect_inf
+        assert r["skipped"] == r["found_inf"]
+        assert r["master_changed"] == (not r["skipped"]) and r["master_finite"]
+        if r["found_inf"]:
+            assert r["next_scale"] == r["scale"] / 2
+    assert tr[3]["scale"] == 2.0 ** 14 and tr[4]["scale"] == 2.0 ** 13
+
+
+def test_precision_cli(capsys):
+    assert ex.main(["precision"]) == 0
+    out = capsys.readouterr().out
+    assert "2^-25" in out and "2048" in out and "Loss scaling" in out
+
+
+# ---- traffic ------------------------------------------------------------------------
+def _metrics(tmp_path, psi=1000, n=4, stage="2", measured=None):
+    mine = sum(acc.traffic_bytes(stage, psi, n).values())
+    lines = [{"step": i, "loss": 5.0 - i, "lr": 1e-3, "loss_scale": 65536.0, "grad_norm": 1.0,
+              "tokens_per_s": 1000.0, "step_time_s": 0.1, "bytes_sent": mine} for i in range(3)]
+    mem = {c: {"measured_bytes": v, "formula_bytes": v}
+           for c, v in acc.model_state_bytes(stage, psi, n).items()}
+    lines.append({"summary": True, "params": psi, "world_size": n, "stage": stage, "memory": mem,
+                  "traffic": {"measured_bytes_per_step": measured if measured is not None else mine,
+                              "formula_bytes_per_step": mine},
+                  "train_loss": 2.0, "eval_loss": 2.1, "unigram_entropy": 4.5})
+    p = tmp_path / "m.jsonl"
+    p.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return str(p), mine
+
+
+def test_traffic_with_metrics(tmp_path, capsys):
+    path, mine = _metrics(tmp_path, psi=1024, n=4, stage="2", measured=None)
+    assert mine == 2 * (2 * 1024 * 3 // 4)     # RS + AG of fp16, 2 B each
+    assert ex.main(["traffic", "--metrics", path]) == 0
+    out = capsys.readouterr().out
+    assert f"measured {mine:,} B" in out and "exact match" in out
+
+
+def test_traffic_metrics_difference_explained(tmp_path, capsys):
+    path, mine = _metrics(tmp_path, psi=1000, n=4, stage="3", measured=5000)
+    ex.main(["traffic", "--metrics", path])
+    out = capsys.readouterr().out
+    assert f"{5000 - mine:,} B" in out and "padding" in out
+
+
+def test_traffic_per_unit_sums_to_padded_total():
+    from ringzero.nn.gpt import GPTConfig, gpt_units
+    units = gpt_units(GPTConfig(n_layer=3, n_head=2, n_embd=40, block_size=8, vocab=50))
+    for row in ex.traffic_rows(10**6, 3, None, units):
+        if "per_unit" in row:
+            tot = {k: sum(u[3][k] for u in row["per_unit"]) for k in row["per_unit"][0][3]}
+            assert tot == acc.traffic_elements(row["stage"], row["padded_psi"], 3)
+
+
+@pytest.mark.parametrize("body", ["", "not json\n", '{"step": 1}\n', '{"summary": true}\n'])
+def test_traffic_bad_metrics_exit_2(tmp_path, body, capsys):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(body)
+    with pytest.raises(SystemExit) as e:
+        ex.main(["traffic", "--metrics", str(p)])
+    assert e.value.code == 2
+    assert "error:" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_traffic_missing_file_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        ex.main(["traffic", "--metrics", "/nonexistent/m.jsonl"])
+    assert e.value.code == 2
