@@ -1,0 +1,191 @@
+"""The one place that decides NumPy or CuPy, and how device buffers meet MPI.
+
+What it is
+    - ``get_array_module(*arrays)``: numpy or cupy for the arrays given; NumPy
+      mixed with CuPy is a TypeError (never a silent copy).
+    - ``xp_for(device)``: the module for ``"cpu"`` or ``"cuda"``.
+    - ``to_host`` / ``to_device``: copies, for I/O only (checkpoints, logs).
+    - ``select_device(comm)``: each rank takes GPU (node-local rank mod count).
+    - ``cuda_aware()``: can MPI take device pointers? A hint from the library
+      (``MPIX_Query_cuda_support`` / ``MPIX_GPU_query_support``), overridden by
+      ``RINGZERO_CUDA_AWARE=0|1``.
+    - ``Staging``: grow-only pinned host buffers through which device data
+      passes when MPI is not CUDA-aware, plus ``sync(x)``, which waits for the
+      CuPy stream before a device buffer is handed to MPI.
+
+What it is not
+    Any arithmetic or communication; collectives.py does that on whatever
+    module this file hands it. Without CuPy installed everything here works on
+    NumPy and asking for ``"cuda"`` is a one-line RuntimeError.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+
+_cupy = None
+_cupy_err = None
+
+
+def cupy_or_none():
+    """The cupy module if it imports and sees a GPU, else None (reason in cupy_missing_reason())."""
+    global _cupy, _cupy_err
+    if _cupy is None and _cupy_err is None:
+        try:
+            import cupy
+            n = cupy.cuda.runtime.getDeviceCount()
+            if n < 1:
+                raise RuntimeError("no CUDA device visible")
+            _cupy = cupy
+        except Exception as e:  # ImportError, CUDARuntimeError, ...
+            _cupy_err = f"{type(e).__name__}: {e}".splitlines()[0]
+    return _cupy
+
+
+def cupy_missing_reason() -> str:
+    cupy_or_none()
+    return _cupy_err or ""
+
+
+def _is_cupy(x) -> bool:
+    # No import of cupy just to ask: a CuPy array's type lives in module cupy.*.
+    return type(x).__module__.split(".")[0] == "cupy"
+
+
+def get_array_module(*arrays):
+    """numpy or cupy for these arrays; TypeError if they mix the two."""
+    kinds = {_is_cupy(a) for a in arrays if a is not None}
+    if len(kinds) > 1:
+        names = ", ".join(f"{type(a).__module__}.{type(a).__name__}" for a in arrays if a is not None)
+        raise TypeError(f"expected arrays all NumPy or all CuPy, got a mix ({names}); "
+                        "HINT: move data with ringzero.backend.to_device/to_host first")
+    if kinds == {True}:
+        import cupy
+        return cupy
+    return np
+
+
+def xp_for(device: str):
+    """Array module for device "cpu" or "cuda"."""
+    if device == "cpu":
+        return np
+    if device == "cuda":
+        cp = cupy_or_none()
+        if cp is None:
+            raise RuntimeError(f"device 'cuda' asked for, but CuPy is unusable: {cupy_missing_reason()}")
+        return cp
+    raise ValueError(f"expected device 'cpu' or 'cuda', got {device!r}")
+
+
+def to_host(x):
+    """A NumPy array with x's contents (x itself if it is already NumPy). I/O only."""
+    return x.get() if _is_cupy(x) else x
+
+
+def to_device(x, device: str):
+    """x on `device` ("cpu" or "cuda"); a copy only when it has to move. I/O only."""
+    xp = xp_for(device)
+    if xp is np:
+        return to_host(x)
+    return x if _is_cupy(x) else xp.asarray(x)
+
+
+def select_device(comm):
+    """Make this rank use GPU (node-local rank mod device count); return its index.
+
+    Node-local rank comes from splitting ``comm`` by shared memory, so ranks on
+    one node spread over its GPUs and several ranks share a GPU when there are
+    more ranks than GPUs. Returns None (and changes nothing) without CuPy.
+    """
+    from mpi4py import MPI
+    cp = cupy_or_none()
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    try:
+        lrank = local.rank
+    finally:
+        local.Free()
+    if cp is None:
+        return None
+    dev = lrank % cp.cuda.runtime.getDeviceCount()
+    cp.cuda.Device(dev).use()
+    return dev
+
+
+def _library_cuda_hint():
+    """True/False if the loaded MPI library answers the question, else None."""
+    path = None
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                p = line.split()[-1]
+                if "/libmpi" in p and ".so" in p:
+                    path = p
+                    break
+    except OSError:
+        return None
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError:
+        return None
+    if hasattr(lib, "MPIX_Query_cuda_support"):  # Open MPI, mpi-ext.h
+        return bool(lib.MPIX_Query_cuda_support())
+    if hasattr(lib, "MPIX_GPU_query_support"):  # MPICH: (kind=CUDA 0, int*)
+        flag = ctypes.c_int(0)
+        if lib.MPIX_GPU_query_support(0, ctypes.byref(flag)) == 0:
+            return bool(flag.value)
+    return None
+
+
+def cuda_aware() -> bool:
+    """Whether to hand device buffers straight to MPI.
+
+    ``RINGZERO_CUDA_AWARE=1|0`` decides when set. Otherwise the library's own
+    answer is taken as a hint; an MPI that cannot say is assumed not CUDA-aware,
+    which is always safe (data is staged through pinned host memory).
+    """
+    env = os.environ.get("RINGZERO_CUDA_AWARE")
+    if env is not None:
+        if env not in ("0", "1"):
+            raise ValueError(f"expected RINGZERO_CUDA_AWARE=0 or 1, got {env!r}")
+        return env == "1"
+    return bool(_library_cuda_hint())
+
+
+def sync(x) -> None:
+    """Wait for the current CuPy stream if x lives on a GPU (no-op for NumPy)."""
+    if _is_cupy(x):
+        import cupy
+        cupy.cuda.get_current_stream().synchronize()
+
+
+class Staging:
+    """Grow-only host buffers, pinned when CuPy is there, one per slot name.
+
+    ``host(slot, nbytes)`` returns a uint8 NumPy view of ``nbytes`` bytes of the
+    slot's buffer, reallocating only when a call needs more than any before it
+    (``growths`` counts reallocations, so tests can prove steady state is
+    allocation-free).
+    """
+
+    def __init__(self):
+        self._bufs = {}     # slot -> (owner, np.uint8 array)
+        self.growths = 0
+
+    def host(self, slot: str, nbytes: int) -> np.ndarray:
+        have = self._bufs.get(slot)
+        if have is None or have[1].nbytes < nbytes:
+            cap = max(nbytes, 2 * (have[1].nbytes if have else 0), 4096)
+            cp = cupy_or_none()
+            if cp is not None:
+                mem = cp.cuda.alloc_pinned_memory(cap)  # page-locked: fast DMA, no bounce copy
+                arr = np.frombuffer(mem, np.uint8, cap)
+                self._bufs[slot] = (mem, arr)
+            else:
+                arr = np.empty(cap, np.uint8)
+                self._bufs[slot] = (arr, arr)
+            self.growths += 1
+        return self._bufs[slot][1][:nbytes]
