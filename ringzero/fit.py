@@ -1,0 +1,240 @@
+"""``python -m ringzero.fit BENCH.json``: an α–β model of the ring, fitted to this machine.
+
+What it is
+    The textbook cost of a ring collective over n ranks on a buffer of S bytes:
+
+        T = steps · α + wire · β
+        all-reduce      steps 2(n-1)   wire 2(n-1)/n · S
+        reduce-scatter  steps  (n-1)   wire  (n-1)/n · S
+        all-gather      steps  (n-1)   wire  (n-1)/n · S
+
+    α is the latency of one step (one send/recv pair and its Python overhead),
+    β the seconds per byte a rank puts on the wire (the local add is folded in).
+    For buffers of at most ``small_bytes`` at a power-of-two n, ringzero's Ring
+    switches to recursive halving/doubling (log2 n steps; an all-reduce then
+    sends S·log2 n bytes), and the model counts those steps instead.
+
+    The fit minimises the relative error (each row weighted by 1/T), so a
+    4 KiB point counts as much as a 64 MiB one, on every other size of each
+    (op, n) series; the other half is held out and the error on it is printed.
+    Then it predicts ring all-reduce time and per-step communication time of
+    each ZeRO stage for Nd up to 1024 and Ψ up to 100B: an honest statement
+    about scale this machine cannot run, valid as far as α and β stay what
+    they are here (they will not on a real network: refit there).
+
+What it is not
+    A benchmark: it reads the JSON that ``python -m ringzero.bench`` writes
+    (a list of rows, or {"rows": [...]}, with op, impl, n, bytes, time_us, ...).
+    Sizes follow nccl-tests: ``bytes`` is the whole buffer S (the all-gather's
+    output, the reduce-scatter's input).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import numpy as np
+
+from ringzero import accounting as acc
+
+SMALL_BYTES = 64 * 1024   # ringzero.collectives.SMALL_BYTES (not imported: that starts MPI)
+OPS = {"allreduce": "all_reduce", "reducescatter": "reduce_scatter", "allgather": "all_gather"}
+TOLERANCE = 0.5           # held-out |relative error|, median must be below this (see README)
+
+
+def norm_op(op: str) -> str | None:
+    return OPS.get(str(op).lower().replace("_", "").replace("-", ""))
+
+
+def steps_wire(op: str, n: int, S: float, small_bytes: int = SMALL_BYTES) -> tuple:
+    """(steps, bytes sent per rank) of ringzero's schedule for one call."""
+    if n < 2:
+        return 0, 0.0
+    if n & (n - 1) == 0 and S <= small_bytes:            # latency schedule
+        lg = int(math.log2(n))
+        return lg, (S * lg if op == "all_reduce" else S * (n - 1) / n)
+    k = 2 if op == "all_reduce" else 1
+    return k * (n - 1), k * S * (n - 1) / n
+
+
+def load_rows(path: str) -> list:
+    """Bench rows from a JSON file (a list, or {"rows": [...]}); one-line errors."""
+    try:
+        with open(path) as fh:
+            d = json.load(fh)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
+    rows = d.get("rows") if isinstance(d, dict) else d
+    if not isinstance(rows, list):
+        raise ValueError(f"{path}: expected a JSON list of rows or {{\"rows\": [...]}}, "
+                         f"got {type(d).__name__}")
+    for i, r in enumerate(rows):
+        miss = [k for k in ("op", "impl", "n", "bytes", "time_us") if k not in r]
+        if miss:
+            raise ValueError(f"{path}: row {i} lacks {miss}; has {sorted(r)}")
+    return rows
+
+
+def select(rows, op="all_reduce", impl="ring") -> list:
+    """Rows of one op and impl with n >= 2, positive time, and not flagged wrong."""
+    return [r for r in rows if norm_op(r["op"]) == op and r["impl"] == impl
+            and int(r["n"]) >= 2 and float(r["time_us"]) > 0 and not r.get("wrong")]
+
+
+def split_alternate(rows) -> tuple:
+    """(fit, held_out): within each (op, n) series sorted by size, every other row held out."""
+    series = {}
+    for r in rows:
+        series.setdefault((norm_op(r["op"]), int(r["n"])), []).append(r)
+    fit, held = [], []
+    for k in sorted(series):
+        for i, r in enumerate(sorted(series[k], key=lambda r: float(r["bytes"]))):
+            (held if i % 2 else fit).append(r)
+    return fit, held
+
+
+def fit_alpha_beta(rows, small_bytes: int = SMALL_BYTES) -> dict:
+    """Least squares on relative error; α, β >= 0. Returns {"alpha_s", "beta_s_per_byte", ...}."""
+    if len(rows) < 2:
+        raise ValueError(f"need >= 2 bench rows to fit alpha and beta, got {len(rows)}")
+    X = np.array([steps_wire(norm_op(r["op"]), int(r["n"]), float(r["bytes"]), small_bytes)
+                  for r in rows], np.float64)                 # (m, 2) steps, wire bytes
+    t = np.array([float(r["time_us"]) * 1e-6 for r in rows])  # (m,) seconds
+    A, b = X / t[:, None], np.ones_like(t)                    # relative residuals
+    sol = np.linalg.lstsq(A, b, rcond=None)[0]
+    if (sol < 0).any():                                       # clamp: best single-term fit
+        cands = []
+        for j in (0, 1):
+            c = np.zeros(2)
+            c[j] = max(0.0, (A[:, j] @ b) / max(A[:, j] @ A[:, j], 1e-300))
+            cands.append((np.sum((A @ c - b) ** 2), c))
+        sol = min(cands, key=lambda x: x[0])[1]
+    alpha, beta = float(sol[0]), float(sol[1])
+    return {"alpha_s": alpha, "beta_s_per_byte": beta,
+            "bandwidth_GBps": (1 / beta / 1e9) if beta > 0 else math.inf, "rows": len(rows)}
+
+
+def predict(model: dict, op: str, n: int, S: float, small_bytes: int = SMALL_BYTES) -> float:
+    """Seconds for one call of ``op`` over n ranks on S bytes."""
+    st, w = steps_wire(op, n, S, small_bytes)
+    return st * model["alpha_s"] + w * model["beta_s_per_byte"]
+
+
+def errors(model: dict, rows, small_bytes: int = SMALL_BYTES) -> list:
+    """[(row, predicted_us, relative error)] for rows."""
+    out = []
+    for r in rows:
+        p = predict(model, norm_op(r["op"]), int(r["n"]), float(r["bytes"]), small_bytes) * 1e6
+        out.append((r, p, (p - float(r["time_us"])) / float(r["time_us"])))
+    return out
+
+
+def step_time(model: dict, stage, psi: int, nd: int, units: int = 1, ranks_per_node=None,
+              elem_bytes: int = 2) -> float:
+    """Predicted communication seconds per training step, without overlap.
+
+    Every unit pays its collectives' latency steps; the wire bytes are the
+    stage's traffic from ringzero.accounting. Large units: ring schedule.
+    """
+    st = acc.parse_stage(stage)
+    el = acc.traffic_elements(st, psi, nd, ranks_per_node)
+    group = ranks_per_node if st == "hybrid" else nd
+    passes = {"0": 2, "1": 2, "2": 2, "3": 3, "hybrid": 3}[st]   # RS/AG passes per unit
+    steps = units * passes * (group - 1)
+    if st == "hybrid":
+        steps += units * 2 * (nd // group - 1)
+    wire = sum(el.values()) * elem_bytes
+    return steps * model["alpha_s"] + wire * model["beta_s_per_byte"]
+
+
+def report(rows, impl="ring", op="all_reduce", small_bytes=SMALL_BYTES, units=1,
+           tolerance=TOLERANCE) -> dict:
+    sel = select(rows, op, impl)
+    fit_rows, held = split_alternate(sel)
+    if not held:
+        raise ValueError(f"need >= 2 sizes per (op, n) to hold some out; got {len(sel)} "
+                         f"{op} rows of impl {impl!r}")
+    m = fit_alpha_beta(fit_rows, small_bytes)
+    ev = errors(m, held, small_bytes)
+    rel = np.abs([e[2] for e in ev])
+    full = fit_alpha_beta(sel, small_bytes)           # all points, for the predictions
+    pred_ar = {f"{n}": {f"{psi / 1e9:g}B": predict(full, "all_reduce", n, 2 * psi, small_bytes)
+                        for psi in (1.5e9, 7.5e9, 100e9)} for n in (2, 8, 64, 256, 1024)}
+    pred_step = {st: {f"{n}": {f"{psi / 1e9:g}B": step_time(full, st, int(psi), n, units)
+                               for psi in (1.5e9, 7.5e9, 100e9)} for n in (8, 64, 1024)}
+                 for st in ("0", "2", "3")}
+    return {"op": op, "impl": impl, "fit_on_half": m, "fit_on_all": full,
+            "held_out": [{"n": int(r["n"]), "bytes": int(r["bytes"]), "measured_us": float(r["time_us"]),
+                          "predicted_us": p, "rel_err": e} for r, p, e in ev],
+            "median_abs_rel_err": float(np.median(rel)), "max_abs_rel_err": float(rel.max()),
+            "tolerance": tolerance, "within_tolerance": bool(np.median(rel) <= tolerance),
+            "predict_allreduce_fp16_grads_s": pred_ar, "predict_step_comm_s": pred_step,
+            "units": units}
+
+
+def _t(s: float) -> str:
+    return f"{s * 1e6:.0f} us" if s < 1e-3 else f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def print_report(r: dict, f=None):
+    p = lambda *a: print(*a, file=f or sys.stdout)  # noqa: E731
+    m, a = r["fit_on_half"], r["fit_on_all"]
+    p(f"α–β fit of {r['impl']} {r['op']}: T = steps·α + wire_bytes·β, relative least squares")
+    p(f"  on every other size: α = {m['alpha_s'] * 1e6:.2f} us, β = {m['beta_s_per_byte'] * 1e9:.4f} ns/B "
+      f"({m['bandwidth_GBps']:.2f} GB/s), {m['rows']} rows")
+    p(f"  on all rows:         α = {a['alpha_s'] * 1e6:.2f} us, β = {a['beta_s_per_byte'] * 1e9:.4f} ns/B "
+      f"({a['bandwidth_GBps']:.2f} GB/s), {a['rows']} rows (used for the predictions)")
+    p(f"\nHeld-out points (not used by the first fit):")
+    p(f"  {'n':>3} {'bytes':>12} {'measured':>12} {'predicted':>12} {'error':>8}")
+    for h in r["held_out"]:
+        p(f"  {h['n']:>3} {h['bytes']:>12,} {_t(h['measured_us'] * 1e-6):>12} "
+          f"{_t(h['predicted_us'] * 1e-6):>12} {100 * h['rel_err']:>+7.1f}%")
+    p(f"  median |error| {100 * r['median_abs_rel_err']:.1f} %, max {100 * r['max_abs_rel_err']:.1f} %; "
+      f"tolerance: median <= {100 * r['tolerance']:.0f} % -> "
+      f"{'within' if r['within_tolerance'] else 'OUTSIDE'}")
+    p("\nPredicted ring all-reduce of the fp16 gradients (2Ψ bytes), this machine's α and β:")
+    cols = list(next(iter(r["predict_allreduce_fp16_grads_s"].values())))
+    p("  " + f"{'Nd':>6}" + "".join(f"{'Ψ=' + c:>12}" for c in cols))
+    for n, row in r["predict_allreduce_fp16_grads_s"].items():
+        p("  " + f"{n:>6}" + "".join(f"{_t(v):>12}" for v in row.values()))
+    p(f"\nPredicted communication per step, no overlap, {r['units']} unit(s) "
+      f"(stage 0-2: RS + AG of Ψ; stage 3: RS + 2 AG):")
+    p("  " + f"{'stage':>6}{'Nd':>6}" + "".join(f"{'Ψ=' + c:>12}" for c in cols))
+    for st, by_n in r["predict_step_comm_s"].items():
+        for n, row in by_n.items():
+            p("  " + f"{st:>6}{n:>6}" + "".join(f"{_t(v):>12}" for v in row.values()))
+    p("  the wire term grows as (Nd-1)/Nd -> flat in Nd; the latency term grows as Nd·units: at "
+      "Nd = 1024 with many small units, latency dominates")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(
+        prog="python -m ringzero.fit",
+        description="Fit latency α and inverse bandwidth β of ringzero's ring to a bench JSON, print the "
+                    "error on held-out bench points, and predict ring all-reduce time and per-step "
+                    "communication time of each stage for Nd up to 1024 and Ψ up to 100B.")
+    ap.add_argument("bench", help="JSON written by python -m ringzero.bench")
+    ap.add_argument("--op", default="all_reduce", choices=sorted(OPS.values()))
+    ap.add_argument("--impl", default="ring", help="rows of this impl (ring or mpi)")
+    ap.add_argument("--small-bytes", type=int, default=SMALL_BYTES,
+                    help="the Ring's latency-schedule cutoff (RINGZERO_SMALL_BYTES)")
+    ap.add_argument("--units", type=int, default=1, help="units per model, for per-step latency")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        if a.units < 1:
+            raise ValueError(f"--units must be >= 1, got {a.units}")
+        r = report(load_rows(a.bench), a.impl, a.op, a.small_bytes, a.units)
+    except (ValueError, OSError) as e:
+        ap.error(str(e))
+    if a.json:
+        print(json.dumps(r, indent=1))
+    else:
+        print_report(r)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
