@@ -97,11 +97,14 @@ class GPT:
         self.embed = Embedding(pl, "embed")
         self.blocks = []
         for i in range(cfg.n_layer):
-            t = "block" if self.checkpoint else f"block{i}"   # checkpointed blocks share workspaces
+            t = "block" if self.checkpoint else f"block{i}"   # checkpointed blocks share activations
+            w = "block"                                       # workspaces are always shared
             self.blocks.append(dict(
-                ln1=LayerNorm(pl, t + ".ln1"), attn=CausalSelfAttention(cfg.n_head, pl, t + ".attn"),
-                res=Residual(pl, t + ".res"), ln2=LayerNorm(pl, t + ".ln2"),
-                fc=Linear(pl, t + ".fc"), gelu=GELU(pl, t + ".gelu"), fc2=Linear(pl, t + ".fc2")))
+                ln1=LayerNorm(pl, t + ".ln1", w + ".ln1"),
+                attn=CausalSelfAttention(cfg.n_head, pl, t + ".attn", w + ".attn"),
+                res=Residual(pl, t + ".res", w + ".res"), ln2=LayerNorm(pl, t + ".ln2", w + ".ln2"),
+                fc=Linear(pl, t + ".fc", w + ".fc"), gelu=GELU(pl, t + ".gelu", w + ".gelu"),
+                fc2=Linear(pl, t + ".fc2", w + ".fc2")))
         self.lnf = LayerNorm(pl, "lnf")
         self.head = Unembed(pl, "head")
         self.ce = SoftmaxCrossEntropy(pl, "ce")

@@ -112,14 +112,23 @@ def cache_nbytes(cache) -> int:
 
 
 class Layer:
-    """Common plumbing: a pool and a tag that names this layer's buffers."""
+    """Common plumbing: a pool, and the tags that name this layer's buffers.
 
-    def __init__(self, pool: Pool | None = None, tag: str = ""):
+    ``tag`` names buffers a cache refers to (activations). ``btag`` names
+    workspaces that live only inside one call (all backward buffers, forward
+    scratch), so layers at the same place in different blocks may share them.
+    """
+
+    def __init__(self, pool: Pool | None = None, tag: str = "", btag: str | None = None):
         self.pool = pool if pool is not None else Pool(reuse=False)
         self.tag = tag
+        self.btag = tag if btag is None else btag
 
     def buf(self, name, shape, dtype, xp):
         return self.pool.get((self.tag, name), shape, dtype, xp)
+
+    def bbuf(self, name, shape, dtype, xp):
+        return self.pool.get((self.btag, name), shape, dtype, xp)
 
 
 class Embedding(Layer):
@@ -137,10 +146,15 @@ class Embedding(Layer):
             raise ValueError(f"sequence length T={T} exceeds block_size={wpe.shape[0]}")
         if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= V):
             raise ValueError(f"token ids must lie in [0, {V}), got range [{int(idx.min())}, {int(idx.max())}]")
+        ids = self.buf("idx", (B * T,), np.intp, xp)            # own copy: the caller may reuse idx
+        xp.copyto(ids, idx.reshape(-1), casting="unsafe")
         y = self.buf("y", (B, T, C), wte.dtype, xp)             # (B, T, C)
-        xp.take(wte, idx.reshape(-1), axis=0, out=y.reshape(B * T, C))
+        if xp is np:   # range checked above; mode="raise" would buffer the whole output
+            np.take(wte, ids, axis=0, out=y.reshape(B * T, C), mode="clip")
+        else:
+            xp.take(wte, ids, axis=0, out=y.reshape(B * T, C))
         y += wpe[:T]
-        return y, (p, idx)
+        return y, (p, ids)
 
     def backward(self, dy, cache, g):                           # dy (B, T, C)
         p, idx = cache
@@ -148,10 +162,10 @@ class Embedding(Layer):
         B, T, C = dy.shape
         g["wpe"][:T] += dy.sum(axis=0, dtype=acc_dtype(dy.dtype))
         if xp is np:
-            np.add.at(g["wte"], idx.reshape(-1), dy.reshape(B * T, C))
+            np.add.at(g["wte"], idx, dy.reshape(B * T, C))
         else:
             import cupyx
-            cupyx.scatter_add(g["wte"], idx.reshape(-1), dy.reshape(B * T, C))
+            cupyx.scatter_add(g["wte"], idx, dy.reshape(B * T, C))
         return None
 
 
@@ -177,11 +191,11 @@ class Linear(Layer):
         xp = array_module(dy)
         n_in, n_out = w.shape
         x2, dy2 = x.reshape(-1, n_in), dy.reshape(-1, n_out)    # (N, in), (N, out)
-        dw = self.buf("dw", w.shape, w.dtype, xp)
+        dw = self.bbuf("dw", w.shape, w.dtype, xp)
         xp.matmul(x2.T, dy2, out=dw)
         g["w"] += dw
         g["b"] += dy2.sum(axis=0, dtype=acc_dtype(dy.dtype))
-        dx = self.buf("dx", x.shape, x.dtype, xp)
+        dx = self.bbuf("dx", x.shape, x.dtype, xp)
         xp.matmul(dy2, w.T, out=dx.reshape(-1, n_in))
         return dx
 
@@ -205,10 +219,10 @@ class Unembed(Layer):
         xp = array_module(dy)
         V, C = w.shape
         x2, dy2 = x.reshape(-1, C), dy.reshape(-1, V)
-        dw = self.buf("dw", w.shape, w.dtype, xp)
+        dw = self.bbuf("dw", w.shape, w.dtype, xp)
         xp.matmul(dy2.T, x2, out=dw)                            # (V, C)
         g["w"] += dw
-        dx = self.buf("dx", x.shape, x.dtype, xp)
+        dx = self.bbuf("dx", x.shape, x.dtype, xp)
         xp.matmul(dy2, w, out=dx.reshape(-1, C))
         return dx
 
@@ -228,7 +242,7 @@ class LayerNorm(Layer):
         mean = x2.mean(axis=1, dtype=ad, keepdims=True)         # (N, 1) fp32 statistics
         xhat = self.buf("xhat", x2.shape, x.dtype, xp)
         xp.subtract(x2, mean, out=xhat, casting="unsafe")
-        sq = self.buf("sq", x2.shape, x.dtype, xp)
+        sq = self.bbuf("sq", x2.shape, x.dtype, xp)
         xp.multiply(xhat, xhat, out=sq)
         var = sq.mean(axis=1, dtype=ad, keepdims=True)
         rstd = 1.0 / xp.sqrt(var + LN_EPS)                      # (N, 1)
@@ -247,10 +261,10 @@ class LayerNorm(Layer):
         dy2 = dy.reshape(-1, C)
         ad = acc_dtype(dy.dtype)
         g["b"] += dy2.sum(axis=0, dtype=ad)
-        t = self.buf("t", dy2.shape, dy.dtype, xp)
+        t = self.bbuf("t", dy2.shape, dy.dtype, xp)
         xp.multiply(dy2, xhat, out=t)
         g["w"] += t.sum(axis=0, dtype=ad)
-        dxhat = self.buf("dx", dy.shape, dy.dtype, xp)
+        dxhat = self.bbuf("dx", dy.shape, dy.dtype, xp)
         d2 = dxhat.reshape(-1, C)
         xp.multiply(dy2, w, out=d2)                             # dxhat = dy * w
         m1 = d2.mean(axis=1, dtype=ad, keepdims=True)           # mean(dxhat)
@@ -269,7 +283,7 @@ class GELU(Layer):
 
     def forward(self, p, x):
         xp = array_module(x)
-        t = self.buf("t", x.shape, x.dtype, xp)                 # tanh(...), kept for backward
+        t = self.buf("t", x.shape, x.dtype, xp)                  # tanh(...), kept for backward
         xp.multiply(x, x, out=t)
         t *= GELU_A
         t += 1.0
@@ -286,8 +300,8 @@ class GELU(Layer):
         x, t = cache
         xp = array_module(dy)
         # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3a x^2)
-        d = self.buf("dx", x.shape, x.dtype, xp)
-        s = self.buf("s", x.shape, x.dtype, xp)
+        d = self.bbuf("dx", x.shape, x.dtype, xp)
+        s = self.bbuf("s", x.shape, x.dtype, xp)
         xp.multiply(x, x, out=d)
         d *= 3.0 * GELU_A * GELU_K
         d += GELU_K
@@ -326,11 +340,11 @@ class CausalSelfAttention(Layer):
     per-head Python loop and no transposing copies.
     """
 
-    def __init__(self, n_head: int, pool: Pool | None = None, tag: str = ""):
-        super().__init__(pool, tag)
+    def __init__(self, n_head: int, pool: Pool | None = None, tag: str = "", btag: str | None = None):
+        super().__init__(pool, tag, btag)
         self.n_head = n_head
-        self.qkv = Linear(self.pool, tag + ".qkv")
-        self.proj = Linear(self.pool, tag + ".proj")
+        self.qkv = Linear(self.pool, tag + ".qkv", self.btag + ".qkv")
+        self.proj = Linear(self.pool, tag + ".proj", self.btag + ".proj")
         self._masks = {}
 
     def _split(self, qkv, B, T, C):
@@ -375,13 +389,13 @@ class CausalSelfAttention(Layer):
                                  {"w": g["proj.w"], "b": g["proj.b"]})            # (B, T, C)
         dyh4 = dyh.reshape(B, T, H, D).transpose(0, 2, 1, 3)    # (B, H, T, D)
         q, k, v = self._split(qkv, B, T, C)
-        dqkv = self.buf("dqkv", (B, T, 3 * C), dy.dtype, xp)
+        dqkv = self.bbuf("dqkv", (B, T, 3 * C), dy.dtype, xp)
         dq, dk, dv = self._split(dqkv, B, T, C)
         xp.matmul(att.transpose(0, 1, 3, 2), dyh4, out=dv)      # dv = att^T dY
-        datt = self.buf("datt", att.shape, dy.dtype, xp)
+        datt = self.bbuf("datt", att.shape, dy.dtype, xp)
         xp.matmul(dyh4, v.transpose(0, 1, 3, 2), out=datt)     # datt = dY v^T
         # softmax backward: ds = att * (datt - sum(datt * att)), then the 1/sqrt(D) scale
-        prod = self.buf("prod", att.shape, dy.dtype, xp)
+        prod = self.bbuf("prod", att.shape, dy.dtype, xp)
         xp.multiply(datt, att, out=prod)
         datt -= prod.sum(axis=-1, dtype=acc_dtype(dy.dtype), keepdims=True).astype(dy.dtype)
         datt *= att

@@ -1,0 +1,209 @@
+"""Every layer's hand-written backward against float64 central finite differences.
+
+The reference is independent of the code under test: it only calls forward
+(a scalar probe sum(y * R) for a fixed random R) at perturbed inputs. Shapes
+are tiny so every coordinate is checked.
+"""
+import numpy as np
+import pytest
+
+from ringzero.nn import layers as Lr
+
+EPS = 1e-6
+TOL = 1e-6
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    den = max(np.linalg.norm(a), np.linalg.norm(b), 1e-30)
+    return np.linalg.norm(a - b) / den
+
+
+def fd_grad(f, arr):
+    """Central differences of scalar f() w.r.t. every element of arr (in place)."""
+    g = np.zeros(arr.shape, np.float64)
+    flat, gf = arr.reshape(-1), g.reshape(-1)
+    for i in range(flat.size):
+        old = flat[i]
+        flat[i] = old + EPS
+        fp = f()
+        flat[i] = old - EPS
+        fm = f()
+        flat[i] = old
+        gf[i] = (fp - fm) / (2 * EPS)
+    return g
+
+
+def check_layer(layer, p, x, rng, x_is_input=True, extra=None):
+    """Analytic (backward) vs numeric gradients of sum(forward(p, x) * R)."""
+    y, cache = layer.forward(p, x)
+    R = rng.standard_normal(np.shape(y))
+    g = {k: np.zeros_like(v) for k, v in p.items()}
+    dx = layer.backward(R.copy(), cache, g)
+
+    def f():
+        yy, _ = layer.forward(p, x)
+        return float(np.sum(yy * R))
+
+    errs = {}
+    for k, v in p.items():
+        errs[k] = rel_err(g[k], fd_grad(f, v))
+    if x_is_input:
+        errs["x"] = rel_err(dx, fd_grad(f, x))
+    bad = {k: e for k, e in errs.items() if not e <= TOL}
+    assert not bad, f"{type(layer).__name__}: relative errors above {TOL}: {bad}"
+    return errs
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(7)
+
+
+def test_linear(rng):
+    p = {"w": rng.standard_normal((5, 4)), "b": rng.standard_normal(4)}
+    check_layer(Lr.Linear(), p, rng.standard_normal((2, 3, 5)), rng)
+
+
+def test_linear_adds_into_grads(rng):
+    """Backward ADDS: a pre-filled gradient view keeps its old contents plus the new term."""
+    lay = Lr.Linear()
+    p = {"w": rng.standard_normal((3, 2)), "b": rng.standard_normal(2)}
+    x, dy = rng.standard_normal((4, 3)), rng.standard_normal((4, 2))
+    _, c = lay.forward(p, x)
+    g0 = {"w": rng.standard_normal((3, 2)), "b": rng.standard_normal(2)}
+    g = {k: v.copy() for k, v in g0.items()}
+    lay.backward(dy, c, g)
+    np.testing.assert_allclose(g["w"], g0["w"] + x.T @ dy, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(g["b"], g0["b"] + dy.sum(0), rtol=1e-12, atol=1e-12)
+
+
+def test_unembed(rng):
+    check_layer(Lr.Unembed(), {"w": rng.standard_normal((7, 4))}, rng.standard_normal((5, 4)), rng)
+
+
+def test_layernorm(rng):
+    p = {"w": 1 + 0.1 * rng.standard_normal(6), "b": rng.standard_normal(6)}
+    check_layer(Lr.LayerNorm(), p, rng.standard_normal((2, 3, 6)) * 2 + 0.5, rng)
+
+
+def test_layernorm_matches_formula(rng):
+    x = rng.standard_normal((4, 8))
+    p = {"w": rng.standard_normal(8), "b": rng.standard_normal(8)}
+    y, _ = Lr.LayerNorm().forward(p, x)
+    ref = (x - x.mean(1, keepdims=True)) / np.sqrt(x.var(1, keepdims=True) + 1e-5) * p["w"] + p["b"]
+    np.testing.assert_allclose(y, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_gelu(rng):
+    check_layer(Lr.GELU(), {}, rng.standard_normal((3, 7)) * 2, rng)
+
+
+def test_gelu_matches_formula(rng):
+    x = rng.standard_normal(50) * 3
+    y, _ = Lr.GELU().forward({}, x)
+    ref = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+    np.testing.assert_allclose(y, ref, rtol=1e-13, atol=1e-13)
+
+
+def test_residual(rng):
+    lay = Lr.Residual()
+    x, r = rng.standard_normal((2, 3)), rng.standard_normal((2, 3))
+    y, c = lay.forward(None, (x, r))
+    np.testing.assert_array_equal(y, x + r)
+    dy = rng.standard_normal((2, 3))
+    dx, dr = lay.backward(dy, c, None)
+    np.testing.assert_array_equal(dx, dy)
+    np.testing.assert_array_equal(dr, dy)
+    with pytest.raises(ValueError, match=r"\(2, 3\) and \(3, 2\)"):
+        lay.forward(None, (x, r.T))
+
+
+def test_embedding(rng):
+    p = {"wte": rng.standard_normal((9, 4)), "wpe": rng.standard_normal((6, 4))}
+    idx = rng.integers(0, 9, (3, 5))
+    idx[0, :2] = 3                          # repeated tokens: the scatter-add must accumulate
+    check_layer(Lr.Embedding(), p, idx, rng, x_is_input=False)
+
+
+def test_embedding_errors(rng):
+    p = {"wte": np.zeros((9, 4)), "wpe": np.zeros((6, 4))}
+    with pytest.raises(ValueError, match="T=7 exceeds block_size=6"):
+        Lr.Embedding().forward(p, np.zeros((1, 7), np.int64))
+    with pytest.raises(ValueError, match=r"\[0, 9\)"):
+        Lr.Embedding().forward(p, np.full((1, 2), 9))
+    with pytest.raises(TypeError, match="integer idx"):
+        Lr.Embedding().forward(p, np.zeros((1, 2)))
+
+
+@pytest.mark.parametrize("H", [1, 2])
+def test_attention(rng, H):
+    C = 4
+    p = {"attn.w": rng.standard_normal((C, 3 * C)) * 0.5, "attn.b": rng.standard_normal(3 * C) * 0.1,
+         "proj.w": rng.standard_normal((C, C)) * 0.5, "proj.b": rng.standard_normal(C) * 0.1}
+    check_layer(Lr.CausalSelfAttention(H), p, rng.standard_normal((2, 5, C)), rng)
+
+
+def test_attention_is_causal(rng):
+    """Changing a later position must not change earlier outputs."""
+    C = 4
+    p = {"attn.w": rng.standard_normal((C, 3 * C)), "attn.b": np.zeros(3 * C),
+         "proj.w": rng.standard_normal((C, C)), "proj.b": np.zeros(C)}
+    x = rng.standard_normal((1, 6, C))
+    y1 = Lr.CausalSelfAttention(2).forward(p, x)[0].copy()
+    x[0, 4:] += 1.0
+    y2 = Lr.CausalSelfAttention(2).forward(p, x)[0]
+    np.testing.assert_array_equal(y1[0, :4], y2[0, :4])
+    assert not np.allclose(y1[0, 4:], y2[0, 4:])
+
+
+def test_cross_entropy(rng):
+    lay = Lr.SoftmaxCrossEntropy()
+    logits = rng.standard_normal((6, 5)) * 3
+    t = rng.integers(0, 5, 6)
+    loss, c = lay.forward(None, (logits, t))
+    # independent reference: log-sum-exp written directly
+    ref = np.mean(np.log(np.exp(logits).sum(1)) - logits[np.arange(6), t])
+    assert abs(float(loss) - ref) < 1e-12
+    scale = 3.0
+    dl = lay.backward(scale, c, None)
+
+    def f():
+        return scale * float(lay.forward(None, (logits, t))[0])
+    assert rel_err(dl, fd_grad(f, logits)) <= TOL
+
+
+def test_cross_entropy_stable_and_checked():
+    lay = Lr.SoftmaxCrossEntropy()
+    logits = np.array([[1000.0, 0.0], [0.0, -1000.0]])
+    loss, _ = lay.forward(None, (logits, np.array([0, 0])))
+    assert np.isfinite(loss) and abs(float(loss)) < 1e-12
+    with pytest.raises(ValueError, match=r"\[0, 2\)"):
+        lay.forward(None, (logits, np.array([0, 2])))
+    with pytest.raises(ValueError, match=r"shape \(2,\)"):
+        lay.forward(None, (logits, np.array([0, 1, 1])))
+
+
+def test_linear_shape_error():
+    with pytest.raises(ValueError, match=r"input width 5, got x of shape \(2, 4\)"):
+        Lr.Linear().forward({"w": np.zeros((5, 3)), "b": np.zeros(3)}, np.zeros((2, 4)))
+
+
+def test_pool_reuses_buffers():
+    pool = Lr.Pool()
+    a = pool.get(("t", "y"), (3, 4), np.float32)
+    b = pool.get(("t", "y"), (3, 4), np.float32)
+    c = pool.get(("t", "y"), (3, 5), np.float32)
+    assert a is b and c is not a and pool.allocs == 2
+    fresh = Lr.Pool(reuse=False)
+    assert fresh.get("k", (2,), np.float32) is not fresh.get("k", (2,), np.float32)
+
+
+def test_float32_stats_under_float16():
+    """float16 inputs: layernorm statistics accumulate in float32 (no overflow of x^2 sums)."""
+    x = (np.arange(2 * 512, dtype=np.float32).reshape(2, 512) % 97 * 3.0).astype(np.float16)
+    p = {"w": np.ones(512, np.float16), "b": np.zeros(512, np.float16)}
+    y, _ = Lr.LayerNorm().forward(p, x)
+    x64 = x.astype(np.float64)
+    ref = (x64 - x64.mean(1, keepdims=True)) / np.sqrt(x64.var(1, keepdims=True) + 1e-5)
+    assert y.dtype == np.float16 and np.abs(y - ref).max() < 1e-2
