@@ -48,7 +48,13 @@ def plot_memory(psi: int, out: str, nd_max: int = 1024, ranks_per_node=None, gpu
         else:
             xs, ys = nds, [acc.model_state_total(st, psi, n) / 1e9 for n in nds]
             label = f"stage {st}: {acc.bytes_per_param_formula(st)}"
-        ax.loglog(xs, ys, label=label, base=2)
+        line, = ax.plot(xs, ys, label=label)
+        if 64 in xs and st != "hybrid":        # the ZeRO paper's Nd, marked and labelled
+            y = ys[xs.index(64)]
+            ax.plot([64], [y], "o", color=line.get_color(), ms=4)
+            ax.annotate(f"{y:.3g}", (64, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     if gpu_mem:
         ax.axhline(gpu_mem / 1e9, color="k", ls="--", lw=1, label=f"{gpu_mem / 1e9:g} GB per rank")
     ax.set_xlabel("data-parallel ranks Nd")
