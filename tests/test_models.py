@@ -1,0 +1,230 @@
+"""Whole-model checks of the GPT and the MLP over the unit contract.
+
+References: float64 central finite differences of the loss, torch autograd
+on the same weights (skipped without torch), and plain arithmetic facts
+(checkpointing and loss scaling by a power of two must not change a bit).
+"""
+import os
+import sys
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from ringzero.flat import Layout
+from ringzero.nn import GPT, MLP, GPTConfig, gpt_units
+
+TINY = GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=6, vocab=11)
+
+
+def make(units, dtype, seed=0):
+    lay = Layout(units, 1)
+    buf = np.zeros(lay.padded, dtype)
+    lay.init_full(buf, seed)
+    gbuf = np.zeros_like(buf)
+    return lay, buf, gbuf
+
+
+def fd_check(model, lay, buf, gbuf, x, t, n_coords=None, seed=0):
+    """Relative error of the analytic gradient vs central differences of model.loss."""
+    P, G = lay.views(buf), lay.views(gbuf)
+    gbuf[...] = 0
+    model.loss_and_grad(P, G, x, t)
+    coords = np.concatenate([np.arange(a, b) for a, b, _ in lay.real_segments()])
+    if n_coords is not None and n_coords < coords.size:
+        coords = np.random.default_rng(seed).choice(coords, n_coords, replace=False)
+    num = np.empty(coords.size)
+    eps = 1e-6
+    for j, i in enumerate(coords):
+        old = buf[i]
+        buf[i] = old + eps
+        fp = model.loss(P, x, t)
+        buf[i] = old - eps
+        fm = model.loss(P, x, t)
+        buf[i] = old
+        num[j] = (fp - fm) / (2 * eps)
+    ana = gbuf[coords]
+    return np.linalg.norm(ana - num) / max(np.linalg.norm(num), 1e-30)
+
+
+def test_mlp_gradcheck():
+    m = MLP((5, 7, 6, 3))
+    lay, buf, gbuf = make(m.units, np.float64)
+    rng = np.random.default_rng(1)
+    x, t = rng.standard_normal((4, 5)), rng.integers(0, 3, 4)
+    assert fd_check(m, lay, buf, gbuf, x, t) <= 1e-6
+
+
+def test_gpt_gradcheck_two_layers():
+    m = GPT(TINY)
+    lay, buf, gbuf = make(m.units, np.float64)
+    buf *= 10.0   # larger weights than init, so attention is far from uniform
+    rng = np.random.default_rng(2)
+    idx, t = rng.integers(0, TINY.vocab, (2, 5)), rng.integers(0, TINY.vocab, (2, 5))
+    # a random 600 of the ~1900 parameter coordinates
+    assert fd_check(m, lay, buf, gbuf, idx, t, n_coords=600) <= 1e-6
+
+
+def step_grads(cfg, checkpoint, idx, t, steps=2, scale=1.0):
+    m = GPT(cfg, checkpoint=checkpoint)
+    lay, buf, gbuf = make(m.units, np.float32)
+    P, G = lay.views(buf), lay.views(gbuf)
+    for _ in range(steps):            # the second step runs on reused buffers
+        gbuf[...] = 0
+        loss = m.loss_and_grad(P, G, idx, t, scale=scale)
+    return m, loss, gbuf
+
+
+def test_checkpointing_bitwise_and_smaller():
+    cfg = GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab=40)
+    rng = np.random.default_rng(3)
+    idx, t = rng.integers(0, 40, (3, 16)), rng.integers(0, 40, (3, 16))
+    m0, l0, g0 = step_grads(cfg, False, idx, t)
+    m1, l1, g1 = step_grads(cfg, True, idx, t)
+    assert l0 == l1
+    assert np.array_equal(g0, g1), f"max diff {np.abs(g0 - g1).max()}"
+    # activation bytes held by the caches of one forward pass, summed over units
+    lay = Layout(m0.units, 1)
+    buf = np.zeros(lay.padded, np.float32)
+    lay.init_full(buf, 0)
+
+    def held(m):
+        x, tot = idx, 0
+        for u in range(m.last + 1):
+            x, c = m.forward_unit(u, lay.views(buf), x, t if u == m.last else None)
+            tot += m.cache_nbytes(c)
+        return tot
+    full, ckpt = held(m0), held(m1)
+    # checkpointed blocks hold only their input (B, T, C)
+    assert ckpt < full / 3, (ckpt, full)
+    assert m1.pool.nbytes < m0.pool.nbytes, (m1.pool.nbytes, m0.pool.nbytes)
+
+
+def test_loss_scale_is_exact():
+    """Scaling by 2**16 multiplies every gradient exactly (power of two, no overflow)."""
+    rng = np.random.default_rng(4)
+    idx, t = rng.integers(0, TINY.vocab, (2, 6)), rng.integers(0, TINY.vocab, (2, 6))
+    _, _, g1 = step_grads(TINY, False, idx, t, steps=1)
+    _, _, gs = step_grads(TINY, False, idx, t, steps=1, scale=65536.0)
+    assert np.array_equal(gs, g1 * np.float32(65536.0))
+
+
+def test_backward_reads_views_given_to_backward():
+    """Stage 3 frees a unit's gathered params after forward and re-gathers them
+    (into another buffer) for backward: backward must use the views it is given."""
+    rng = np.random.default_rng(5)
+    idx, t = rng.integers(0, TINY.vocab, (2, 6)), rng.integers(0, TINY.vocab, (2, 6))
+    _, _, ref = step_grads(TINY, False, idx, t, steps=1)
+    for ck in (False, True):
+        m = GPT(TINY, checkpoint=ck)
+        lay, buf, gbuf = make(m.units, np.float32)
+        first = buf.copy()
+        P1, P2, G = lay.views(first), lay.views(buf), lay.views(gbuf)
+        x, caches = idx, []
+        for u in range(m.last + 1):
+            x, c = m.forward_unit(u, P1, x, t if u == m.last else None)
+            caches.append(c)
+        first[...] = np.nan          # the forward's gather buffer is reused for something else
+        dy = 1.0
+        for u in range(m.last, -1, -1):
+            dy = m.backward_unit(u, dy, caches[u], P2, G)
+        assert np.array_equal(gbuf, ref), f"checkpoint={ck}"
+
+
+def test_overfit_adam():
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab=16)
+    m = GPT(cfg)
+    lay, buf, gbuf = make(m.units, np.float32, seed=1)
+    P, G = lay.views(buf), lay.views(gbuf)
+    rng = np.random.default_rng(6)
+    idx, t = rng.integers(0, 16, (4, 16)), rng.integers(0, 16, (4, 16))
+    mom, var = np.zeros_like(buf), np.zeros_like(buf)
+    lr, b1, b2 = 1e-2, 0.9, 0.999
+    losses = []
+    for step in range(1, 51):
+        gbuf[...] = 0
+        losses.append(m.loss_and_grad(P, G, idx, t))
+        mom[...] = b1 * mom + (1 - b1) * gbuf
+        var[...] = b2 * var + (1 - b2) * gbuf * gbuf
+        buf -= lr * (mom / (1 - b1 ** step)) / (np.sqrt(var / (1 - b2 ** step)) + 1e-8)
+    assert losses[-1] <= 0.1 * losses[0], f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+
+
+def test_steady_state_allocations():
+    """After the first step no pool buffer is made, and NumPy temporaries are small."""
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab=64)
+    m = GPT(cfg)
+    lay, buf, gbuf = make(m.units, np.float32)
+    P, G = lay.views(buf), lay.views(gbuf)
+    rng = np.random.default_rng(7)
+    idx, t = rng.integers(0, 64, (4, 32)), rng.integers(0, 64, (4, 32))
+    m.loss_and_grad(P, G, idx, t)
+    made = m.pool.allocs
+    tracemalloc.start()
+    try:
+        base, _ = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        gbuf[...] = 0
+        m.loss_and_grad(P, G, idx, t)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert m.pool.allocs == made, f"{m.pool.allocs - made} buffers made in steady state"
+    # what is left: reductions to (N, 1)/(C,) statistics and Python objects,
+    # a small fraction of the activation and workspace bytes the pool holds
+    assert peak - base < 0.05 * m.pool.nbytes, f"transient bytes {peak - base} vs pool {m.pool.nbytes}"
+
+
+def test_generate_shapes_and_range():
+    m = GPT(TINY)
+    lay, buf, _ = make(m.units, np.float32)
+    idx = np.array([[1, 2, 3], [4, 5, 6]])
+    out = m.generate(lay.views(buf), idx, 8, temperature=1.0, rng=np.random.default_rng(0))
+    assert out.shape == (2, 11) and np.array_equal(out[:, :3], idx)
+    assert out.min() >= 0 and out.max() < TINY.vocab
+
+
+def test_unit_errors():
+    m = GPT(TINY)
+    lay, buf, _ = make(m.units, np.float32)
+    with pytest.raises(ValueError, match=r"\[0, 3\], got 4"):
+        m.forward_unit(4, lay.views(buf), None)
+    with pytest.raises(KeyError, match="h0.ln1.w"):
+        m.forward_unit(1, {}, np.zeros((1, 2, 8), np.float32))
+    with pytest.raises(ValueError, match=r"targets must have shape \(1, 2\)"):
+        m.forward_unit(3, lay.views(buf), np.zeros((1, 2, 8), np.float32), np.zeros((2, 1), np.int64))
+
+
+def _torch():
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import torch_gpt
+    return torch, torch_gpt
+
+
+def test_gpt_matches_torch():
+    torch, tg = _torch()
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab=50)
+    m = GPT(cfg)
+    lay, buf, gbuf = make(m.units, np.float32, seed=3)
+    P, G = lay.views(buf), lay.views(gbuf)
+    rng = np.random.default_rng(8)
+    idx, t = rng.integers(0, 50, (3, 16)), rng.integers(0, 50, (3, 16))
+    loss = m.loss_and_grad(P, G, idx, t)
+    torch.manual_seed(0)
+    tm = tg.load_from_flat(tg.TorchGPT(cfg), P)
+    _, tl = tm(torch.from_numpy(idx), torch.from_numpy(t))
+    tl.backward()
+    assert abs(loss - tl.item()) <= 1e-5 * abs(tl.item())
+    ref = tg.grads_as_flat_names(tm)
+    assert set(ref) == set(G)
+    bad = {}
+    for n, r in ref.items():
+        e = np.linalg.norm(G[n] - r) / max(np.linalg.norm(r), 1e-12)
+        if not e <= 1e-4:
+            bad[n] = e
+    assert not bad, bad
+    # greedy generation's first token is the argmax of torch's last-position logits
+    out = m.generate(P, idx[:, :5], 1, temperature=0)
+    logits, _ = tm(torch.from_numpy(idx[:, :5]))
+    assert np.array_equal(out[:, 5], logits[:, -1].argmax(-1).numpy())
