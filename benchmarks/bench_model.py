@@ -66,24 +66,38 @@ def main(argv=None):
     ap.add_argument("--checkpoint", action="store_true", help="activation checkpointing on")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--allocs", action="store_true", help="also measure transient NumPy bytes (tracemalloc)")
+    ap.add_argument("--backend", choices=("numpy", "cupy"), default="numpy",
+                    help="cupy: time on the GPU (torch peer on cuda)")
+    ap.add_argument("--dtype", choices=("float32", "float16"), default="float32",
+                    help="compute/storage dtype (float16 is for the GPU)")
     a = ap.parse_args(argv)
+    if a.backend == "cupy":
+        import cupy as xp
+        sync = xp.cuda.Device().synchronize
+    else:
+        xp, sync = np, (lambda: None)
+    dtype = np.dtype(a.dtype)
 
     cfg = GPTConfig()
     if a.seq > cfg.block_size:
         raise SystemExit(f"--seq must be <= block_size {cfg.block_size}, got {a.seq}")
     layout = Layout(gpt_units(cfg), 1)
-    buf = np.zeros(layout.padded, np.float32)
-    layout.init_full(buf, seed=0)
-    gbuf = np.zeros_like(buf)
+    host = np.zeros(layout.padded, np.float32)
+    layout.init_full(host, seed=0)
+    buf = xp.asarray(host.astype(dtype))
+    gbuf = xp.zeros_like(buf)
     P, G = layout.views(buf), layout.views(gbuf)
     model = GPT(cfg, checkpoint=a.checkpoint)
     rng = np.random.default_rng(0)
-    idx = rng.integers(0, cfg.vocab, (a.batch, a.seq))
-    tgt = rng.integers(0, cfg.vocab, (a.batch, a.seq))
+    idx_h = rng.integers(0, cfg.vocab, (a.batch, a.seq))
+    tgt_h = rng.integers(0, cfg.vocab, (a.batch, a.seq))
+    idx, tgt = xp.asarray(idx_h), xp.asarray(tgt_h)
 
     def ours():
         gbuf[...] = 0
-        return model.loss_and_grad(P, G, idx, tgt)
+        loss = model.loss_and_grad(P, G, idx, tgt)
+        sync()
+        return loss
 
     tm = None
     if not a.no_torch:
@@ -95,16 +109,19 @@ def main(argv=None):
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             from torch_gpt import TorchGPT, load_from_flat
             torch.set_num_threads(1)
-            tm = load_from_flat(TorchGPT(cfg), P)
-            ti, tt = torch.from_numpy(idx), torch.from_numpy(tgt)
+            dev = "cuda" if a.backend == "cupy" else "cpu"
+            tm = load_from_flat(TorchGPT(cfg), layout.views(host)).to(dev, getattr(torch, a.dtype))
+            ti, tt = torch.from_numpy(idx_h).to(dev), torch.from_numpy(tgt_h).to(dev)
+            tsync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
 
             def theirs():
                 tm.zero_grad(set_to_none=False)
                 _, loss = tm(ti, tt)
                 loss.backward()
+                tsync()
                 return loss.item()
 
-    print(f"GPT {cfg}: {layout.numel:,} params, batch {a.batch} x T {a.seq}, "
+    print(f"GPT {cfg}: {layout.numel:,} params, batch {a.batch} x T {a.seq}, {a.backend} {a.dtype}, "
           f"checkpoint={a.checkpoint}, OMP={os.environ.get('OMP_NUM_THREADS')} "
           f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')} "
           f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}")
@@ -133,7 +150,7 @@ def main(argv=None):
         print(f"ratio ringzero/torch: {mo / mt:.2f}x  (target <= 1.5x)")
     print(f"pool: {model.pool.allocs} buffers made, {new_bufs} in the {a.repeats} timed steps, "
           f"{model.pool.nbytes / 2**20:.1f} MiB held")
-    if a.allocs:
+    if a.allocs and xp is np:
         print(f"transient numpy bytes in a steady-state step (tracemalloc peak above live): "
               f"{transient_numpy_bytes(model, P, G, gbuf, idx, tgt) / 2**10:.1f} KiB")
 

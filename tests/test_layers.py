@@ -207,3 +207,60 @@ def test_float32_stats_under_float16():
     x64 = x.astype(np.float64)
     ref = (x64 - x64.mean(1, keepdims=True)) / np.sqrt(x64.var(1, keepdims=True) + 1e-5)
     assert y.dtype == np.float16 and np.abs(y - ref).max() < 1e-2
+
+
+# ---- CuPy: the same code on the GPU gives the same numbers (skipped without CuPy) ----
+def _cupy():
+    from conftest import have_cupy
+    if not have_cupy():
+        pytest.skip("needs CuPy and a CUDA device")
+    import cupy
+    return cupy
+
+
+def _layer_cases(rng):
+    C = 8
+    att = {"attn.w": rng.standard_normal((C, 3 * C)) * 0.5, "attn.b": rng.standard_normal(3 * C) * 0.1,
+           "proj.w": rng.standard_normal((C, C)) * 0.5, "proj.b": rng.standard_normal(C) * 0.1}
+    return [
+        (Lr.Linear, {"w": rng.standard_normal((C, 5)), "b": rng.standard_normal(5)}, rng.standard_normal((2, 3, C))),
+        (Lr.Unembed, {"w": rng.standard_normal((7, C))}, rng.standard_normal((6, C))),
+        (Lr.LayerNorm, {"w": rng.standard_normal(C), "b": rng.standard_normal(C)}, rng.standard_normal((2, 3, C))),
+        (Lr.GELU, {}, rng.standard_normal((4, C))),
+        (lambda: Lr.CausalSelfAttention(2), att, rng.standard_normal((2, 5, C))),
+        (Lr.Embedding, {"wte": rng.standard_normal((9, C)), "wpe": rng.standard_normal((6, C))},
+         rng.integers(0, 9, (2, 6))),
+    ]
+
+
+@pytest.mark.gpu
+def test_layers_cupy_match_numpy(rng):
+    cp = _cupy()
+    for make, p, x in _layer_cases(rng):
+        outs = []
+        for xp in (np, cp):
+            lay = make()
+            pp = {k: xp.asarray(v) for k, v in p.items()}
+            y, c = lay.forward(pp, xp.asarray(x))
+            R = xp.asarray(np.linspace(-1, 1, int(np.prod(y.shape))).reshape(y.shape))
+            g = {k: xp.zeros_like(v) for k, v in pp.items()}
+            dx = lay.backward(R, c, g)
+            res = [y] + [g[k] for k in sorted(g)] + ([] if dx is None else [dx])
+            outs.append([cp.asnumpy(a) if xp is cp else a.copy() for a in res])
+        for a, b in zip(*outs):
+            np.testing.assert_allclose(b, a, rtol=1e-10, atol=1e-12, err_msg=str(make))
+    lg = rng.standard_normal((6, 5))
+    t = rng.integers(0, 5, 6)
+    l_np, c_np = Lr.SoftmaxCrossEntropy().forward(None, (lg, t))
+    lay = Lr.SoftmaxCrossEntropy()
+    l_cp, c_cp = lay.forward(None, (cp.asarray(lg), cp.asarray(t)))
+    assert abs(float(l_cp) - float(l_np)) < 1e-12
+    np.testing.assert_allclose(cp.asnumpy(lay.backward(2.0, c_cp, None)),
+                               Lr.SoftmaxCrossEntropy().backward(2.0, c_np, None), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.gpu
+def test_mixed_modules_is_type_error(rng):
+    cp = _cupy()
+    with pytest.raises(TypeError, match="mixed array modules"):
+        Lr.Linear().forward({"w": cp.zeros((3, 2)), "b": cp.zeros(2)}, np.zeros((1, 3)))

@@ -228,3 +228,31 @@ def test_gpt_matches_torch():
     out = m.generate(P, idx[:, :5], 1, temperature=0)
     logits, _ = tm(torch.from_numpy(idx[:, :5]))
     assert np.array_equal(out[:, 5], logits[:, -1].argmax(-1).numpy())
+
+
+@pytest.mark.gpu
+def test_gpt_cupy_fp32_and_fp16_match_numpy_fp32():
+    """GPU path: fp32 matches the NumPy model closely; fp16 storage = compute dtype
+    (fp32 statistics), with a loss scale, matches within fp16 tolerance."""
+    from conftest import have_cupy
+    if not have_cupy():
+        pytest.skip("needs CuPy and a CUDA device")
+    import cupy as cp
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab=64)
+    rng = np.random.default_rng(9)
+    idx, t = rng.integers(0, 64, (4, 32)), rng.integers(0, 64, (4, 32))
+    lay, buf, gbuf = make(gpt_units(cfg), np.float32, seed=2)
+    ref_loss = GPT(cfg).loss_and_grad(lay.views(buf), lay.views(gbuf), idx, t)
+    scale = 1024.0
+    for dtype, tol in ((np.float32, 1e-4), (np.float16, 3e-2)):
+        for ck in (False, True):
+            m = GPT(cfg, checkpoint=ck)
+            b = cp.asarray(buf.astype(dtype))
+            g = cp.zeros_like(b)
+            loss = m.loss_and_grad(lay.views(b), lay.views(g), cp.asarray(idx), cp.asarray(t), scale=scale)
+            assert abs(loss - ref_loss) <= 10 * tol * abs(ref_loss), (dtype, ck, loss, ref_loss)
+            got = cp.asnumpy(g).astype(np.float64) / scale
+            for n, (a, z, _) in zip(lay.slots, [(s.offset, s.offset + s.spec.numel, 0)
+                                                for s in lay.slots.values()]):
+                e = np.linalg.norm(got[a:z] - gbuf[a:z]) / max(np.linalg.norm(gbuf[a:z]), 1e-12)
+                assert e <= tol, (dtype, ck, n, e)
