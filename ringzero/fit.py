@@ -14,9 +14,11 @@ What it is
     switches to recursive halving/doubling (log2 n steps; an all-reduce then
     sends S·log2 n bytes), and the model counts those steps instead.
 
-    The fit minimises the relative error (each row weighted by 1/T), so a
-    4 KiB point counts as much as a 64 MiB one, on every other size of each
-    (op, n) series; the other half is held out and the error on it is printed.
+    The fit minimises the sum of |log(predicted / measured)| (or, with
+    --method lsq, the squared relative error), so a 4 KiB point counts as much
+    as a 64 MiB one and a few points slowed by the busy machine cannot drag the
+    fit. It uses every other size of each (op, n) series; the other half is
+    held out and the error on it is printed.
     Then it predicts ring all-reduce time and per-step communication time of
     each ZeRO stage for Nd up to 1024 and Ψ up to 100B: an honest statement
     about scale this machine cannot run, valid as far as α and β stay what
@@ -95,14 +97,16 @@ def split_alternate(rows) -> tuple:
     return fit, held
 
 
-def fit_alpha_beta(rows, small_bytes: int = SMALL_BYTES) -> dict:
-    """Least squares on relative error; α, β >= 0. Returns {"alpha_s", "beta_s_per_byte", ...}."""
-    if len(rows) < 2:
-        raise ValueError(f"need >= 2 bench rows to fit alpha and beta, got {len(rows)}")
+def _design(rows, small_bytes):
     X = np.array([steps_wire(norm_op(r["op"]), int(r["n"]), float(r["bytes"]), small_bytes)
                   for r in rows], np.float64)                 # (m, 2) steps, wire bytes
     t = np.array([float(r["time_us"]) * 1e-6 for r in rows])  # (m,) seconds
-    A, b = X / t[:, None], np.ones_like(t)                    # relative residuals
+    return X, t
+
+
+def _lsq(X, t):
+    """α, β >= 0 minimising sum((pred - t) / t)²."""
+    A, b = X / t[:, None], np.ones_like(t)
     sol = np.linalg.lstsq(A, b, rcond=None)[0]
     if (sol < 0).any():                                       # clamp: best single-term fit
         cands = []
@@ -111,8 +115,41 @@ def fit_alpha_beta(rows, small_bytes: int = SMALL_BYTES) -> dict:
             c[j] = max(0.0, (A[:, j] @ b) / max(A[:, j] @ A[:, j], 1e-300))
             cands.append((np.sum((A @ c - b) ** 2), c))
         sol = min(cands, key=lambda x: x[0])[1]
+    return sol
+
+
+def _l1log(X, t):
+    """α, β > 0 minimising sum |log(pred / t)|: a median-like fit that a few
+    points slowed by a busy machine (ranks sharing cores) cannot drag away.
+    Grid search over log α, log β, refined around the best cell until the
+    cells are far below any measurement's precision."""
+    la, lb = np.log(np.array([1e-9, 1e-1])), np.log(np.array([1e-13, 1e-6]))
+    lt = np.log(t)
+    best = None
+    for _ in range(10):
+        ga = np.exp(np.linspace(la[0], la[1], 161))           # (161,)
+        gb = np.exp(np.linspace(lb[0], lb[1], 161))           # (161,)
+        pred = (X[:, 0, None, None] * ga[None, :, None] +
+                X[:, 1, None, None] * gb[None, None, :])      # (m, 161, 161)
+        cost = np.abs(np.log(np.maximum(pred, 1e-300)) - lt[:, None, None]).sum(0)
+        i, j = np.unravel_index(np.argmin(cost), cost.shape)
+        best = np.array([ga[i], gb[j]])
+        da, db = (la[1] - la[0]) / 160 * 4, (lb[1] - lb[0]) / 160 * 4
+        la = np.log(best[0]) + np.array([-da, da])
+        lb = np.log(best[1]) + np.array([-db, db])
+    return best
+
+
+def fit_alpha_beta(rows, small_bytes: int = SMALL_BYTES, method: str = "l1log") -> dict:
+    """Fit α (s) and β (s/byte) to bench rows. method: "l1log" (robust, default) or "lsq"."""
+    if len(rows) < 2:
+        raise ValueError(f"need >= 2 bench rows to fit alpha and beta, got {len(rows)}")
+    if method not in ("l1log", "lsq"):
+        raise ValueError(f"method must be l1log or lsq, got {method!r}")
+    X, t = _design(rows, small_bytes)
+    sol = _l1log(X, t) if method == "l1log" else _lsq(X, t)
     alpha, beta = float(sol[0]), float(sol[1])
-    return {"alpha_s": alpha, "beta_s_per_byte": beta,
+    return {"alpha_s": alpha, "beta_s_per_byte": beta, "method": method,
             "bandwidth_GBps": (1 / beta / 1e9) if beta > 0 else math.inf, "rows": len(rows)}
 
 
@@ -150,16 +187,16 @@ def step_time(model: dict, stage, psi: int, nd: int, units: int = 1, ranks_per_n
 
 
 def report(rows, impl="ring", op="all_reduce", small_bytes=SMALL_BYTES, units=1,
-           tolerance=TOLERANCE) -> dict:
+           tolerance=TOLERANCE, method="l1log") -> dict:
     sel = select(rows, op, impl)
     fit_rows, held = split_alternate(sel)
     if not held:
         raise ValueError(f"need >= 2 sizes per (op, n) to hold some out; got {len(sel)} "
                          f"{op} rows of impl {impl!r}")
-    m = fit_alpha_beta(fit_rows, small_bytes)
+    m = fit_alpha_beta(fit_rows, small_bytes, method)
     ev = errors(m, held, small_bytes)
     rel = np.abs([e[2] for e in ev])
-    full = fit_alpha_beta(sel, small_bytes)           # all points, for the predictions
+    full = fit_alpha_beta(sel, small_bytes, method)   # all points, for the predictions
     pred_ar = {f"{n}": {f"{psi / 1e9:g}B": predict(full, "all_reduce", n, 2 * psi, small_bytes)
                         for psi in (1.5e9, 7.5e9, 100e9)} for n in (2, 8, 64, 256, 1024)}
     pred_step = {st: {f"{n}": {f"{psi / 1e9:g}B": step_time(full, st, int(psi), n, units)
@@ -181,7 +218,8 @@ def _t(s: float) -> str:
 def print_report(r: dict, f=None):
     p = lambda *a: print(*a, file=f or sys.stdout)  # noqa: E731
     m, a = r["fit_on_half"], r["fit_on_all"]
-    p(f"α–β fit of {r['impl']} {r['op']}: T = steps·α + wire_bytes·β, relative least squares")
+    how = {"l1log": "least |log(predicted/measured)|", "lsq": "least squares of relative error"}
+    p(f"α–β fit of {r['impl']} {r['op']}: T = steps·α + wire_bytes·β, {how[m['method']]}")
     p(f"  on every other size: α = {m['alpha_s'] * 1e6:.2f} us, β = {m['beta_s_per_byte'] * 1e9:.4f} ns/B "
       f"({m['bandwidth_GBps']:.2f} GB/s), {m['rows']} rows")
     p(f"  on all rows:         α = {a['alpha_s'] * 1e6:.2f} us, β = {a['beta_s_per_byte'] * 1e9:.4f} ns/B "
@@ -215,18 +253,23 @@ def main(argv=None):
         description="Fit latency α and inverse bandwidth β of ringzero's ring to a bench JSON, print the "
                     "error on held-out bench points, and predict ring all-reduce time and per-step "
                     "communication time of each stage for Nd up to 1024 and Ψ up to 100B.")
-    ap.add_argument("bench", help="JSON written by python -m ringzero.bench")
+    ap.add_argument("bench", nargs="+", help="JSON file(s) written by python -m ringzero.bench "
+                                             "(one per world size; their rows are pooled)")
     ap.add_argument("--op", default="all_reduce", choices=sorted(OPS.values()))
     ap.add_argument("--impl", default="ring", help="rows of this impl (ring or mpi)")
     ap.add_argument("--small-bytes", type=int, default=SMALL_BYTES,
                     help="the Ring's latency-schedule cutoff (RINGZERO_SMALL_BYTES)")
     ap.add_argument("--units", type=int, default=1, help="units per model, for per-step latency")
+    ap.add_argument("--method", default="l1log", choices=("l1log", "lsq"),
+                    help="l1log: robust to the busy machine's outliers (default); lsq: relative "
+                         "least squares")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     try:
         if a.units < 1:
             raise ValueError(f"--units must be >= 1, got {a.units}")
-        r = report(load_rows(a.bench), a.impl, a.op, a.small_bytes, a.units)
+        r = report([row for b in a.bench for row in load_rows(b)], a.impl, a.op, a.small_bytes,
+                   a.units, method=a.method)
     except (ValueError, OSError) as e:
         ap.error(str(e))
     if a.json:

@@ -159,7 +159,7 @@ def main(argv=None):
     m.add_argument("--gpu-mem", help="draw a per-rank memory line, e.g. 32GB")
     b = sub.add_parser("busbw", help="bus bandwidth vs size, ring vs MPI, from a bench JSON",
                        description="Plots busbw_GBps against bytes for each (impl, n) of one op.")
-    b.add_argument("bench")
+    b.add_argument("bench", nargs="+", help="bench JSON file(s), rows pooled")
     b.add_argument("--op", default="all_reduce")
     lo = sub.add_parser("loss", help="loss curve from a trainer metrics .jsonl",
                         description="Plots train loss per step (eval loss and the unigram entropy "
@@ -178,7 +178,7 @@ def main(argv=None):
             out = plot_memory(psi, a.out, a.nd_max, a.ranks_per_node, gpu)
         elif a.what == "busbw":
             from ringzero.fit import load_rows
-            out = plot_busbw(load_rows(a.bench), a.out, a.op)
+            out = plot_busbw([row for f in a.bench for row in load_rows(f)], a.out, a.op)
         else:
             out = plot_loss(a.metrics, a.out)
     except (ValueError, OSError) as e:
