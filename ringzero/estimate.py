@@ -46,6 +46,7 @@ def activations(cfg: GPTConfig, batch: int, seq: int) -> dict:
 
     zero_paper      12·b·s·h·L elements in fp16 (ZeRO §3.2: "about 12 × hidden ×
                     batch × seq × layers"); leaves out attention scores and logits.
+    ckpt_inputs     the fp16 checkpoints alone: one layer input (b·s·h) per layer.
     zero_ckpt       one fp16 checkpoint (the layer input, b·s·h) per layer, plus one
                     layer's 12·b·s·h recomputed during backward: 2·b·s·h·(L + 12).
     korthikanti     Korthikanti et al. 2022, per layer s·b·h·(34 + 5·a·s/h) bytes
@@ -58,6 +59,7 @@ def activations(cfg: GPTConfig, batch: int, seq: int) -> dict:
     per_layer_k = s * b * h * 34 + 5 * a * s * s * b   # s·b·h·(34 + 5as/h), exact in ints
     return {
         "zero_paper": 2 * 12 * bsh * L,
+        "ckpt_inputs": 2 * bsh * L,
         "zero_ckpt": 2 * bsh * (L + 12),
         "korthikanti": per_layer_k * L,
         "korthikanti_ckpt": 2 * bsh * L + per_layer_k,
@@ -67,6 +69,7 @@ def activations(cfg: GPTConfig, batch: int, seq: int) -> dict:
 
 ACT_FORMULAS = {
     "zero_paper": "2 B x 12·b·s·h·L",
+    "ckpt_inputs": "2 B x b·s·h·L",
     "zero_ckpt": "2 B x b·s·h·(L + 12)",
     "korthikanti": "L·(34·s·b·h + 5·a·s²·b)",
     "korthikanti_ckpt": "2·s·b·h·L + (34·s·b·h + 5·a·s²·b)",
@@ -182,11 +185,14 @@ def print_report(r: dict, cfg, f=None):
         p(f"\nActivations per rank, micro-batch {a['batch']} x seq {a['seq']} "
           f"(L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}, V={cfg.vocab}):")
         for k, label in (("zero_paper", "ZeRO paper, no checkpointing"),
+                         ("ckpt_inputs", "layer-input checkpoints alone"),
                          ("zero_ckpt", "ZeRO count, checkpoint per layer"),
                          ("korthikanti", "Korthikanti et al., no recompute"),
                          ("korthikanti_ckpt", "Korthikanti et al., full recompute"),
                          ("logits", "fp16 logits (in neither count)")):
             p(f"  {label:<36}{a['formulas'][k]:<38}{_g(ab[k]):>12} GB")
+        p("  recompute cost of checkpointing: one more forward; backward is ~2 forwards, so "
+          "+1/(1+2) = 33 % of a step's compute.")
         p("  used below: the ZeRO paper's count (the seed's ~60 GB / ~8 GB for GPT-2 1.5B, seq 1K,"
           " batch 32).")
         p("  why they differ: ZeRO's 12·bshL leaves out the a·s² attention scores and dropout masks"
