@@ -202,7 +202,12 @@ def report(rows, impl="ring", op="all_reduce", small_bytes=SMALL_BYTES, units=1,
     pred_step = {st: {f"{n}": {f"{psi / 1e9:g}B": step_time(full, st, int(psi), n, units)
                                for psi in (1.5e9, 7.5e9, 100e9)} for n in (8, 64, 1024)}
                  for st in ("0", "2", "3")}
-    return {"op": op, "impl": impl, "fit_on_half": m, "fit_on_all": full,
+    per_n = {}
+    for n in sorted({int(r["n"]) for r in sel}):
+        rs = [r for r in sel if int(r["n"]) == n]
+        if len(rs) >= 2:
+            per_n[str(n)] = fit_alpha_beta(rs, small_bytes, method)
+    return {"op": op, "impl": impl, "fit_on_half": m, "fit_on_all": full, "fit_per_n": per_n,
             "held_out": [{"n": int(r["n"]), "bytes": int(r["bytes"]), "measured_us": float(r["time_us"]),
                           "predicted_us": p, "rel_err": e} for r, p, e in ev],
             "median_abs_rel_err": float(np.median(rel)), "max_abs_rel_err": float(rel.max()),
@@ -224,7 +229,10 @@ def print_report(r: dict, f=None):
       f"({m['bandwidth_GBps']:.2f} GB/s), {m['rows']} rows")
     p(f"  on all rows:         α = {a['alpha_s'] * 1e6:.2f} us, β = {a['beta_s_per_byte'] * 1e9:.4f} ns/B "
       f"({a['bandwidth_GBps']:.2f} GB/s), {a['rows']} rows (used for the predictions)")
-    p(f"\nHeld-out points (not used by the first fit):")
+    for n, fn in r["fit_per_n"].items():
+        p(f"  n = {n:>3} alone:        α = {fn['alpha_s'] * 1e6:.2f} us, β = "
+          f"{fn['beta_s_per_byte'] * 1e9:.4f} ns/B ({fn['bandwidth_GBps']:.2f} GB/s), {fn['rows']} rows")
+    p("\nHeld-out points (not used by the first fit):")
     p(f"  {'n':>3} {'bytes':>12} {'measured':>12} {'predicted':>12} {'error':>8}")
     for h in r["held_out"]:
         p(f"  {h['n']:>3} {h['bytes']:>12,} {_t(h['measured_us'] * 1e-6):>12} "
