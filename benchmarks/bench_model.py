@@ -57,13 +57,23 @@ def transient_numpy_bytes(model, P, G, gbuf, idx, tgt) -> int:
     return peak - base
 
 
+def activation_bytes(model, P, idx, tgt) -> int:
+    """Bytes the units' caches hold at the end of forward (the activation peak)."""
+    x, tot = idx, 0
+    for u in range(model.last + 1):
+        x, c = model.forward_unit(u, P, x, tgt if u == model.last else None)
+        tot += model.cache_nbytes(c)
+    return tot
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--checkpoint", action="store_true", help="activation checkpointing on")
+    ap.add_argument("--checkpoint", action="store_true",
+                    help="also time the model with activation checkpointing (interleaved)")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--allocs", action="store_true", help="also measure transient NumPy bytes (tracemalloc)")
     ap.add_argument("--backend", choices=("numpy", "cupy"), default="numpy",
@@ -87,19 +97,23 @@ def main(argv=None):
     buf = xp.asarray(host.astype(dtype))
     gbuf = xp.zeros_like(buf)
     P, G = layout.views(buf), layout.views(gbuf)
-    model = GPT(cfg, checkpoint=a.checkpoint)
+    models = {"ringzero": GPT(cfg)}
+    if a.checkpoint:
+        models["ringzero-ckpt"] = GPT(cfg, checkpoint=True)
     rng = np.random.default_rng(0)
     idx_h = rng.integers(0, cfg.vocab, (a.batch, a.seq))
     tgt_h = rng.integers(0, cfg.vocab, (a.batch, a.seq))
     idx, tgt = xp.asarray(idx_h), xp.asarray(tgt_h)
 
-    def ours():
-        gbuf[...] = 0
-        loss = model.loss_and_grad(P, G, idx, tgt)
-        sync()
-        return loss
+    def step_of(model):
+        def ours():
+            gbuf[...] = 0
+            loss = model.loss_and_grad(P, G, idx, tgt)
+            sync()
+            return loss
+        return ours
+    steps = {name: step_of(m) for name, m in models.items()}
 
-    tm = None
     if not a.no_torch:
         try:
             import torch
@@ -120,36 +134,36 @@ def main(argv=None):
                 loss.backward()
                 tsync()
                 return loss.item()
+            steps["torch"] = theirs
 
     print(f"GPT {cfg}: {layout.numel:,} params, batch {a.batch} x T {a.seq}, {a.backend} {a.dtype}, "
-          f"checkpoint={a.checkpoint}, OMP={os.environ.get('OMP_NUM_THREADS')} "
+          f"OMP={os.environ.get('OMP_NUM_THREADS')} "
           f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')} "
           f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}")
     print(f"numpy BLAS: {blas_info()}")
     for _ in range(a.warmup):
-        ours()
-        if tm is not None:
-            theirs()
-    allocs0 = model.pool.allocs
-    t_ours, t_torch = [], []
-    for _ in range(a.repeats):
-        t0 = time.perf_counter()
-        lo = ours()
-        t_ours.append(time.perf_counter() - t0)
-        if tm is not None:
+        for f in steps.values():
+            f()
+    allocs0 = {n: m.pool.allocs for n, m in models.items()}
+    times, losses = {n: [] for n in steps}, {}
+    for _ in range(a.repeats):             # interleaved: noise hits every variant alike
+        for n, f in steps.items():
             t0 = time.perf_counter()
-            lt = theirs()
-            t_torch.append(time.perf_counter() - t0)
-    new_bufs = model.pool.allocs - allocs0
-    mo = statistics.median(t_ours)
+            losses[n] = f()
+            times[n].append(time.perf_counter() - t0)
+    med = {n: statistics.median(t) for n, t in times.items()}
     tok = a.batch * a.seq
-    print(f"ringzero fwd+bwd: median {mo * 1e3:8.1f} ms  ({tok / mo:7.0f} tokens/s)  loss {lo:.4f}")
-    if t_torch:
-        mt = statistics.median(t_torch)
-        print(f"torch    fwd+bwd: median {mt * 1e3:8.1f} ms  ({tok / mt:7.0f} tokens/s)  loss {lt:.4f}")
-        print(f"ratio ringzero/torch: {mo / mt:.2f}x  (target <= 1.5x)")
-    print(f"pool: {model.pool.allocs} buffers made, {new_bufs} in the {a.repeats} timed steps, "
-          f"{model.pool.nbytes / 2**20:.1f} MiB held")
+    for n in steps:
+        print(f"{n:14s} fwd+bwd: median {med[n] * 1e3:8.1f} ms  ({tok / med[n]:7.0f} tokens/s)  "
+              f"loss {losses[n]:.4f}")
+    for n in models:
+        if "torch" in med:
+            print(f"ratio {n}/torch: {med[n] / med['torch']:.2f}x  (target <= 1.5x)")
+    for n, m in models.items():
+        print(f"{n}: activations held by caches after forward "
+              f"{activation_bytes(m, P, idx, tgt) / 2**20:.1f} MiB; pool {m.pool.allocs} buffers, "
+              f"{m.pool.allocs - allocs0[n]} made in the {a.repeats} timed steps, {m.pool.nbytes / 2**20:.1f} MiB")
+    model = models["ringzero"]
     if a.allocs and xp is np:
         print(f"transient numpy bytes in a steady-state step (tracemalloc peak above live): "
               f"{transient_numpy_bytes(model, P, G, gbuf, idx, tgt) / 2**10:.1f} KiB")

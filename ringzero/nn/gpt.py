@@ -150,7 +150,9 @@ class GPT:
             raise ValueError(f"unit index must be in [0, {self.last}], got {u}")
 
     # ---- blocks --------------------------------------------------------------
-    def _block_forward(self, u, pd, x):                        # x (B, T, C)
+    def _block_forward(self, u, pd, x, recompute=False):       # x (B, T, C)
+        """Block u's forward. recompute=True (checkpointed backward) stops
+        before fc2: backward needs fc2's input, not the block's output."""
         L = self.blocks[u - 1]
         h1, c_ln1 = L["ln1"].forward(pd["ln1"], x)
         a, c_attn = L["attn"].forward(pd["attn"], h1)
@@ -158,6 +160,8 @@ class GPT:
         h2, c_ln2 = L["ln2"].forward(pd["ln2"], x2)
         f, c_fc = L["fc"].forward(pd["fc"], h2)                 # (B, T, 4C)
         gg, c_gelu = L["gelu"].forward(None, f)
+        if recompute:
+            return None, (c_ln1, c_attn, c_ln2, c_fc, c_gelu, (pd["fc2"], gg))  # Linear's cache: (p, x)
         y = self.pool.get((f"unit{u}", "y"), x.shape, x.dtype, array_module(x))
         m, c_fc2 = L["fc2"].forward(pd["fc2"], gg, out=y)
         L["res"].forward(None, (m, x2), out=y)                  # y = x2 + mlp(ln2(x2))
@@ -218,7 +222,7 @@ class GPT:
             dxl = self.head.backward(dl, c_head, gd["head"])    # (B, T, C)
             return self.lnf.backward(dxl, c_lnf, gd["lnf"])
         if self.checkpoint:
-            _, cache = self._block_forward(u, pd, cache[0])     # recompute, then backward
+            _, cache = self._block_forward(u, pd, cache[0], recompute=True)
         return self._block_backward(u, dy, cache, gd)
 
     @staticmethod
