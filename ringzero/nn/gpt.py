@@ -8,7 +8,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from ringzero.flat import ParamSpec as P, Unit
+from ringzero.nn.layers import (GELU, CausalSelfAttention, Embedding, LayerNorm, Linear, Pool,
+                                Residual, SoftmaxCrossEntropy, Unembed, array_module, cache_nbytes)
 
 
 @dataclass(frozen=True)
@@ -63,13 +67,6 @@ def gpt_units(cfg: GPTConfig) -> tuple:
 # ---------------------------------------------------------------------------
 # The model: forward/backward per unit, on views the runtime hands in.
 # ---------------------------------------------------------------------------
-import numpy as np  # noqa: E402
-
-from ringzero.nn.layers import (GELU, CausalSelfAttention, Embedding, LayerNorm,  # noqa: E402
-                                Linear, Pool, Residual, SoftmaxCrossEntropy, Unembed,
-                                array_module, cache_nbytes)
-
-_BLOCK_PARAMS = ("ln1", "attn", "ln2", "fc", "fc2")
 
 
 class GPT:
