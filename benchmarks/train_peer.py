@@ -1,0 +1,426 @@
+"""The training-throughput peer: ringzero stage 2 beside PyTorch on gloo, one run.
+
+What it is
+    One script that launches, one after another under mpirun at the same rank
+    count, the same GPT trained by
+
+      ddp           torch DistributedDataParallel, fp32, gloo
+      fsdp-grad-op  torch FSDP SHARD_GRAD_OP (ZeRO-2), fp32, gloo, one unit per Block
+      fsdp-full     torch FSDP FULL_SHARD (ZeRO-3), fp32, gloo, one unit per Block
+      ringzero      ``python -m ringzero.train --stage 2 --precision fp32 ...`` (``ringzero_args``)
+      ringzero-fp16 the same with --precision fp16 (fp16 storage, fp32 compute)
+
+    and prints tokens/s, peak RSS per rank and the ratio ringzero / peer:
+
+      python benchmarks/train_peer.py --ranks 2,4 --json peer.json
+
+    Every side gets the same config (GPTConfig defaults: 4 layers, 4 heads,
+    n_embd 256, block 128, vocab 256), batch 8 per rank, T = 128, AdamW with
+    the same lr and global-norm clipping at 1.0, one thread per rank, and the
+    same batches (ringzero.data's default corpus).
+    tokens/s of a step = world * batch * T / (rank 0's wall time of the step),
+    median over the steps after ``--warmup``; the same formula is applied to
+    ringzero's ``step_time_s`` metric (its ``tokens_per_s`` is cross-checked).
+    Peak RSS is each rank's ``ru_maxrss`` at exit, for both sides alike: the
+    ringzero ranks run the trainer through this file's ``--rz-worker`` shim,
+    which only adds that measurement.
+
+What it is not
+    A ringzero dependency (torch is imported only in the torch workers), or a
+    timing harness for anything but whole optimizer steps. The machine is
+    noisy: compare the ratios of one run, not absolute figures across runs.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TORCH_MODES = ("ddp", "fsdp-grad-op", "fsdp-full")
+RZ_MODES = {"ringzero": "fp32", "ringzero-fp16": "fp16"}   # mode -> --precision
+MODES = TORCH_MODES + tuple(RZ_MODES)
+
+
+# ---- the command lines (each in one place) ----------------------------------
+
+def ringzero_args(a, precision: str, metrics: str) -> list:
+    """The ringzero trainer's flags for this benchmark: the one place to edit.
+
+    Its position table is --seq-len long (the torch side uses block = seq_len
+    too). Evaluation only at the end and no text sample keep the timed steps
+    pure training steps, as on the torch side.
+    """
+    return ["--stage", str(a.stage), "--precision", precision, "--n-layer", str(a.n_layer),
+            "--n-head", str(a.n_head), "--n-embd", str(a.n_embd), "--batch", str(a.batch),
+            "--seq-len", str(a.seq_len), "--steps", str(a.steps), "--seed", str(a.seed),
+            "--lr", str(a.lr), "--grad-clip", str(a.grad_clip), "--eval-interval", "0",
+            "--sample-chars", "0", "--quiet", "--metrics", metrics] + a.rz_extra.split()
+
+
+def model_args(a) -> list:
+    return ["--n-layer", str(a.n_layer), "--n-head", str(a.n_head), "--n-embd", str(a.n_embd),
+            "--batch", str(a.batch), "--seq-len", str(a.seq_len), "--steps", str(a.steps),
+            "--seed", str(a.seed), "--lr", str(a.lr), "--grad-clip", str(a.grad_clip)]
+
+
+def mpirun_prefix(n: int) -> list:
+    """mpirun for n ranks sharing the cores: one thread each, no binding."""
+    venv_mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    mpirun = venv_mpirun if os.path.exists(venv_mpirun) else shutil.which("mpirun")
+    if not mpirun:
+        raise SystemExit("train_peer: no mpirun next to this python or on PATH")
+    out = subprocess.run([mpirun, "--version"], capture_output=True, text=True).stdout
+    cmd = [mpirun]
+    if "open mpi" in out.lower():
+        cmd += ["--oversubscribe", "--bind-to", "none"]
+        if os.getuid() == 0:
+            cmd.append("--allow-run-as-root")
+        for v in THREAD_ENV:
+            cmd += ["-x", v]
+    return cmd + ["-n", str(n)]
+
+
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+              "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_rank_world():
+    """Rank and size from the launcher's environment (Open MPI, MPICH/PMI)."""
+    for r, w in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE")):
+        if r in os.environ:
+            return int(os.environ[r]), int(os.environ[w])
+    return 0, 1
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+# ---- workers (run on every rank) ----------------------------------------------
+
+def torch_worker(a):
+    """One torch rank: wrap the model for ``a.mode``, train, write rank-R.json."""
+    import warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+    sys.path.insert(0, HERE)
+    from torch_gpt import Block, TorchGPT
+    from ringzero.data import Batches, load_corpus
+    from ringzero.flat import Layout
+    from ringzero.nn.gpt import GPTConfig, gpt_units
+
+    torch.set_num_threads(1)
+    rank, world = env_rank_world()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=a.timeout))
+    cfg = GPTConfig(a.n_layer, a.n_head, a.n_embd, a.seq_len, 256)  # block = seq_len
+    torch.manual_seed(a.seed)
+    model = TorchGPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())   # tied head counted once
+    if a.mode == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        strategy = {"fsdp-grad-op": ShardingStrategy.SHARD_GRAD_OP,
+                    "fsdp-full": ShardingStrategy.FULL_SHARD}[a.mode]
+        # device_id=cpu: without it FSDP looks for an accelerator and refuses to start
+        model = FSDP(model, sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                     device_id=torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    if a.mode == "ddp":
+        clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)  # noqa: E731
+    else:
+        clip = lambda: model.clip_grad_norm_(a.grad_clip)    # noqa: E731  (sharded norm)
+    corpus = load_corpus(None, a.seq_len)
+    batches = Batches(corpus.train, a.batch, a.seq_len, rank, world, a.seed)
+    times, losses = [], []
+    dist.barrier()
+    for step in range(a.steps):
+        t0 = time.perf_counter()
+        x, y = batches.get(step)                                  # (B, T) int64, reused
+        _, loss = model(torch.from_numpy(x), torch.from_numpy(y))
+        loss.backward()
+        if a.grad_clip > 0:
+            clip()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        lv = loss.item()
+        times.append(time.perf_counter() - t0)
+        losses.append(lv)
+    dist.barrier()
+    res = {"rank": rank, "world": world, "step_time_s": times, "loss": losses,
+           "peak_rss_bytes": peak_rss_bytes(), "params": n_params,
+           "layout_params": Layout(gpt_units(cfg)).numel, "torch": torch.__version__}
+    with open(os.path.join(a.out, f"rank-{rank}.json"), "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
+def ringzero_worker(a, train_argv):
+    """Run the ringzero trainer as ``__main__`` on this rank, then record peak RSS."""
+    import runpy
+    from mpi4py import MPI
+    sys.argv = [a.rz_module] + train_argv
+    code = 0
+    try:
+        runpy.run_module(a.rz_module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    rank = MPI.COMM_WORLD.rank
+    with open(os.path.join(a.out, f"rank-{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "peak_rss_bytes": peak_rss_bytes()}, f)
+    sys.exit(code)
+
+
+# ---- the driver ----------------------------------------------------------------
+
+def launch(cmd, log, timeout):
+    """Run one mpirun job in its own process group; kill that group on timeout."""
+    env = dict(os.environ, **THREAD_ENV)
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                             start_new_session=True, cwd=os.path.dirname(HERE))
+        try:
+            return p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            return 124
+
+
+def _rank_files(d, n):
+    out = []
+    for r in range(n):
+        path = os.path.join(d, f"rank-{r}.json")
+        if not os.path.exists(path):
+            raise RuntimeError(f"rank {r} wrote no result ({path})")
+        with open(path) as f:
+            out.append(json.load(f))
+    return out
+
+
+def _read_metrics(path):
+    """(per-step records sorted by step, the summary record or {})."""
+    rows, summary = [], {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                rec = json.loads(line)
+                if rec.get("summary"):
+                    summary = rec
+                elif "step" in rec:
+                    rows.append(rec)
+    if not rows:
+        raise RuntimeError(f"no per-step records in {path}")
+    return sorted(rows, key=lambda r: r["step"]), summary
+
+
+def run_mode(mode, n, a, work):
+    """Launch one mode at n ranks; return its table row (dict)."""
+    d = os.path.join(work, f"{mode}-n{n}")
+    os.makedirs(d, exist_ok=True)
+    tokens = n * a.batch * a.seq_len                   # global tokens per step
+    py = [sys.executable, "-m", "mpi4py"]
+    me = os.path.abspath(__file__)
+    if mode in RZ_MODES:
+        metrics = os.path.join(d, "metrics.jsonl")
+        cmd = mpirun_prefix(n) + py + [me, "--rz-worker", "--out", d, "--rz-module", a.rz_module,
+                                       "--"] + ringzero_args(a, RZ_MODES[mode], metrics)
+    else:
+        cmd = mpirun_prefix(n) + [sys.executable, me, "--torch-worker", "--mode", mode,
+                                  "--out", d, "--port", str(free_port())] + model_args(a)
+    log = os.path.join(d, "log.txt")
+    t0 = time.perf_counter()
+    load = os.getloadavg()[0]           # 1-min load average at launch: the noise gauge
+    rc = launch(cmd, log, a.timeout)
+    row = {"mode": mode, "ranks": n, "rc": rc, "log": log, "command": " ".join(cmd), "load": load,
+           "wall_s": round(time.perf_counter() - t0, 1)}
+    try:
+        if rc != 0:
+            raise RuntimeError(f"exit code {rc}" + (" (timeout)" if rc == 124 else ""))
+        ranks = _rank_files(d, n)
+        if mode in RZ_MODES:
+            recs, summary = _read_metrics(metrics)
+            row["params"] = summary.get("params")
+            times = [r["step_time_s"] for r in recs]
+            losses = [r["loss"] for r in recs]
+            own = [r["tokens_per_s"] for r in recs[a.warmup:] if "tokens_per_s" in r]
+            row["reported_tokens_per_s"] = statistics.median(own) if own else None
+        else:
+            times, losses = ranks[0]["step_time_s"], ranks[0]["loss"]
+            row["params"], row["layout_params"] = ranks[0]["params"], ranks[0]["layout_params"]
+            row["torch"] = ranks[0]["torch"]
+        timed = times[a.warmup:]
+        if not timed:
+            raise RuntimeError(f"no timed steps: {len(times)} steps, warm-up {a.warmup}")
+        rss = [r["peak_rss_bytes"] for r in ranks]
+        row.update(ok=True, tokens_per_s=tokens / statistics.median(timed), step_time_s=times,
+                   loss_first=losses[0], loss_last=losses[-1], rss_min=min(rss), rss_max=max(rss))
+    except (RuntimeError, OSError, KeyError, ValueError) as e:
+        with open(log) as f:
+            tail = f.read()[-3000:]
+        row.update(ok=False, error=str(e), log_tail=tail)
+        print(f"!! {mode} at n={n} failed: {e}; log {log}:\n{tail}", file=sys.stderr)
+    return row
+
+
+def best_of(launches):
+    """One row per (mode, ranks): the fastest good launch (the least disturbed
+    by other load), with every launch's figure and load kept beside it."""
+    good = [r for r in launches if r.get("ok")]
+    if not good:
+        return launches[-1]
+    best = dict(max(good, key=lambda r: r["tokens_per_s"]))
+    best["tokens_per_s_all"] = [round(r["tokens_per_s"]) if r.get("ok") else None for r in launches]
+    best["load_all"] = [r["load"] for r in launches]
+    return best
+
+
+def table(rows):
+    """Markdown table; one ratio column per ringzero mode that ran."""
+    rz = {(r["mode"], r["ranks"]): r["tokens_per_s"] for r in rows
+          if r["mode"] in RZ_MODES and r.get("ok")}
+    cols = [m for m in RZ_MODES if any(k[0] == m for k in rz)]
+    head = "".join(f" {m} / peer |" for m in cols)
+    lines = [f"| mode | ranks | tokens/s | peak RSS per rank | loss first → last |{head} every launch (load) |",
+             "|---|---|---|---|---|" + "---|" * len(cols) + "---|"]
+    for r in rows:
+        if not r.get("ok"):
+            lines.append(f"| {r['mode']} | {r['ranks']} | failed: {r['error']} | — | — |"
+                         + " — |" * len(cols) + " — |")
+            continue
+        mib = f"{r['rss_min'] / 2**20:.0f}–{r['rss_max'] / 2**20:.0f} MiB"
+        ratio = "".join(f" {rz[(m, r['ranks'])] / r['tokens_per_s']:.2f}× |"
+                        if r["mode"] in TORCH_MODES and (m, r["ranks"]) in rz else " — |" for m in cols)
+        every = ", ".join(f"{t if t is not None else 'failed'} ({ld:.1f})"
+                          for t, ld in zip(r["tokens_per_s_all"], r["load_all"]))
+        lines.append(f"| {r['mode']} | {r['ranks']} | {r['tokens_per_s']:.0f} | {mib} | "
+                     f"{r['loss_first']:.3f} → {r['loss_last']:.3f} |{ratio} {every} |")
+    return "\n".join(lines)
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description="ringzero stage 2 vs torch DDP/FSDP on gloo, "
+                                 "same GPT, same rank count, one run.")
+    ap.add_argument("--ranks", default="2,4", help="comma list of rank counts (default 2,4)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma list from {','.join(MODES)}")
+    ap.add_argument("--steps", type=int, default=15, help="optimizer steps per launch")
+    ap.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--n-head", type=int, default=4)
+    ap.add_argument("--n-embd", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (both sides)")
+    ap.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clip (both sides)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stage", default="2", help="ringzero stage (default 2)")
+    ap.add_argument("--rz-module", default="ringzero.train", help="the trainer module to run")
+    ap.add_argument("--rz-extra", default="", help="extra flags for the ringzero trainer, one string")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds over all modes; each mode's fastest launch is reported")
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per launch")
+    ap.add_argument("--json", default=None, help="write the rows (with per-step times) here")
+    ap.add_argument("--keep", default=None, help="keep logs and metrics in this folder")
+    # worker-side flags (the driver passes these; not for users)
+    ap.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rz-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default="ddp", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else argv
+    rest = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, rest = argv[:i], argv[i + 1:]
+    a = ap.parse_args(argv)
+    if not (a.torch_worker or a.rz_worker):
+        try:
+            a.ranks = [int(x) for x in a.ranks.split(",") if x]
+        except ValueError:
+            ap.error(f"--ranks must be a comma list of ints, got {a.ranks!r}")
+        a.modes = [m for m in a.modes.split(",") if m]
+        bad = [m for m in a.modes if m not in MODES]
+        if bad or not a.modes:
+            ap.error(f"--modes must be from {','.join(MODES)}, got {bad or a.modes}")
+        if min(a.ranks, default=0) < 1:
+            ap.error(f"--ranks must be >= 1, got {a.ranks}")
+        if a.steps <= a.warmup or a.warmup < 0:
+            ap.error(f"need 0 <= --warmup < --steps, got warmup {a.warmup}, steps {a.steps}")
+        if a.repeat < 1:
+            ap.error(f"--repeat must be >= 1, got {a.repeat}")
+    return a, rest
+
+
+def main(argv=None):
+    a, rest = parse(argv)
+    if a.torch_worker:
+        return torch_worker(a)
+    if a.rz_worker:
+        return ringzero_worker(a, rest)
+    work = a.keep or tempfile.mkdtemp(prefix="train_peer-")
+    os.makedirs(work, exist_ok=True)
+    print(f"train_peer: GPT n_layer={a.n_layer} n_head={a.n_head} n_embd={a.n_embd} "
+          f"block={a.seq_len}, batch {a.batch}/rank, T={a.seq_len}, {a.steps} steps "
+          f"({a.warmup} warm-up), {a.repeat} round(s), logs in {work}", flush=True)
+    launches = {}
+    for rnd in range(a.repeat):         # rounds interleave the modes, so a noisy spell
+        for n in a.ranks:               # on the machine hits every mode alike
+            for mode in a.modes:
+                row = run_mode(mode, n, a, os.path.join(work, f"round{rnd}"))
+                launches.setdefault((mode, n), []).append(row)
+                if row.get("ok"):
+                    print(f"  round {rnd} {mode:13s} n={n}: {row['tokens_per_s']:8.0f} tokens/s  "
+                          f"(load {row['load']:.1f}, {row['wall_s']} s launch)", flush=True)
+    rows = [best_of(launches[(m, n)]) for n in a.ranks for m in a.modes]
+    print(table(rows))
+    params = {r["mode"]: r["params"] for r in rows if r.get("params")}
+    params.update({"ringzero layout": r["layout_params"] for r in rows if r.get("layout_params")})
+    if params:
+        print("params: " + ", ".join(f"{k} {v:,}" for k, v in params.items())
+              + ("" if len(set(params.values())) == 1 else "  !! MISMATCH: the models differ"))
+    for r in rows:
+        own = r.get("reported_tokens_per_s")
+        if own and abs(own / r["tokens_per_s"] - 1) > 0.10:
+            print(f"note: ringzero n={r['ranks']} reports {own:.0f} tokens/s, step_time_s gives "
+                  f"{r['tokens_per_s']:.0f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            cfg = {k: v for k, v in vars(a).items()
+                   if k not in ("torch_worker", "rz_worker", "mode", "out", "port")}
+            json.dump({"config": cfg,
+                       "rows": rows, "launches": [r for v in launches.values() for r in v]},
+                      f, indent=1)
+    if not a.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if all(r.get("ok") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
