@@ -173,14 +173,15 @@ def file_corpus(path: str, seq_len: int, vocab: int | None = None) -> Corpus:
                              f"seq_len + 1 tokens each: expected >= {n_val + need} tokens, "
                              f"got {data.size}")
         train, val = data[:data.size - n_val], data[data.size - n_val:]
-    if data.dtype == np.uint8:
-        top = 255
+    if data.dtype == np.uint8:                 # bytes: any of the 256 may appear
+        if vocab is not None and vocab < 256:
+            raise ValueError(f"text file {path!r} is read as bytes: expected vocab >= 256, got {vocab}")
         vocab = 256 if vocab is None else vocab
     else:
         top = max(_max_token(train), _max_token(val))
         vocab = top + 1 if vocab is None else vocab
-    if top >= vocab:
-        raise ValueError(f"data file {path!r} holds token {top}: expected tokens < vocab = {vocab}")
+        if top >= vocab:
+            raise ValueError(f"data file {path!r} holds token {top}: expected tokens < vocab = {vocab}")
     kind = "uint16 tokens" if data.dtype == np.uint16 else "bytes"
     return Corpus(train, val, int(vocab), f"{path} ({kind})")
 

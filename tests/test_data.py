@@ -124,6 +124,21 @@ def test_text_file_is_bytes(tmp_path):
     assert c.vocab == 256 and c.train.dtype == np.uint8
     assert bytes(c.train) + bytes(c.val) == text
     assert c.decode(c.encode("héllo")) == "héllo"
+    with pytest.raises(ValueError, match="read as bytes: expected vocab >= 256, got 100"):
+        file_corpus(str(path), 32, vocab=100)
+
+
+def test_cli_reports_entropy_and_fails_in_one_line(tmp_path):
+    import subprocess
+    import sys
+    (tmp_path / "t.txt").write_bytes(b"abab" * 100)
+    ok = subprocess.run([sys.executable, "-m", "ringzero.data", "--data", str(tmp_path / "t.txt"),
+                         "--seq-len", "8"], capture_output=True, text=True)
+    assert ok.returncode == 0 and f"{math.log(2):.4f} nats" in ok.stdout, ok.stdout + ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "ringzero.data", "--data", str(tmp_path / "no.txt")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert "does not exist" in bad.stderr
 
 
 def test_data_file_errors(tmp_path):
