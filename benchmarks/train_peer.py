@@ -50,6 +50,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TORCH_MODES = ("ddp", "fsdp-grad-op", "fsdp-full")
 RZ_MODES = {"ringzero": "fp32", "ringzero-fp16": "fp16"}   # mode -> --precision
 MODES = TORCH_MODES + tuple(RZ_MODES)
+# one thread per rank (ranks share the cores); gloo stays on loopback
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+              "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo"}
 
 
 # ---- the command lines (each in one place) ----------------------------------
@@ -89,10 +92,6 @@ def mpirun_prefix(n: int) -> list:
         for v in THREAD_ENV:
             cmd += ["-x", v]
     return cmd + ["-n", str(n)]
-
-
-THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-              "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo"}
 
 
 def free_port() -> int:
