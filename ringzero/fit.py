@@ -187,31 +187,54 @@ def step_time(model: dict, stage, psi: int, nd: int, units: int = 1, ranks_per_n
 
 
 def report(rows, impl="ring", op="all_reduce", small_bytes=SMALL_BYTES, units=1,
-           tolerance=TOLERANCE, method="l1log") -> dict:
+           tolerance=TOLERANCE, method="l1log", predict_n=None) -> dict:
+    """Fit per world size n (and pooled), check held-out sizes, predict from n = predict_n.
+
+    On this machine α and β depend on n: with more ranks than cores, a step
+    waits for the scheduler, so one (α, β) cannot describe n = 2 and n = 8 at
+    once. The check therefore fits each n on every other size and predicts the
+    sizes it did not see; the pooled fit is printed beside it for comparison.
+    Predictions use the fit at predict_n (default: the smallest n measured,
+    where each rank has a core to itself, as on a cluster).
+    """
     sel = select(rows, op, impl)
+    ns = sorted({int(r["n"]) for r in sel})
+    per_n, held_rows = {}, []
+    for n in ns:
+        rs = [r for r in sel if int(r["n"]) == n]
+        fr, hr = split_alternate(rs)
+        if len(fr) < 2 or not hr:
+            raise ValueError(f"need >= 3 sizes of {op} (impl {impl!r}) at n={n} to fit and hold "
+                             f"some out, got {len(rs)}")
+        m_n = fit_alpha_beta(fr, small_bytes, method)
+        per_n[str(n)] = {"fit_on_half": m_n, "fit_on_all": fit_alpha_beta(rs, small_bytes, method)}
+        held_rows += [(r, p, e) for r, p, e in errors(m_n, hr, small_bytes)]
+    if not ns:
+        raise ValueError(f"need >= 2 sizes per (op, n) to hold some out; got 0 {op} rows of "
+                         f"impl {impl!r}")
     fit_rows, held = split_alternate(sel)
-    if not held:
-        raise ValueError(f"need >= 2 sizes per (op, n) to hold some out; got {len(sel)} "
-                         f"{op} rows of impl {impl!r}")
-    m = fit_alpha_beta(fit_rows, small_bytes, method)
-    ev = errors(m, held, small_bytes)
-    rel = np.abs([e[2] for e in ev])
-    full = fit_alpha_beta(sel, small_bytes, method)   # all points, for the predictions
-    pred_ar = {f"{n}": {f"{psi / 1e9:g}B": predict(full, "all_reduce", n, 2 * psi, small_bytes)
+    pooled = fit_alpha_beta(fit_rows, small_bytes, method)
+    pooled_err = np.abs([e for _, _, e in errors(pooled, held, small_bytes)])
+    rel = np.abs([e for _, _, e in held_rows])
+    pn = predict_n if predict_n is not None else ns[0]
+    if str(pn) not in per_n:
+        raise ValueError(f"--predict-from n={pn} has no rows; measured n: {ns}")
+    base = per_n[str(pn)]["fit_on_all"]
+    pred_ar = {f"{n}": {f"{psi / 1e9:g}B": predict(base, "all_reduce", n, 2 * psi, small_bytes)
                         for psi in (1.5e9, 7.5e9, 100e9)} for n in (2, 8, 64, 256, 1024)}
-    pred_step = {st: {f"{n}": {f"{psi / 1e9:g}B": step_time(full, st, int(psi), n, units)
+    pred_step = {st: {f"{n}": {f"{psi / 1e9:g}B": step_time(base, st, int(psi), n, units)
                                for psi in (1.5e9, 7.5e9, 100e9)} for n in (8, 64, 1024)}
                  for st in ("0", "2", "3")}
-    per_n = {}
-    for n in sorted({int(r["n"]) for r in sel}):
-        rs = [r for r in sel if int(r["n"]) == n]
-        if len(rs) >= 2:
-            per_n[str(n)] = fit_alpha_beta(rs, small_bytes, method)
-    return {"op": op, "impl": impl, "fit_on_half": m, "fit_on_all": full, "fit_per_n": per_n,
-            "held_out": [{"n": int(r["n"]), "bytes": int(r["bytes"]), "measured_us": float(r["time_us"]),
-                          "predicted_us": p, "rel_err": e} for r, p, e in ev],
+    return {"op": op, "impl": impl, "method": method, "fit_per_n": per_n,
+            "dtypes": sorted({str(r.get("dtype", "?")) for r in sel}),
+            "pooled_fit_on_half": pooled,
+            "pooled_median_abs_rel_err": float(np.median(pooled_err)),
+            "held_out": [{"n": int(r["n"]), "bytes": int(r["bytes"]),
+                          "measured_us": float(r["time_us"]), "predicted_us": p, "rel_err": e}
+                         for r, p, e in held_rows],
             "median_abs_rel_err": float(np.median(rel)), "max_abs_rel_err": float(rel.max()),
             "tolerance": tolerance, "within_tolerance": bool(np.median(rel) <= tolerance),
+            "predict_from_n": pn, "predict_model": base,
             "predict_allreduce_fp16_grads_s": pred_ar, "predict_step_comm_s": pred_step,
             "units": units}
 
@@ -222,17 +245,18 @@ def _t(s: float) -> str:
 
 def print_report(r: dict, f=None):
     p = lambda *a: print(*a, file=f or sys.stdout)  # noqa: E731
-    m, a = r["fit_on_half"], r["fit_on_all"]
     how = {"l1log": "least |log(predicted/measured)|", "lsq": "least squares of relative error"}
-    p(f"α–β fit of {r['impl']} {r['op']}: T = steps·α + wire_bytes·β, {how[m['method']]}")
-    p(f"  on every other size: α = {m['alpha_s'] * 1e6:.2f} us, β = {m['beta_s_per_byte'] * 1e9:.4f} ns/B "
-      f"({m['bandwidth_GBps']:.2f} GB/s), {m['rows']} rows")
-    p(f"  on all rows:         α = {a['alpha_s'] * 1e6:.2f} us, β = {a['beta_s_per_byte'] * 1e9:.4f} ns/B "
-      f"({a['bandwidth_GBps']:.2f} GB/s), {a['rows']} rows (used for the predictions)")
-    for n, fn in r["fit_per_n"].items():
-        p(f"  n = {n:>3} alone:        α = {fn['alpha_s'] * 1e6:.2f} us, β = "
-          f"{fn['beta_s_per_byte'] * 1e9:.4f} ns/B ({fn['bandwidth_GBps']:.2f} GB/s), {fn['rows']} rows")
-    p("\nHeld-out points (not used by the first fit):")
+    p(f"α–β fit of {r['impl']} {r['op']}: T = steps·α + wire_bytes·β, {how[r['method']]}")
+
+    def ab(m):
+        return (f"α = {m['alpha_s'] * 1e6:8.2f} us, β = {m['beta_s_per_byte'] * 1e9:.4f} ns/B "
+                f"({m['bandwidth_GBps']:.2f} GB/s)")
+    for n, d in r["fit_per_n"].items():
+        p(f"  n = {n:>3}: every other size {ab(d['fit_on_half'])};  all sizes {ab(d['fit_on_all'])}")
+    p(f"  pooled over n, every other size: {ab(r['pooled_fit_on_half'])}; its held-out median "
+      f"|error| {100 * r['pooled_median_abs_rel_err']:.0f} % (one α, β cannot serve every n "
+      f"when ranks outnumber cores)")
+    p("\nHeld-out sizes, each predicted by the fit of its own n on the other sizes:")
     p(f"  {'n':>3} {'bytes':>12} {'measured':>12} {'predicted':>12} {'error':>8}")
     for h in r["held_out"]:
         p(f"  {h['n']:>3} {h['bytes']:>12,} {_t(h['measured_us'] * 1e-6):>12} "
@@ -240,6 +264,9 @@ def print_report(r: dict, f=None):
     p(f"  median |error| {100 * r['median_abs_rel_err']:.1f} %, max {100 * r['max_abs_rel_err']:.1f} %; "
       f"tolerance: median <= {100 * r['tolerance']:.0f} % -> "
       f"{'within' if r['within_tolerance'] else 'OUTSIDE'}")
+    p(f"\nPredictions use the n = {r['predict_from_n']} fit on all sizes: {ab(r['predict_model'])}")
+    p(f"  (bench rows in {', '.join(r['dtypes'])}; the fp16 predictions below assume the same cost "
+      f"per byte: bench with -d float16 to fit fp16 itself)")
     p("\nPredicted ring all-reduce of the fp16 gradients (2Ψ bytes), this machine's α and β:")
     cols = list(next(iter(r["predict_allreduce_fp16_grads_s"].values())))
     p("  " + f"{'Nd':>6}" + "".join(f"{'Ψ=' + c:>12}" for c in cols))
@@ -271,13 +298,15 @@ def main(argv=None):
     ap.add_argument("--method", default="l1log", choices=("l1log", "lsq"),
                     help="l1log: robust to the busy machine's outliers (default); lsq: relative "
                          "least squares")
+    ap.add_argument("--predict-from", type=int, default=None,
+                    help="world size whose fit makes the predictions (default: the smallest)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     try:
         if a.units < 1:
             raise ValueError(f"--units must be >= 1, got {a.units}")
         r = report([row for b in a.bench for row in load_rows(b)], a.impl, a.op, a.small_bytes,
-                   a.units, method=a.method)
+                   a.units, method=a.method, predict_n=a.predict_from)
     except (ValueError, OSError) as e:
         ap.error(str(e))
     if a.json:
