@@ -303,7 +303,8 @@ def print_traffic(psi, nd, rpn, cfg, metrics, f=None):
         s = read_summary(metrics)
         st, n, P = acc.parse_stage(s["stage"]), int(s["world_size"]), int(s["params"])
         t = s["traffic"]
-        ours = sum(acc.traffic_bytes(st, P, n, s.get("ranks_per_node")).values())
+        eb = 4 if s.get("precision") == "fp32" else 2          # bytes per element on the wire
+        ours = sum(acc.traffic_bytes(st, P, n, s.get("ranks_per_node"), eb, eb).values())
         p(f"\n== measured ({metrics}): stage {st}, Ψ = {P:,}, Nd = {n}")
         p(f"  traffic/step: measured {t['measured_bytes_per_step']:,} B   trainer's formula "
           f"{t['formula_bytes_per_step']:,} B   accounting on unpadded Ψ {ours:,.0f} B")
@@ -315,6 +316,9 @@ def print_traffic(psi, nd, rpn, cfg, metrics, f=None):
              "used again right away (the last block at the forward/backward turn) is gathered "
              "once, not twice, which removes some" if d else ": exact match"))
         mine = acc.model_state_bytes(st, P, n, s.get("ranks_per_node"))
+        if eb == 4:                                            # fp32 params and grads
+            mine["params_fp16"] *= 2
+            mine["grads_fp16"] *= 2
         p(f"  {'memory class':<14}{'measured B':>16}{'trainer formula B':>20}{'unpadded formula B':>20}")
         for c, v in s["memory"].items():
             p(f"  {c:<14}{v['measured_bytes']:>16,}{v['formula_bytes']:>20,}"
