@@ -62,7 +62,7 @@ def by_name(layout, full):
 
 # ------------------------------------------------------------------ resume
 @pytest.mark.mpi
-@pytest.mark.parametrize("stage", ["0", "2", "3", "hybrid"])
+@pytest.mark.parametrize("stage", ["0", "3", "hybrid"])
 def test_resume_bitwise(comm, stage, tmp_path_factory):
     from ringzero import checkpoint as ck
     kw = {}
@@ -132,6 +132,8 @@ def test_reshard(comm, case, tmp_path_factory):
     cb = group(b)
     if cb != MPI.COMM_NULL:
         eb = engine(cb, sb, seed=77)
+        for c in saved:                                    # an engine holding anything at all
+            eb.bufs[c][...] = np.nan
         m = ck.load(eb, os.path.join(d, "step-000004"))
         bad = [(c, n) for c in saved for n, v in by_name(eb.layout, eb.full_state(c)).items()
                if not np.array_equal(v, saved[c][n])]
@@ -139,13 +141,14 @@ def test_reshard(comm, case, tmp_path_factory):
         same_sum = a == b and "hybrid" not in (sa, sb)   # same Nd: the stages are bitwise equal
         close = got == ref if same_sum else np.allclose(got, ref, rtol=2e-3, atol=2e-3)
         # padding loads as zeros; the fp16 params are cast(master) again
-        full = eb.full_state("master")
-        pad = np.ones(full.size, bool)
+        full = {c: eb.full_state(c) for c in saved}
+        pad = np.ones(eb.layout.padded, bool)
         for s in eb.layout.slots.values():
             pad[s.offset:s.offset + s.spec.numel] = False
-        ok = not bad and close and m["nd"] == (2 if sa == "hybrid" else a) and not full[pad].any()
-        ok &= np.array_equal(eb.full_params(np.float16), full.astype(eb.sdt))
-        msg = f"Nd {a} s{sa} -> Nd {b} s{sb}: differ in {bad[:3]}; losses {got} vs {ref}"
+        zeros = all(np.array_equal(v[pad], np.zeros(pad.sum(), np.float32)) for v in full.values())
+        ok = not bad and close and m["nd"] == (2 if sa == "hybrid" else a) and zeros
+        ok &= np.array_equal(eb.full_params(np.float16), full["master"].astype(eb.sdt))
+        msg = f"Nd {a} s{sa} -> Nd {b} s{sb}: differ in {bad[:3]}; padding zero {zeros}; losses {got} vs {ref}"
     comm.Barrier()
     assert_all(comm, ok, msg)
 
