@@ -145,13 +145,25 @@ def _model_signature(units) -> list:
 def check_layout(m: dict, path: str, layout: Layout | None = None) -> Layout:
     """The checkpoint's own Layout, after checking it against its manifest,
     its file list, and (if given) the loading engine's layout. Raises."""
-    f = os.path.join(path, MANIFEST)
     try:
-        d = m["layout"]
-        old = Layout(units_from_description(d), nd=int(m["nd"]), align=int(d["align"]))
-        classes, files = m["classes"], m["files"]
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{f}: malformed manifest ({type(e).__name__}: {e})") from None
+        return _check_layout(m, path, layout)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{os.path.join(path, MANIFEST)}: malformed manifest "
+                              f"({type(e).__name__}: {e})") from None
+
+
+def _check_layout(m, path, layout):
+    f = os.path.join(path, MANIFEST)
+    d = m["layout"]
+    old = Layout(units_from_description(d), nd=int(m["nd"]), align=int(d["align"]))
+    classes, files = m["classes"], m["files"]
+    # everything load() applies after the read must be present now, not fail half-way
+    int(m["step"]), int(m["adam"]["t"]), int(m.get("engine_step_count", 0)), str(m["precision"])
+    float(m["scaler"]["scale"]), int(m["scaler"]["good"]), int(m["scaler"]["hyst"])
+    for info in files.values():
+        int(info["bytes"]), str(info["sha256"])
     if layout is not None:
         mine, theirs = _model_signature(layout.describe()["units"]), _model_signature(d["units"])
         if mine != theirs:

@@ -173,6 +173,11 @@ def _damage(src, dst, how, nd):
         m = json.load(open(mf))
         m["layout"]["units"][1]["padded"] += 32 * m["nd"]
         json.dump(m, open(mf, "w"))
+    elif how == "malformed":
+        mf = os.path.join(dst, "manifest.json")
+        m = json.load(open(mf))
+        del m["scaler"]["hyst"]
+        json.dump(m, open(mf, "w"))
     elif how == "manifest":
         os.remove(os.path.join(dst, "manifest.json"))
     return victim
@@ -188,7 +193,8 @@ def test_damage_is_caught_before_anything_changes(comm, tmp_path_factory):
     fresh = engine(comm, "3", seed=77)
     before = {k: v.copy() for k, v in fresh.bufs.items()}
     want = {"flip": "corrupt: sha256", "truncate": "truncated: expected", "missing": "missing",
-            "layout": "layout mismatch", "manifest": "not a checkpoint"}
+            "layout": "layout mismatch", "malformed": "malformed manifest (KeyError: 'hyst')",
+            "manifest": "not a checkpoint"}
     for how, word in want.items():
         dst = os.path.join(d, f"damaged-{how}")
         victim = _damage(src, dst, how, e.nd) if comm.rank == 0 else None
