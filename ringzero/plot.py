@@ -81,11 +81,14 @@ def plot_busbw(rows: list, out: str, op: str = "all_reduce", title=None) -> str:
         raise ValueError(f"no {op} rows with n >= 2 in the bench data; ops present: "
                          f"{sorted({r['op'] for r in rows})}")
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    ns = sorted({n for _, n in series})
     for (impl, n), pts in sorted(series.items()):
-        pts.sort()
-        ax.semilogx([p[0] for p in pts], [p[1] for p in pts], base=2,
-                    ls="-" if impl == "ring" else "--", marker="o", ms=3,
-                    label=f"{impl}, n={n}")
+        pts.sort()                             # one colour per n; ring solid, MPI dashed
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], color=f"C{ns.index(n)}",
+                ls="-" if impl == "ring" else "--", marker="o" if impl == "ring" else "x", ms=3,
+                label=f"{impl}, n={n}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("bus bandwidth (GB/s)")
     ax.set_title(title or f"{op}: ringzero ring vs MPI library")
