@@ -1,0 +1,482 @@
+"""Ring collectives against independent references.
+
+References: every rank regenerates every other rank's data from its seed and
+sums it with NumPy (in float64 for integer-valued data, exact), the MPI
+library's own Allreduce / Reduce_scatter_block / Allgather, and for float16 a
+NumPy replay of the documented summation order. Run under mpirun at 1, 2, 3,
+4 and 8 ranks (launch/test); the unmarked tests run serially.
+"""
+import os
+import tracemalloc
+
+import numpy as np
+import pytest
+from conftest import assert_all, have_cupy
+
+from ringzero.collectives import DTYPES, Ring, blocks
+
+FLOATS = ("float16", "float32", "float64")
+ALL_DT = [d.name for d in DTYPES]
+
+
+def data(rank, L, dtype, seed=0, ints=True):
+    """Rank `rank`'s data, reproducible anywhere. Integers in [-8, 8] are exact in every dtype's sums."""
+    rng = np.random.default_rng(1000 * seed + rank)
+    if ints:
+        return rng.integers(-8, 9, L).astype(dtype)
+    return (rng.standard_normal(L) * 3).astype(dtype)
+
+
+def exact_sum(n, L, dtype, seed=0):
+    return np.sum([data(r, L, dtype, seed).astype(np.float64) for r in range(n)], axis=0)
+
+
+def lengths(n):
+    return sorted({0, 1, max(n - 1, 0), n, n + 1, 7, 13, 31, 97, 4099})
+
+
+@pytest.fixture(params=["ring", "latency"])
+def ring(request, comm):
+    r = Ring(comm)
+    r.small_bytes = 0 if request.param == "ring" else 1 << 40  # force one schedule
+    yield r
+    r.free()
+
+
+# ---- results against NumPy and MPI ---------------------------------------
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", ALL_DT)
+def test_all_reduce_sum_and_avg(comm, ring, dtype):
+    n, r = comm.size, comm.rank
+    bad = []
+    for L in lengths(n):
+        x = data(r, L, dtype)
+        ring.all_reduce(x)
+        want = exact_sum(n, L, dtype)
+        if not np.array_equal(x.astype(np.float64), want):
+            bad.append(f"sum L={L}")
+        if dtype in FLOATS + ("bfloat16",):
+            y = data(r, L, dtype)
+            ring.all_reduce(y, op="avg")
+            ref = (exact_sum(n, L, dtype).astype(dtype) / np.asarray(n, dtype)).astype(dtype)
+            if not np.array_equal(y, ref):
+                bad.append(f"avg L={L}")
+    assert_all(comm, not bad, f"{dtype}: {bad}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64"])
+def test_against_mpi_library(comm, ring, dtype):
+    from mpi4py import MPI
+    n, r = comm.size, comm.rank
+    bad = []
+    for m in (0, 1, 5, 1031):
+        x = data(r, n * m, dtype, seed=3)
+        a, b = x.copy(), x.copy()
+        ring.all_reduce(a)
+        comm.Allreduce(MPI.IN_PLACE, b, MPI.SUM)
+        rs_a, rs_b = np.empty(m, dtype), np.empty(m, dtype)
+        ring.reduce_scatter(x, rs_a)
+        comm.Reduce_scatter_block(x, rs_b, MPI.SUM)
+        ag_a, ag_b = np.empty(n * m, dtype), np.empty(n * m, dtype)
+        ring.all_gather(x[:m], ag_a)
+        comm.Allgather(x[:m], ag_b)
+        for what, u, v in (("AR", a, b), ("RS", rs_a, rs_b), ("AG", ag_a, ag_b)):
+            if not np.array_equal(u, v):
+                bad.append(f"{what} m={m}")
+    assert_all(comm, not bad, f"{dtype}: {bad}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", ALL_DT)
+def test_reduce_scatter_and_all_gather(comm, ring, dtype):
+    n, r = comm.size, comm.rank
+    bad = []
+    for m in (0, 1, 2, 3, 17, 1025):
+        L = n * m
+        send = data(r, L, dtype, seed=1)
+        keep = send.copy()
+        recv = np.full(m, 99, dtype)
+        ring.reduce_scatter(send, recv)
+        if not np.array_equal(recv.astype(np.float64), exact_sum(n, L, dtype, seed=1)[r * m:(r + 1) * m]):
+            bad.append(f"RS m={m}")
+        if not np.array_equal(send, keep):
+            bad.append(f"RS changed send m={m}")
+        # in place: recv is block `rank` of send
+        ip = send.copy()
+        ring.reduce_scatter(ip, ip[r * m:(r + 1) * m])
+        if not np.array_equal(ip[r * m:(r + 1) * m], recv):
+            bad.append(f"RS in place m={m}")
+        # all-gather, separate and in place
+        mine = data(r, m, dtype, seed=2)
+        want = np.concatenate([data(k, m, dtype, seed=2) for k in range(n)])
+        out = np.zeros(L, dtype)
+        ring.all_gather(mine, out)
+        if not np.array_equal(out, want):
+            bad.append(f"AG m={m}")
+        full = np.zeros(L, dtype)
+        full[r * m:(r + 1) * m] = mine
+        ring.all_gather(full[r * m:(r + 1) * m], full)
+        if not np.array_equal(full, want):
+            bad.append(f"AG in place m={m}")
+    assert_all(comm, not bad, f"{dtype}: {bad}")
+
+
+@pytest.mark.mpi
+def test_large_and_pipelined(comm):
+    """A large length with several segments per step (seg_bytes made small)."""
+    n, r = comm.size, comm.rank
+    ring = Ring(comm)
+    ring.seg_bytes = 4096
+    L = n * 20011 + 3
+    x = data(r, L, "float32", seed=5)
+    ring.all_reduce(x)
+    ok = np.array_equal(x.astype(np.float64), exact_sum(n, L, "float32", seed=5))
+    ring.free()
+    assert_all(comm, ok, "large all_reduce differs from the NumPy sum")
+
+
+def _replay_f16(n, L, seed, schedule):
+    """The float16 sum as documented: one float32 add and one rounding per hop (NumPy's float16 add)."""
+    xs = [data(k, L, "float16", seed, ints=False) for k in range(n)]
+    if schedule == "latency":
+        vals = list(xs)
+        d = n >> 1
+        while d:
+            vals = [vals[k] + vals[k ^ d] for k in range(n)]
+            d >>= 1
+        return vals[0]
+    out = np.empty(L, np.float16)
+    off = blocks(L, n)
+    for b in range(n):  # block b is summed from rank b+1 round to rank b
+        acc = xs[(b + 1) % n][off[b]:off[b + 1]].copy()
+        for k in range(2, n + 1):
+            acc = acc + xs[(b + k) % n][off[b]:off[b + 1]]
+        out[off[b]:off[b + 1]] = acc
+    return out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("schedule", ["ring", "latency"])
+def test_float16_order_and_determinism(comm, schedule):
+    n, r = comm.size, comm.rank
+    if schedule == "latency" and n & (n - 1):
+        pytest.skip(f"latency schedule needs a power-of-two size, have {n}")
+    ring = Ring(comm)
+    ring.small_bytes = 0 if schedule == "ring" else 1 << 40
+    L = 8 * n + 5 if schedule == "latency" else 3001
+    x = data(r, L, "float16", 7, ints=False)
+    ring.all_reduce(x)
+    want = _replay_f16(n, L, 7, schedule)
+    ok = np.array_equal(x.view(np.uint16), want.view(np.uint16))
+    same = len(set(comm.allgather(x.tobytes()))) == 1
+    ring.free()
+    assert_all(comm, ok and same, f"float16 {schedule}: equal to replay {ok}, same on all ranks {same}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("m", [1, 3, 64, 2049, 70001])
+def test_composition_contract(comm, dtype, m):
+    """all_reduce == reduce_scatter then all_gather, bitwise, with the default schedule choice."""
+    n, r = comm.size, comm.rank
+    ring = Ring(comm)
+    x = data(r, n * m, dtype, seed=11, ints=False)
+    a = x.copy()
+    ring.all_reduce(a)
+    part = np.empty(m, dtype)
+    ring.reduce_scatter(x, part)
+    b = np.empty(n * m, dtype)
+    ring.all_gather(part, b)
+    ok = np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    ring.free()
+    assert_all(comm, ok, f"{dtype} m={m}: all_reduce != all_gather(reduce_scatter)")
+
+
+@pytest.mark.mpi
+def test_split_communicator(comm):
+    n, r = comm.size, comm.rank
+    sub = comm.Split(color=r % 2, key=r)
+    ring = Ring(sub)
+    L = 3 * sub.size + 2
+    x = data(r, L, "float64")
+    ring.all_reduce(x)
+    members = [k for k in range(n) if k % 2 == r % 2]
+    want = np.sum([data(k, L, "float64") for k in members], axis=0)
+    ok = np.array_equal(x, want) and ring.size == len(members)
+    ring.free()
+    sub.Free()
+    assert_all(comm, ok, "all_reduce over a split communicator")
+
+
+# ---- the ledger -----------------------------------------------------------
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("L", [0, 1, 7, 1000, 4099])
+def test_ledger_ring_formula(comm, L):
+    n, r = comm.size, comm.rank
+    ring = Ring(comm)
+    ring.small_bytes = 0  # ring schedule
+    x = np.ones(L, np.float32)
+    ring.all_reduce(x)
+    off = blocks(L, n)
+    size = [off[i + 1] - off[i] for i in range(n)]
+    want = 0 if n == 1 else 4 * (2 * L - size[r] - size[(r + 1) % n])
+    got = ring.ledger["all_reduce"]
+    ok = got["bytes_sent"] == want and got["calls"] == 1
+    m = L // n
+    ring.ledger.reset()
+    ring.reduce_scatter(np.ones(n * m, np.float32), np.empty(m, np.float32))
+    ring.all_gather(np.ones(m, np.float32), np.empty(n * m, np.float32))
+    pass_bytes = 4 * (n - 1) * m
+    ok = ok and ring.ledger["reduce_scatter"]["bytes_sent"] == pass_bytes \
+        and ring.ledger["all_gather"]["bytes_sent"] == pass_bytes \
+        and ring.ledger.total_sent() == 2 * pass_bytes
+    sent = comm.allreduce(got["bytes_sent"])
+    recv = comm.allreduce(got["bytes_recv"])
+    ring.free()
+    assert_all(comm, ok and sent == recv == (0 if n == 1 else 4 * 2 * (n - 1) * L),
+               f"L={L}: sent {got['bytes_sent']} want {want}; totals sent {sent} recv {recv}")
+
+
+@pytest.mark.mpi
+def test_ledger_latency_formula(comm):
+    n, r = comm.size, comm.rank
+    if n & (n - 1):
+        pytest.skip(f"latency schedule needs a power-of-two size, have {n}")
+    ring = Ring(comm)
+    ring.small_bytes = 1 << 40
+    m = 10
+    ring.all_reduce(np.ones(n * m, np.float64))
+    ring.reduce_scatter(np.ones(n * m, np.float64), np.empty(m))
+    ring.all_gather(np.ones(m), np.empty(n * m))
+    log2n = n.bit_length() - 1
+    led = ring.ledger
+    ok = (led["all_reduce"]["bytes_sent"] == 8 * n * m * log2n
+          and led["reduce_scatter"]["bytes_sent"] == 8 * (n - 1) * m
+          and led["all_gather"]["bytes_sent"] == 8 * (n - 1) * m)
+    ring.free()
+    assert_all(comm, ok, f"latency ledger {led.as_dict()}")
+
+
+# ---- steady state allocates nothing ---------------------------------------
+
+@pytest.mark.mpi
+def test_no_allocation_in_steady_state(comm):
+    n, r = comm.size, comm.rank
+    ring = Ring(comm)
+    x = np.ones(n * 65536, np.float32)          # 256 KiB per rank and up
+    part = np.empty(65536, np.float32)
+    for _ in range(2):                          # warm up: scratch grows here
+        ring.all_reduce(x)
+        ring.reduce_scatter(x, part)
+        ring.all_gather(part, x)
+    growths = ring.scratch_growths
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    for _ in range(3):
+        ring.all_reduce(x)
+        ring.reduce_scatter(x, part)
+        ring.all_gather(part, x)
+    peak = tracemalloc.get_traced_memory()[1] - base
+    tracemalloc.stop()
+    ok = ring.scratch_growths == growths and peak < 64 * 1024 < x.nbytes
+    ring.free()
+    assert_all(comm, ok, f"steady state: scratch growths {growths}->{ring.scratch_growths}, "
+                         f"traced peak {peak} B for a {x.nbytes} B buffer")
+
+
+# ---- bad input: errors before any message ----------------------------------
+
+@pytest.mark.mpi
+def test_bad_input_raises_before_sending(comm):
+    n, r = comm.size, comm.rank
+    ring = Ring(comm)
+    f = np.zeros(2 * n, np.float32)
+    cases = [
+        (ValueError, lambda: ring.all_reduce(np.zeros((2, 3), np.float32))),
+        (ValueError, lambda: ring.all_reduce(np.zeros(10, np.float32)[::2])),
+        (TypeError, lambda: ring.all_reduce(np.zeros(4, np.uint8))),
+        (TypeError, lambda: ring.all_reduce(np.zeros(4, np.complex64))),
+        (TypeError, lambda: ring.all_reduce([1.0, 2.0])),
+        (ValueError, lambda: ring.all_reduce(np.zeros(4, np.float32), op="max")),
+        (TypeError, lambda: ring.all_reduce(np.zeros(4, np.int32), op="avg")),
+        (ValueError, lambda: ring.reduce_scatter(f, np.zeros(3, np.float32))),
+        (TypeError, lambda: ring.reduce_scatter(f, np.zeros(2, np.float64))),
+        (ValueError, lambda: ring.all_gather(np.zeros(2, np.float32), np.zeros(2 * n + 1, np.float32))),
+        (TypeError, lambda: ring.all_gather(np.zeros(2, np.int32), np.zeros(2 * n, np.int64))),
+        (ValueError, lambda: ring.all_gather(f[1:3], f)),                   # overlaps, not in place
+        (ValueError, lambda: ring.reduce_scatter(np.zeros(2 * n, np.float32), np.zeros(4, np.float32)[::2])),
+    ]
+    ro = np.zeros(4, np.float32)
+    ro.flags.writeable = False
+    cases.append((ValueError, lambda: ring.all_reduce(ro)))
+    if n > 1:  # block `rank` is allowed; any other block is not
+        other = (r + 1) % n
+        cases.append((ValueError, lambda: ring.all_gather(f[2 * other:2 * other + 2], f)))
+    bad = []
+    for i, (exc, call) in enumerate(cases):
+        try:
+            call()
+            bad.append(f"case {i}: no error")
+        except exc as e:
+            if "\n" in str(e) or not str(e):
+                bad.append(f"case {i}: not one line: {e!r}")
+        except Exception as e:  # noqa: BLE001
+            bad.append(f"case {i}: {type(e).__name__}: {e}")
+    sent = ring.ledger.total_sent()
+    # the ring still works: nothing was sent, nothing is pending
+    x = np.ones(5, np.float32)
+    ring.all_reduce(x)
+    ok = not bad and sent == 0 and np.all(x == n)
+    ring.free()
+    assert_all(comm, ok, f"{bad}, bytes sent before the good call: {sent}")
+
+
+@pytest.mark.mpi
+def test_mixed_numpy_cupy_is_type_error(comm):
+    if not have_cupy():
+        pytest.skip("CuPy with a GPU is not available")
+    import cupy
+    ring = Ring(comm)
+    with pytest.raises(TypeError, match="NumPy or all CuPy"):
+        ring.all_gather(np.zeros(2, np.float32), cupy.zeros(2 * comm.size, np.float32))
+    ring.free()
+
+
+def _expect_failure(comm, call, want_one_of):
+    try:
+        call()
+        return "no error"
+    except want_one_of as e:
+        return e
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.mpi
+def test_disagreeing_lengths_raise_not_hang(comm):
+    n, r = comm.size, comm.rank
+    if n < 2:
+        pytest.skip("needs world size >= 2")
+    for schedule in ("ring", "latency"):
+        ring = Ring(comm, timeout=2.0)
+        ring.small_bytes = 0 if schedule == "ring" else 1 << 40
+        L = 12 if r == 0 else 10  # rank 0 disagrees
+        e = _expect_failure(comm, lambda: ring.all_reduce(np.ones(L, np.float32)), (ValueError, TimeoutError))
+        kinds = comm.allgather(type(e).__name__)
+        ok = isinstance(e, (ValueError, TimeoutError)) and "ValueError" in kinds
+        if isinstance(e, ValueError):
+            ok = ok and "expected" in str(e) and "got" in str(e)
+        # the Ring refuses further use; a new one works once everyone is back in step
+        again = _expect_failure(comm, lambda: ring.all_reduce(np.ones(4, np.float32)), RuntimeError)
+        ok = ok and isinstance(again, RuntimeError)
+        comm.Barrier()
+        fresh = Ring(comm)
+        y = np.ones(6, np.float32)
+        fresh.all_reduce(y)
+        ok = ok and np.all(y == n)
+        fresh.free()
+        assert_all(comm, ok, f"{schedule}: got {e!r}; all ranks: {kinds}; reuse: {again!r}")
+
+
+@pytest.mark.mpi
+def test_missing_peer_times_out(comm):
+    n, r = comm.size, comm.rank
+    if n < 2:
+        pytest.skip("needs world size >= 2")
+    ring = Ring(comm, timeout=1.5)
+    ring.small_bytes = 0  # ring schedule: rank 0's first message comes from its left, the one that skips
+    skipper = n - 1
+    if r != skipper:
+        e = _expect_failure(comm, lambda: ring.all_reduce(np.ones(4 * n, np.float32)), TimeoutError)
+        ok = isinstance(e, TimeoutError) and "all_reduce" in str(e) and "rank" in str(e)
+        if r == 0:
+            ok = ok and f"rank {skipper};" in str(e)
+    else:
+        e, ok = None, True
+    comm.Barrier()  # back in step
+    fresh = Ring(comm)
+    y = np.ones(3, np.float64)
+    fresh.all_reduce(y)
+    ok = ok and np.all(y == n)
+    fresh.free()
+    assert_all(comm, ok, f"rank {r}: {e!r}")
+
+
+# ---- serial ---------------------------------------------------------------
+
+def test_blocks_split():
+    for L in range(0, 40):
+        for n in range(1, 9):
+            off = blocks(L, n)
+            sizes = np.diff(off)
+            assert off[0] == 0 and off[-1] == L
+            assert sizes.max() - sizes.min() <= 1
+            assert list(sizes) == sorted(sizes, reverse=True)  # the longer blocks come first
+
+
+def test_comm_self_is_identity():
+    from mpi4py import MPI
+    ring = Ring(MPI.COMM_SELF)
+    x = np.arange(5, dtype=np.float32)
+    ring.all_reduce(x, op="avg")
+    out = np.zeros(5, np.float32)
+    ring.all_gather(x, out)
+    rs = np.zeros(5, np.float32)
+    ring.reduce_scatter(x, rs)
+    assert np.array_equal(x, np.arange(5)) and np.array_equal(out, x) and np.array_equal(rs, x)
+    assert ring.ledger.total_sent() == 0 and ring.ledger["all_reduce"]["calls"] == 1
+    ring.ledger.reset()
+    assert ring.ledger["all_reduce"]["calls"] == 0
+    ring.free()
+
+
+# ---- GPU (CuPy), several ranks may share one GPU ---------------------------
+
+@pytest.mark.mpi
+@pytest.mark.gpu
+@pytest.mark.parametrize("aware", ["0", "1"])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "int64"])
+def test_cupy_buffers(comm, monkeypatch, aware, dtype):
+    if not have_cupy():
+        from ringzero.backend import cupy_missing_reason
+        pytest.skip(f"CuPy with a GPU is not available ({cupy_missing_reason()})")
+    import cupy
+
+    from ringzero.backend import _library_cuda_hint, select_device
+    if aware == "1" and not _library_cuda_hint() and os.environ.get("RINGZERO_CUDA_AWARE") != "1":
+        pytest.skip("this MPI does not say it is CUDA-aware (set RINGZERO_CUDA_AWARE=1 to force)")
+    monkeypatch.setenv("RINGZERO_CUDA_AWARE", aware)
+    select_device(comm)
+    n, r = comm.size, comm.rank
+    bad = []
+    for small in (0, 1 << 40):
+        ring = Ring(comm)
+        ring.small_bytes = small
+        for m in (1, 7, 4099):
+            L = n * m
+            x = cupy.asarray(data(r, L, dtype))
+            ring.all_reduce(x)
+            if not np.array_equal(x.get().astype(np.float64), exact_sum(n, L, dtype)):
+                bad.append(f"AR m={m} small={small}")
+            s = cupy.asarray(data(r, L, dtype))
+            part = cupy.empty(m, dtype)
+            ring.reduce_scatter(s, part)
+            full = cupy.empty(L, dtype)
+            ring.all_gather(part, full)
+            if not np.array_equal(full.get().astype(np.float64), exact_sum(n, L, dtype)):
+                bad.append(f"RS+AG m={m} small={small}")
+        if dtype == "float16":  # same bits as the host ring
+            h = data(r, 1001, dtype, seed=4, ints=False)
+            d = cupy.asarray(h)
+            ring.all_reduce(d)
+            host = Ring(comm)
+            host.small_bytes = small
+            host.all_reduce(h)
+            host.free()
+            if not np.array_equal(d.get().view(np.uint16), h.view(np.uint16)):
+                bad.append("float16 device != host bits")
+        ring.free()
+    assert_all(comm, not bad, f"aware={aware} {dtype}: {bad}")
