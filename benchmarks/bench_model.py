@@ -14,7 +14,8 @@ What it is not
     A training benchmark (no optimizer, no communication): that is
     ringzero's bench/train. Torch is only a peer here, never a dependency.
 
-    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 .venv/bin/python benchmarks/bench_model.py
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 .venv/bin/python benchmarks/bench_model.py \
+        [--checkpoint] [--allocs] [--profile] [--backend cupy --dtype float16]
 """
 from __future__ import annotations
 
@@ -66,6 +67,42 @@ def activation_bytes(model, P, idx, tgt) -> int:
     return tot
 
 
+def layer_profile(model, P, G, gbuf, idx, tgt, steps=3) -> dict:
+    """Milliseconds per step spent in each layer class's forward/backward,
+    exclusive of the layers nested inside it (attention's two Linears)."""
+    from ringzero.nn import layers as Lr
+    spent, stack, saved = {}, [], []
+    for cls in (Lr.Embedding, Lr.Linear, Lr.Unembed, Lr.LayerNorm, Lr.GELU,
+                Lr.CausalSelfAttention, Lr.SoftmaxCrossEntropy):
+        for meth in ("forward", "backward"):
+            f = cls.__dict__[meth]
+            saved.append((cls, meth, f))
+
+            def timed(*args, _f=f, _k=f"{cls.__name__}.{meth}", **kw):
+                stack.append(0.0)
+                t0 = time.perf_counter()
+                r = _f(*args, **kw)
+                dt = time.perf_counter() - t0
+                inner = stack.pop()
+                spent[_k] = spent.get(_k, 0.0) + dt - inner
+                if stack:
+                    stack[-1] += dt
+                return r
+            setattr(cls, meth, timed)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            gbuf[...] = 0
+            model.loss_and_grad(P, G, idx, tgt)
+        total = time.perf_counter() - t0
+    finally:
+        for cls, meth, f in saved:
+            setattr(cls, meth, f)
+    out = {k: v / steps * 1e3 for k, v in spent.items()}
+    out["(model glue)"] = total / steps * 1e3 - sum(out.values())
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=8)
@@ -76,6 +113,7 @@ def main(argv=None):
                     help="also time the model with activation checkpointing (interleaved)")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--allocs", action="store_true", help="also measure transient NumPy bytes (tracemalloc)")
+    ap.add_argument("--profile", action="store_true", help="also print time per layer class")
     ap.add_argument("--backend", choices=("numpy", "cupy"), default="numpy",
                     help="cupy: time on the GPU (torch peer on cuda)")
     ap.add_argument("--dtype", choices=("float32", "float16"), default="float32",
@@ -164,6 +202,12 @@ def main(argv=None):
               f"{activation_bytes(m, P, idx, tgt) / 2**20:.1f} MiB; pool {m.pool.allocs} buffers, "
               f"{m.pool.allocs - allocs0[n]} made in the {a.repeats} timed steps, {m.pool.nbytes / 2**20:.1f} MiB")
     model = models["ringzero"]
+    if a.profile:
+        prof = layer_profile(model, P, G, gbuf, idx, tgt)
+        tot = sum(prof.values())
+        print(f"profile (ringzero, ms per step, exclusive; total {tot:.1f}):")
+        for k, v in sorted(prof.items(), key=lambda kv: -kv[1]):
+            print(f"  {k:32s} {v:8.1f}  {100 * v / tot:5.1f} %")
     if a.allocs and xp is np:
         print(f"transient numpy bytes in a steady-state step (tracemalloc peak above live): "
               f"{transient_numpy_bytes(model, P, G, gbuf, idx, tgt) / 2**10:.1f} KiB")
