@@ -471,7 +471,9 @@ def load(engine, path: str = "latest", save_dir: str | None = None) -> dict:
     if m.get("precision") == engine.precision:   # an fp32 engine keeps its static scale of 1
         engine.scaler.load_state_dict(m["scaler"])
     engine.step_count = int(m.get("engine_step_count", m["step"]))
-    engine._publish_params()
+    # params = cast(master), all-gathered where they are held in full (collective)
+    publish = getattr(engine, "publish_params", None) or engine._publish_params
+    publish()
     return dict(m, path=p)
 
 

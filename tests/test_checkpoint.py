@@ -356,3 +356,18 @@ def test_cli_inspect_export(tmp_path):
     code = "import sys; sys.modules['safetensors'] = None; from ringzero.checkpoint import main; sys.exit(main())"
     r = subprocess.run([sys.executable, "-c", code, "export", src, out], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "pip install 'ringzero[checkpoint]'" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_precision_change_keeps_master(tmp_path):
+    """An fp16 run's checkpoint loads into an fp32 engine: master bitwise, its own scaler kept."""
+    from mpi4py import MPI
+    from ringzero import checkpoint as ck
+    from ringzero.optim import LossScaler
+    a = engine(MPI.COMM_SELF, "2")
+    train(a, batches(0, 1), 0, 2)
+    ck.save(a, str(tmp_path), 2)
+    b = engine(MPI.COMM_SELF, "3", seed=77, precision="fp32", scaler=LossScaler(init=1.0, dynamic=False))
+    ck.load(b, "latest", str(tmp_path))
+    assert np.array_equal(a.full_state("master"), b.full_state("master"))
+    assert np.array_equal(b.full_params(), b.full_state("master"))          # fp32 params = master
+    assert b.scaler.scale == 1.0 and b.adam.t == 2
