@@ -242,8 +242,8 @@ class LayerNorm(Layer):
         mean = x2.mean(axis=1, dtype=ad, keepdims=True)         # (N, 1) fp32 statistics
         xhat = self.buf("xhat", x2.shape, x.dtype, xp)
         xp.subtract(x2, mean, out=xhat, casting="unsafe")
-        sq = self.bbuf("sq", x2.shape, x.dtype, xp)
-        xp.multiply(xhat, xhat, out=sq)
+        sq = self.bbuf("sq", x2.shape, ad, xp)                  # squares in fp32: fp16 overflows at 256^2
+        xp.multiply(xhat, xhat, out=sq, dtype=ad)
         var = sq.mean(axis=1, dtype=ad, keepdims=True)
         rstd = 1.0 / xp.sqrt(var + LN_EPS)                      # (N, 1)
         xp.multiply(xhat, rstd, out=xhat, casting="unsafe")
