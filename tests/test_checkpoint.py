@@ -11,6 +11,7 @@
   engine's fp16 params.
 """
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -112,7 +113,7 @@ def test_reshard(comm, case, tmp_path_factory):
             pytest.skip("hybrid needs an even world size >= 4")
         kwa["ranks_per_node"] = 2
     d = shared_dir(comm, tmp_path_factory)
-    G = 12 if a < 8 and b < 8 else 2 * comm.size          # one global batch, divisible by a and b
+    G = 2 * math.lcm(a, b)                                 # one global batch, divisible by a and b
 
     def group(k):
         return comm.Split(0 if comm.rank < k else MPI.UNDEFINED, comm.rank)
