@@ -54,6 +54,7 @@ import shutil
 import struct
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 import numpy as np
@@ -293,7 +294,6 @@ def _write_shards(engine, tmp: str) -> dict:
     (both release the GIL), so a save costs about max(hash, write), not the
     sum. A GPU piece goes through one reused staging buffer, hashed in line.
     """
-    from concurrent.futures import ThreadPoolExecutor
     L, r, U = engine.layout, engine.srank, len(engine.layout.units)
     die = os.environ.get(FAULT_ENV, "") == f"rank:{engine.comm.rank}"
     staging = None if engine.xp is np else np.empty(max(L.piece), np.float32)
