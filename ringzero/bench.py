@@ -243,7 +243,72 @@ def run_coll(args, comm) -> list:
     return rows
 
 
-SUBCOMMANDS = {"coll": (coll_parser, run_coll)}
+def sched_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ringzero.bench sched",
+                                description="time every schedule of the Ring on the same buffers, interleaved, "
+                                            "to place the thresholds (small_bytes, tree_bytes)")
+    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("4K"))
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("16M"))
+    p.add_argument("-f", "--stepfactor", type=int, default=4)
+    p.add_argument("-n", "--iters", type=int, default=15)
+    p.add_argument("-d", "--dtype", default="float32")
+    p.add_argument("--json", default=None)
+    return p
+
+
+# (small_bytes, tree_bytes) that force each schedule
+_FORCE = {"ring": (0, 0), "rd": (1 << 62, 1 << 62), "tree": (0, 1 << 62)}
+
+
+def run_sched(args, comm) -> list:
+    """Median time of each schedule per op and size; rank 0 prints, best marked with *."""
+    from mpi4py import MPI
+
+    from ringzero.collectives import Ring
+    n, rank = comm.size, comm.rank
+    dtype = _dtype(args.dtype)
+    ring = Ring(comm)
+    pow2 = n & (n - 1) == 0
+    variants = {"all_reduce": ["ring", "rd", "tree"], "reduce_scatter": ["ring", "tree"],
+                "all_gather": ["ring", "tree"]}
+    rows = []
+    if rank == 0:
+        print(f"# ringzero.bench sched: n={n} dtype={dtype.name}; time per call in us "
+              "(rd: recursive doubling; tree: halving RS / doubling AG; * fastest)")
+    for op, names in variants.items():
+        names = names if pow2 else ["ring"]
+        S = args.minbytes
+        while S <= args.maxbytes:
+            count = max(n, S // dtype.itemsize) // n * n
+            case = _Case(op, ring, comm, np, dtype, count, False)
+            impls = names + ["mpi"]
+            times = np.zeros((len(impls), args.iters + 2))
+            for i in range(args.iters + 2):
+                for k, name in enumerate(impls):
+                    if name != "mpi":
+                        ring.small_bytes, ring.tree_bytes = _FORCE[name]
+                    comm.Barrier()
+                    t0 = time.perf_counter()
+                    (case.mpi if name == "mpi" else case.ring)()
+                    times[k, i] = time.perf_counter() - t0
+            comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
+            med = {name: float(np.median(times[k, 2:])) * 1e6 for k, name in enumerate(impls)}
+            best = min(names, key=med.get)
+            for name in impls:
+                rows.append(dict(op=op, impl=name, n=n, bytes=count * dtype.itemsize, dtype=dtype.name,
+                                 time_us=round(med[name], 2)))
+            if rank == 0:
+                cells = " ".join(f"{name}={med[name]:9.1f}{'*' if name == best else ' '}" for name in impls)
+                print(f"  {op:>14} {human(count * dtype.itemsize):>6}  {cells}", flush=True)
+            S *= args.stepfactor
+    if args.json and rank == 0:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "meta": dict(n=n, dtype=dtype.name, kind="sched")}, f, indent=1)
+    ring.free()
+    return [dict(r, wrong=0) for r in rows]
+
+
+SUBCOMMANDS = {"coll": (coll_parser, run_coll), "sched": (sched_parser, run_sched)}
 
 
 def main(argv=None) -> int:

@@ -9,9 +9,10 @@ What it is
         ring.ledger["all_reduce"]["bytes_sent"]    # what this rank put on the wire
 
     Only Isend/Irecv move data (a Ring never calls an MPI collective after its
-    constructor's Dup). Two schedules, chosen by S = the whole array in bytes:
+    constructor's Dup). The schedule is chosen by S = the whole array in bytes
+    (len(buf), len(send) for RS, len(recv) for AG, times the itemsize):
 
-    ring (S > small_bytes, or n not a power of two)
+    ring (n not a power of two, or S > tree_bytes)
         The buffer is cut into n blocks; block i holds L//n elements, plus one
         for i < L % n. Reduce-scatter: at step s = 0..n-2 rank r sends block
         (r-s-1) % n to its right and adds what it gets from its left into block
@@ -23,20 +24,31 @@ What it is
         step is cut into segments of ``seg_bytes`` and a segment is sent on as
         soon as it is reduced, so the next send overlaps the next reduction.
 
-    latency (S <= small_bytes and n a power of two; log2 n steps)
+    tree (n a power of two and S <= tree_bytes; log2 n steps per pass)
         reduce-scatter by recursive halving (partner r ^ n/2, then r ^ n/4 ...),
-        all-gather by recursive doubling (r ^ 1, r ^ 2 ...), both sending (n-1)/n
-        of the buffer; all-reduce by recursive doubling over the whole buffer in
-        the halving order (r ^ n/2 first), so it sends S * log2 n bytes.
+        all-gather by recursive doubling (r ^ 1, r ^ 2 ...); both send (n-1)/n
+        of the buffer, like the ring, in log2 n steps instead of n-1.
+        all-reduce is the two in place (Rabenseifner) when n divides L, and,
+        when S <= small_bytes too, recursive doubling over the whole buffer in
+        the halving order (r ^ n/2 first): log2 n steps, S * log2 n bytes sent.
+        An all-reduce whose L is not a multiple of n and S > small_bytes takes
+        the ring.
 
     Composition contract: for L divisible by n, all_reduce is bitwise equal to
     reduce_scatter followed by all_gather. The ring all-reduce *is* the ring RS
-    then the ring AG, and the latency all-reduce pairs ranks in the same order
-    as the halving RS, so every element is summed over the same tree in both;
-    the choice depends only on S, which is the same for both calls. Sums are
-    deterministic and bitwise equal on every rank: each element is reduced
-    once, by its owner, in a fixed order. float16 hops add in float32 and round
-    once (ringzero.kernels.add_f16). "avg" divides the finished sum by n.
+    then the ring AG, Rabenseifner *is* halving then doubling, and recursive
+    doubling pairs ranks in the halving order, so every element is summed over
+    the same tree in all three; the choice depends only on S, which is the
+    same for both calls. Sums are deterministic and bitwise equal on every
+    rank: each element is reduced in a fixed order (adds commute bitwise).
+    float16 hops add in float32 and round once (ringzero.kernels.add_f16).
+    "avg" divides the finished sum by n (float16: in float32, one rounding).
+
+    Errors: bad arguments raise before any message. A received count that
+    differs from the expected one raises ValueError on the rank that sees it;
+    a peer that does not arrive within ``timeout`` (RINGZERO_TIMEOUT) raises
+    TimeoutError naming the op and the peer. After either, the Ring refuses
+    further calls (its message stream is out of step): make a new one.
 
 What it is not
     A general MPI: no other ops, no strides, no datatypes but the ones listed.
@@ -64,8 +76,10 @@ except ImportError:
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 # Measured with `python -m ringzero.bench`, see docs/readme-collectives.md.
 SMALL_BYTES = 64 * 1024
+TREE_BYTES = 1 << 20
 SEG_BYTES = 1 << 20
 _F16 = np.dtype(np.float16)
+_SPIN = int(os.environ.get("RINGZERO_SPIN", 0))  # Tests before the poll loop starts yielding
 
 
 class Ledger:
@@ -106,6 +120,7 @@ class Ring:
         self.left, self.right = (self.rank - 1) % self.size, (self.rank + 1) % self.size
         self.timeout = float(os.environ.get("RINGZERO_TIMEOUT", 600)) if timeout is None else float(timeout)
         self.small_bytes = int(os.environ.get("RINGZERO_SMALL_BYTES", SMALL_BYTES))
+        self.tree_bytes = int(os.environ.get("RINGZERO_TREE_BYTES", TREE_BYTES))
         self.seg_bytes = max(64, int(os.environ.get("RINGZERO_SEG_BYTES", SEG_BYTES)))
         self.pow2 = self.size & (self.size - 1) == 0
         self.ledger = Ledger()
@@ -130,8 +145,13 @@ class Ring:
         self._begin("all_reduce", buf)
         L, n = len(buf), self.size
         if n > 1 and L > 0:
-            if self.pow2 and buf.nbytes <= self.small_bytes:
+            tree = self._tree(buf.nbytes)
+            if tree and buf.nbytes <= self.small_bytes:
                 self._rd_allreduce(xp, buf)
+            elif tree and L % n == 0:  # Rabenseifner: halving RS then doubling AG, in place
+                m = L // n
+                self._halving_rs(xp, buf, buf[self.rank * m:(self.rank + 1) * m])
+                self._doubling_ag(buf, m)
             else:
                 off = blocks(L, n)
                 mine = buf[off[self.rank]:off[self.rank + 1]]
@@ -150,7 +170,7 @@ class Ring:
         if n == 1 or m == 0:
             if _addr(send) != _addr(recv) and m:
                 recv[...] = send
-        elif self.pow2 and send.nbytes <= self.small_bytes:
+        elif self._tree(send.nbytes):
             self._halving_rs(xp, send, recv)
         else:
             self._ring_rs(xp, send, recv, blocks(len(send), n), 0)
@@ -169,7 +189,7 @@ class Ring:
             mine[...] = send
             sync(mine)
         if n > 1 and m:
-            if self.pow2 and recv.nbytes <= self.small_bytes:
+            if self._tree(recv.nbytes):
                 self._doubling_ag(recv, m)
             else:
                 self._ring_ag(recv, blocks(len(recv), n), 0)
@@ -227,6 +247,10 @@ class Ring:
         self._led["calls"] += 1
         self._name = name
 
+    def _tree(self, nbytes):
+        """Halving/doubling (log2 n steps) rather than the ring (n-1 steps)?"""
+        return self.pow2 and nbytes <= self.tree_bytes
+
     def _tag(self, phase):
         return (self._seq << 2) | phase
 
@@ -256,7 +280,8 @@ class Ring:
             done = req.Test(st)
             i, deadline = 0, None
             while not done:
-                os.sched_yield()  # ranks share cores: let the one with work run
+                if i >= _SPIN:
+                    os.sched_yield()  # ranks share cores: let the one with work run
                 i += 1
                 if not i & 127:
                     now = time.monotonic()

@@ -35,10 +35,19 @@ def lengths(n):
     return sorted({0, 1, max(n - 1, 0), n, n + 1, 7, 13, 31, 97, 4099})
 
 
-@pytest.fixture(params=["ring", "latency"])
+# (small_bytes, tree_bytes) forcing each schedule: the ring; recursive doubling
+# all-reduce with halving RS / doubling AG; Rabenseifner all-reduce (halving + doubling)
+SCHEDULES = {"ring": (0, 0), "latency": (1 << 40, 1 << 40), "tree": (0, 1 << 40)}
+
+
+def force(ring, schedule):
+    ring.small_bytes, ring.tree_bytes = SCHEDULES[schedule]
+    return ring
+
+
+@pytest.fixture(params=list(SCHEDULES))
 def ring(request, comm):
-    r = Ring(comm)
-    r.small_bytes = 0 if request.param == "ring" else 1 << 40  # force one schedule
+    r = force(Ring(comm), request.param)
     yield r
     r.free()
 
@@ -140,7 +149,7 @@ def test_large_and_pipelined(comm):
 def _replay_f16(n, L, seed, schedule):
     """The float16 sum as documented: one float32 add and one rounding per hop (NumPy's float16 add)."""
     xs = [data(k, L, "float16", seed, ints=False) for k in range(n)]
-    if schedule == "latency":
+    if schedule != "ring":  # recursive doubling or halving: the same pairing, r^(n/2) first
         vals = list(xs)
         d = n >> 1
         while d:
@@ -158,14 +167,13 @@ def _replay_f16(n, L, seed, schedule):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("schedule", ["ring", "latency"])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_float16_order_and_determinism(comm, schedule):
     n, r = comm.size, comm.rank
-    if schedule == "latency" and n & (n - 1):
+    if schedule != "ring" and n & (n - 1):
         pytest.skip(f"latency schedule needs a power-of-two size, have {n}")
-    ring = Ring(comm)
-    ring.small_bytes = 0 if schedule == "ring" else 1 << 40
-    L = 8 * n + 5 if schedule == "latency" else 3001
+    ring = force(Ring(comm), schedule)
+    L = {"ring": 3001, "latency": 8 * n + 5, "tree": 375 * n}[schedule]
     x = data(r, L, "float16", 7, ints=False)
     ring.all_reduce(x)
     want = _replay_f16(n, L, 7, schedule)
@@ -216,8 +224,7 @@ def test_split_communicator(comm):
 @pytest.mark.parametrize("L", [0, 1, 7, 1000, 4099])
 def test_ledger_ring_formula(comm, L):
     n, r = comm.size, comm.rank
-    ring = Ring(comm)
-    ring.small_bytes = 0  # ring schedule
+    ring = force(Ring(comm), "ring")
     x = np.ones(L, np.float32)
     ring.all_reduce(x)
     off = blocks(L, n)
@@ -245,15 +252,16 @@ def test_ledger_latency_formula(comm):
     n, r = comm.size, comm.rank
     if n & (n - 1):
         pytest.skip(f"latency schedule needs a power-of-two size, have {n}")
-    ring = Ring(comm)
-    ring.small_bytes = 1 << 40
+    ring = force(Ring(comm), "latency")
     m = 10
     ring.all_reduce(np.ones(n * m, np.float64))
+    force(ring, "tree").all_reduce(np.ones(n * m, np.float64))  # Rabenseifner: 2(n-1)/n
+    force(ring, "latency")
     ring.reduce_scatter(np.ones(n * m, np.float64), np.empty(m))
     ring.all_gather(np.ones(m), np.empty(n * m))
     log2n = n.bit_length() - 1
     led = ring.ledger
-    ok = (led["all_reduce"]["bytes_sent"] == 8 * n * m * log2n
+    ok = (led["all_reduce"]["bytes_sent"] == 8 * n * m * log2n + 8 * 2 * (n - 1) * m
           and led["reduce_scatter"]["bytes_sent"] == 8 * (n - 1) * m
           and led["all_gather"]["bytes_sent"] == 8 * (n - 1) * m)
     ring.free()
@@ -360,10 +368,9 @@ def test_disagreeing_lengths_raise_not_hang(comm):
     n, r = comm.size, comm.rank
     if n < 2:
         pytest.skip("needs world size >= 2")
-    for schedule in ("ring", "latency"):
-        ring = Ring(comm, timeout=2.0)
-        ring.small_bytes = 0 if schedule == "ring" else 1 << 40
-        L = 12 if r == 0 else 10  # rank 0 disagrees
+    for schedule in SCHEDULES:
+        ring = force(Ring(comm, timeout=2.0), schedule)
+        L = 2 * n if r == 0 else n  # rank 0 disagrees (both divisible by n: every rank picks one schedule)
         e = _expect_failure(comm, lambda: ring.all_reduce(np.ones(L, np.float32)), (ValueError, TimeoutError))
         kinds = comm.allgather(type(e).__name__)
         ok = isinstance(e, (ValueError, TimeoutError)) and "ValueError" in kinds
@@ -386,8 +393,7 @@ def test_missing_peer_times_out(comm):
     n, r = comm.size, comm.rank
     if n < 2:
         pytest.skip("needs world size >= 2")
-    ring = Ring(comm, timeout=1.5)
-    ring.small_bytes = 0  # ring schedule: rank 0's first message comes from its left, the one that skips
+    ring = force(Ring(comm, timeout=1.5), "ring")  # rank 0's first message comes from its left: rank 0's first message comes from its left, the one that skips
     skipper = n - 1
     if r != skipper:
         e = _expect_failure(comm, lambda: ring.all_reduce(np.ones(4 * n, np.float32)), TimeoutError)
@@ -454,7 +460,7 @@ def test_cupy_buffers(comm, monkeypatch, aware, dtype):
     bad = []
     for small in (0, 1 << 40):
         ring = Ring(comm)
-        ring.small_bytes = small
+        ring.small_bytes = ring.tree_bytes = small
         for m in (1, 7, 4099):
             L = n * m
             x = cupy.asarray(data(r, L, dtype))
@@ -473,7 +479,7 @@ def test_cupy_buffers(comm, monkeypatch, aware, dtype):
             d = cupy.asarray(h)
             ring.all_reduce(d)
             host = Ring(comm)
-            host.small_bytes = small
+            host.small_bytes = host.tree_bytes = small
             host.all_reduce(h)
             host.free()
             if not np.array_equal(d.get().view(np.uint16), h.view(np.uint16)):
