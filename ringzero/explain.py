@@ -298,7 +298,8 @@ def print_traffic(psi, nd, rpn, cfg, metrics, f=None):
             if len(r["per_unit"]) > 8:
                 p(f"    ... {len(r['per_unit']) - 5} more units")
             p("    (formula: each unit gathered for forward and again for backward; a runtime that "
-              "keeps a unit gathered across the forward/backward turn sends less)")
+              "keeps a unit gathered across the forward/backward turn sends less, a tied head "
+              "that gathers the embedding again sends more)")
     if metrics:
         s = read_summary(metrics)
         st, n, P = acc.parse_stage(s["stage"]), int(s["world_size"]), int(s["params"])
@@ -311,10 +312,14 @@ def print_traffic(psi, nd, rpn, cfg, metrics, f=None):
         if "schedule_bytes_per_step" in t:
             p(f"  the runtime's own schedule predicts {t['schedule_bytes_per_step']:,} B")
         d = t["measured_bytes_per_step"] - ours
+        why = ["padding each unit to a multiple of Nd·align adds bytes"]
+        if st in ("3", "hybrid"):
+            why += ["a unit that reads another unit's parameters (a tied head reads the "
+                    "embedding) gathers that unit again, which adds",
+                    "a unit used twice in a row (at the forward/backward turn) is gathered once, "
+                    "not twice, which removes"]
         p(f"  measured - unpadded formula = {d:,.0f} B ({100 * d / ours if ours else 0:+.3f} %)"
-          + (": padding of each unit to a multiple of Nd·align adds traffic; in stage 3 a unit "
-             "used again right away (the last block at the forward/backward turn) is gathered "
-             "once, not twice, which removes some" if d else ": exact match"))
+          + (": " + "; ".join(why) if d else ": exact match"))
         mine = acc.model_state_bytes(st, P, n, s.get("ranks_per_node"))
         if eb == 4:                                            # fp32 params and grads
             mine["params_fp16"] *= 2
