@@ -251,6 +251,12 @@ def verify(path: str, m: dict, names=None, rank: int = 0, size: int = 1) -> str 
     return None
 
 
+def _msg(e: BaseException) -> str:
+    """One line for an error: ours as is, anything else with its type."""
+    s = str(e) if isinstance(e, (CheckpointError, OSError)) else f"{type(e).__name__}: {e}"
+    return s.replace("\n", " ")
+
+
 def _agree(comm, err: str | None):
     """Raise the first rank's error on every rank (a scalar-sized verdict)."""
     errs = comm.allgather(err) if comm.size > 1 else [err]
@@ -362,8 +368,8 @@ def save(engine, save_dir: str, step: int, config: dict | None = None, data_stat
             tmp = os.path.join(save_dir, f".tmp-{name}-{secrets.token_hex(4)}")
             os.mkdir(tmp)
             msg = (None, tmp)
-        except OSError as e:
-            msg = (f"cannot prepare {save_dir!r} for a checkpoint: {e}", None)
+        except Exception as e:      # any failure is reported on every rank, never a hang
+            msg = (f"cannot prepare {save_dir!r} for a checkpoint: {_msg(e)}", None)
     err, tmp = comm.bcast(msg, root=0) if comm.size > 1 else msg
     if err:
         raise CheckpointError(err)
@@ -374,8 +380,8 @@ def save(engine, save_dir: str, step: int, config: dict | None = None, data_stat
     if writer:
         try:
             files = _write_shards(engine, tmp)
-        except OSError as e:
-            err = f"rank {comm.rank}: writing into {tmp}: {e}"
+        except Exception as e:
+            err = f"rank {comm.rank}: writing into {tmp}: {_msg(e)}"
     got = comm.gather((files, err), root=0) if comm.size > 1 else [(files, err)]
 
     # 3. rank 0: manifest last, fsync, rename into place, prune
@@ -389,9 +395,9 @@ def save(engine, save_dir: str, step: int, config: dict | None = None, data_stat
             for f, _ in got:
                 allf.update(f)
             result = (None, _finish(engine, save_dir, tmp, name, int(step), extra, allf, keep))
-        except (OSError, CheckpointError) as e:
+        except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            result = (f"checkpoint {name} not saved: {e}", None)
+            result = (f"checkpoint {name} not saved: {_msg(e)}", None)
     err, path = comm.bcast(result, root=0) if comm.size > 1 else result
     if err:
         raise CheckpointError(err)
@@ -447,8 +453,8 @@ def load(engine, path: str = "latest", save_dir: str | None = None) -> dict:
         try:
             p = resolve(path, save_dir)
             res = (None, p, read_manifest(p))
-        except CheckpointError as e:
-            res = (str(e), None, None)
+        except Exception as e:
+            res = (_msg(e), None, None)
     err, p, m = comm.bcast(res, root=0) if comm.size > 1 else res
     if err:
         raise CheckpointError(err)
@@ -457,15 +463,15 @@ def load(engine, path: str = "latest", save_dir: str | None = None) -> dict:
     try:
         old = check_layout(m, p, engine.layout)
         err = verify(p, m, rank=comm.rank, size=comm.size)
-    except CheckpointError as e:
-        err = str(e)
+    except Exception as e:
+        err = _msg(e)
     _agree(comm, err)          # nothing has been modified yet
 
     err = None
     try:
         _read_state(engine, p, old)
-    except (OSError, CheckpointError) as e:
-        err = f"{e} (the engine is half-loaded: discard it)"
+    except Exception as e:
+        err = f"{_msg(e)} (the engine is half-loaded: discard it)"
     _agree(comm, err)
     engine.adam.t = int(m["adam"]["t"])
     if m.get("precision") == engine.precision:   # an fp32 engine keeps its static scale of 1
@@ -619,8 +625,8 @@ def main(argv=None) -> int:
             print(text)
             if "  BAD: " in text:
                 return 1
-    except CheckpointError as err:
-        print(f"ringzero.checkpoint: error: {err}", file=sys.stderr)
+    except (CheckpointError, OSError) as err:
+        print(f"ringzero.checkpoint: error: {_msg(err)}", file=sys.stderr)
         return 1
     return 0
 
