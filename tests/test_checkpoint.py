@@ -221,6 +221,31 @@ def test_damage_is_caught_before_anything_changes(comm, tmp_path_factory):
     assert_all(comm, err is not None and "another model" in err and "(37, 24)" in err, f"other model: {err!r}")
 
 
+@pytest.mark.mpi
+def test_save_failure_on_one_rank_raises_everywhere(comm, tmp_path_factory, monkeypatch):
+    """A rank that cannot write: every rank raises, the temp dir is gone, the last checkpoint stays."""
+    from ringzero import checkpoint as ck
+    d = shared_dir(comm, tmp_path_factory)
+    e = engine(comm, "3")
+    ck.save(e, d, 1)
+    victim = comm.size - 1
+
+    def disk_full(engine, tmp):
+        raise OSError(28, "No space left on device")
+    if comm.rank == victim:
+        monkeypatch.setattr(ck, "_write_shards", disk_full)
+    try:
+        ck.save(e, d, 2)
+        err = None
+    except ck.CheckpointError as x:
+        err = str(x)
+    comm.Barrier()
+    left = sorted(os.listdir(d))
+    ok = err is not None and f"rank {victim}: writing into" in err and "No space left" in err
+    ok &= left == ["step-000001"] and ck.latest(d) == os.path.join(d, "step-000001")
+    assert_all(comm, ok, f"error {err!r}, directory {left}")
+
+
 # ----------------------------------------------------------------- export
 @pytest.mark.mpi
 def test_export_equals_gathered_master(comm, tmp_path_factory):
