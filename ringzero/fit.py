@@ -225,7 +225,11 @@ def report(rows, impl="ring", op="all_reduce", small_bytes=SMALL_BYTES, units=1,
     pred_step = {st: {f"{n}": {f"{psi / 1e9:g}B": step_time(base, st, int(psi), n, units)
                                for psi in (1.5e9, 7.5e9, 100e9)} for n in (8, 64, 1024)}
                  for st in ("0", "2", "3")}
+    lat0 = {"alpha_s": base["alpha_s"], "beta_s_per_byte": 0.0}
+    share = {f"{psi / 1e9:g}B": step_time(lat0, "3", int(psi), 1024, units) /
+             step_time(base, "3", int(psi), 1024, units) for psi in (1.5e9, 100e9)}
     return {"op": op, "impl": impl, "method": method, "fit_per_n": per_n,
+            "latency_share_1024": share,
             "dtypes": sorted({str(r.get("dtype", "?")) for r in sel}),
             "pooled_fit_on_half": pooled,
             "pooled_median_abs_rel_err": float(np.median(pooled_err)),
@@ -278,8 +282,10 @@ def print_report(r: dict, f=None):
     for st, by_n in r["predict_step_comm_s"].items():
         for n, row in by_n.items():
             p("  " + f"{st:>6}{n:>6}" + "".join(f"{_t(v):>12}" for v in row.values()))
-    p("  the wire term grows as (Nd-1)/Nd -> flat in Nd; the latency term grows as Nd·units: at "
-      "Nd = 1024 with many small units, latency dominates")
+    lat = r["latency_share_1024"]
+    p(f"  the wire term grows as (Nd-1)/Nd, so it is flat in Nd; the latency term grows as "
+      f"Nd·units: at Nd = 1024 it is {100 * lat['1.5B']:.2f} % of stage 3's time at Ψ = 1.5B "
+      f"and {100 * lat['100B']:.3f} % at 100B with {r['units']} unit(s)")
 
 
 def main(argv=None):
