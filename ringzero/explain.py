@@ -354,7 +354,9 @@ def main(argv=None):
         print_precision()
         return 0
     try:
-        if a.metrics and not (a.params or a.model or a.n_layer):
+        dims = any(getattr(a, k) is not None
+                   for k in ("n_layer", "n_embd", "n_head", "vocab", "block_size"))
+        if a.metrics and not (a.params or a.model or dims):
             s = read_summary(a.metrics)
             psi, cfg = int(s["params"]), None
             a.nd = int(s["world_size"])
