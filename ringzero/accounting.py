@@ -27,6 +27,7 @@ What it is not
 """
 from __future__ import annotations
 
+import numbers
 import re
 from decimal import Decimal
 
@@ -71,16 +72,16 @@ def _div(a, b):
 
 def _check(psi, nd, stage, ranks_per_node):
     """Validate the arguments; return the sharding group size (Nd, or Ng for hybrid)."""
-    if not isinstance(psi, int) or isinstance(psi, bool) or psi < 0:
+    if not isinstance(psi, numbers.Integral) or isinstance(psi, bool) or psi < 0:
         raise ValueError(f"psi must be an int >= 0, got {psi!r}")
-    if not isinstance(nd, int) or isinstance(nd, bool) or nd < 1:
+    if not isinstance(nd, numbers.Integral) or isinstance(nd, bool) or nd < 1:
         raise ValueError(f"nd must be an int >= 1, got {nd!r}")
     if stage != "hybrid":
         return nd
     if ranks_per_node is None:
         raise ValueError("stage hybrid needs ranks_per_node (Ng), got None")
     ng = ranks_per_node
-    if not isinstance(ng, int) or ng < 1 or nd % ng:
+    if not isinstance(ng, numbers.Integral) or ng < 1 or nd % ng:
         raise ValueError(f"ranks_per_node must divide nd: expected nd % Ng == 0, "
                          f"got nd={nd}, Ng={ng}")
     return ng

@@ -184,3 +184,20 @@ def test_cli_full_report_runs(capsys):
               "--seq", "1024", "--gpu-mem", "32GB"])
     out = capsys.readouterr().out
     assert "HYBRID_SHARD" in out and "Fits in 32 GB" in out and "Korthikanti" in out
+
+
+def test_stages_that_fit():
+    psi, nd = 10**9, 8
+    need = {"0": 16 * psi, "1": 4 * psi + 12 * psi / nd, "2": 2 * psi + 14 * psi / nd,
+            "3": 16 * psi / nd, "hybrid": 16 * psi / 4}
+    for budget in (1e9, 3e9, 5e9, 6e9, 9e9, 20e9):
+        want = [s for s in acc.STAGES if need[s] + 10**8 <= budget]
+        assert acc.stages_that_fit(budget, psi, nd, 4, extra_bytes=10**8) == want
+    assert "hybrid" not in acc.stages_that_fit(1e12, psi, nd)
+
+
+def test_numpy_ints_accepted():
+    import numpy as np
+    assert acc.model_state_total("2", np.int64(1024), np.int32(4)) == 2 * 1024 + 14 * 1024 // 4
+    with pytest.raises(ValueError, match="psi must be"):
+        acc.model_state_bytes("2", 1.5, 4)
