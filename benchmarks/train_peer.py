@@ -23,7 +23,9 @@ What it is
     ringzero's ``step_time_s`` metric (its ``tokens_per_s`` is cross-checked).
     Peak RSS is each rank's ``ru_maxrss`` at exit, for both sides alike: the
     ringzero ranks run the trainer through this file's ``--rz-worker`` shim,
-    which only adds that measurement.
+    which only adds that measurement. "RSS at start" is the resident size once
+    the libraries are imported, before any model exists (torch alone is a few
+    hundred MiB of it).
 
 What it is not
     A ringzero dependency (torch is imported only in the torch workers), or a
@@ -112,6 +114,18 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
+def rss_now_bytes() -> int:
+    """Resident set size now (Linux /proc); 0 where that is not available."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 # ---- workers (run on every rank) ----------------------------------------------
 
 def torch_worker(a):
@@ -130,6 +144,7 @@ def torch_worker(a):
     rank, world = env_rank_world()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=a.timeout))
+    rss_start = rss_now_bytes()          # libraries and process group, before any model
     cfg = GPTConfig(a.n_layer, a.n_head, a.n_embd, a.seq_len, 256)  # block = seq_len
     torch.manual_seed(a.seed)
     model = TorchGPT(cfg)
@@ -167,7 +182,7 @@ def torch_worker(a):
         losses.append(lv)
     dist.barrier()
     res = {"rank": rank, "world": world, "step_time_s": times, "loss": losses,
-           "peak_rss_bytes": peak_rss_bytes(), "params": n_params,
+           "peak_rss_bytes": peak_rss_bytes(), "rss_start_bytes": rss_start, "params": n_params,
            "layout_params": Layout(gpt_units(cfg)).numel, "torch": torch.__version__}
     with open(os.path.join(a.out, f"rank-{rank}.json"), "w") as f:
         json.dump(res, f)
@@ -176,8 +191,11 @@ def torch_worker(a):
 
 def ringzero_worker(a, train_argv):
     """Run the ringzero trainer as ``__main__`` on this rank, then record peak RSS."""
+    import importlib
     import runpy
     from mpi4py import MPI
+    importlib.import_module(a.rz_module)   # its imports only (no __main__): the libraries'
+    rss_start = rss_now_bytes()            # share of RSS, as measured on the torch side
     sys.argv = [a.rz_module] + train_argv
     code = 0
     try:
@@ -186,7 +204,7 @@ def ringzero_worker(a, train_argv):
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     rank = MPI.COMM_WORLD.rank
     with open(os.path.join(a.out, f"rank-{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "peak_rss_bytes": peak_rss_bytes()}, f)
+        json.dump({"rank": rank, "peak_rss_bytes": peak_rss_bytes(), "rss_start_bytes": rss_start}, f)
     sys.exit(code)
 
 
@@ -279,6 +297,7 @@ def run_mode(mode, n, a, work):
         if not timed:
             raise RuntimeError(f"no timed steps: {len(times)} steps, warm-up {a.warmup}")
         rss = [r["peak_rss_bytes"] for r in ranks]
+        row["rss_start_max"] = max(r["rss_start_bytes"] for r in ranks)
         row.update(ok=True, tokens_per_s=tokens / statistics.median(timed), step_time_s=times,
                    loss_first=losses[0], loss_last=losses[-1], rss_min=min(rss), rss_max=max(rss))
     except (RuntimeError, OSError, KeyError, ValueError) as e:
@@ -307,11 +326,11 @@ def table(rows):
           if r["mode"] in RZ_MODES and r.get("ok")}
     cols = [m for m in RZ_MODES if any(k[0] == m for k in rz)]
     head = "".join(f" {m} / peer |" for m in cols)
-    lines = [f"| mode | ranks | tokens/s | peak RSS per rank | loss first → last |{head} every launch (load) |",
-             "|---|---|---|---|---|" + "---|" * len(cols) + "---|"]
+    lines = [f"| mode | ranks | tokens/s | peak RSS per rank | RSS at start | loss first → last |{head}"
+             " every launch (load) |", "|---|---|---|---|---|---|" + "---|" * len(cols) + "---|"]
     for r in rows:
         if not r.get("ok"):
-            lines.append(f"| {r['mode']} | {r['ranks']} | failed: {r['error']} | — | — |"
+            lines.append(f"| {r['mode']} | {r['ranks']} | failed: {r['error']} | — | — | — |"
                          + " — |" * len(cols) + " — |")
             continue
         mib = f"{r['rss_min'] / 2**20:.0f}–{r['rss_max'] / 2**20:.0f} MiB"
@@ -320,6 +339,7 @@ def table(rows):
         every = ", ".join(f"{t if t is not None else 'failed'} ({ld:.1f})"
                           for t, ld in zip(r["tokens_per_s_all"], r["load_all"]))
         lines.append(f"| {r['mode']} | {r['ranks']} | {r['tokens_per_s']:.0f} | {mib} | "
+                     f"{r['rss_start_max'] / 2**20:.0f} MiB | "
                      f"{r['loss_first']:.3f} → {r['loss_last']:.3f} |{ratio} {every} |")
     return "\n".join(lines)
 
