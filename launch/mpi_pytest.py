@@ -17,7 +17,6 @@ if rank != 0:
     fd = os.open(os.path.join(logdir, f"rank-{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    args = ["-q", "-p", "no:terminal"] + args if "-p" not in args else args
 
 import pytest  # noqa: E402  (after the redirect, so its output lands in the log)
 

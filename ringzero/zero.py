@@ -519,9 +519,9 @@ class Zero:
         for name, ring in (("shard", self.ring), ("replica", self.replica_ring)):
             if ring is None:
                 continue
-            for op, rec in ring.ledger.ops.items():
+            for op, rec in ring.ledger.as_dict().items():
                 key = op if name == "shard" else f"{op}@replica"
-                out[key] = out.get(key, 0) + rec.bytes_sent
+                out[key] = out.get(key, 0) + rec["bytes_sent"]
         return out
 
     def _formula_state(self, psi):

@@ -209,10 +209,10 @@ class GPT:
         self._check_unit(u)
         if cache is None:
             raise ValueError(f"unit {u} has no cache: run forward_unit (with targets for the last unit) first")
-        pd = self._params(u, P)     # refill the dicts the caches point at
         gd = self._params_like(u, G)
-        if u == 0:
+        if u == 0:                  # reads no weights: see backward_reads_params
             return self.embed.backward(dy, cache, gd["embed"])
+        pd = self._params(u, P)     # refill the dicts the caches point at
         if u == self.last:
             c_lnf, c_head, c_ce = cache
             dl = self.ce.backward(dy, c_ce, None)               # (B*T, V)
@@ -221,6 +221,11 @@ class GPT:
         if self.checkpoint:
             _, cache = self._block_forward(u, pd, cache[0], recompute=True)
         return self._block_backward(u, dy, cache, gd)
+
+    def backward_reads_params(self, u) -> bool:
+        """False for the embedding unit: its backward scatters dy by token id
+        and reads no weights, so a sharded runtime need not gather it again."""
+        return u != 0
 
     @staticmethod
     def cache_nbytes(cache) -> int:

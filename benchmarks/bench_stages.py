@@ -1,0 +1,136 @@
+"""Step time and memory of ZeRO stages 0-3 side by side (issue 4's targets).
+
+    mpirun -n 4 python -m mpi4py benchmarks/bench_stages.py            # timing, all stages in one run
+    python benchmarks/bench_stages.py --rss -n 4                        # peak RSS, one mpirun per stage
+
+Timing: one engine per stage lives in the same processes, and the stages
+take steps in turn (0, 1, 2, 3, 0, 1, ...), so the machine's noise falls on
+all of them alike; the figure is each stage's median step time and its
+ratio to stage 0's. Memory: a process's peak RSS can only be read for the
+whole process, so --rss starts one mpirun per stage and reports each rank's
+ru_maxrss beside the model-state bytes the runtime measured on its buffers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+
+def build(comm, stage, args):
+    from ringzero.nn.gpt import GPT, GPTConfig
+    from ringzero.zero import Zero
+    cfg = GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len, 256)
+    return Zero(GPT(cfg), comm, stage, seed=1)
+
+
+def timing(args):
+    from mpi4py import MPI
+    from ringzero.data import Batches
+    comm = MPI.COMM_WORLD
+    data = np.random.default_rng(0).integers(0, 256, 1 << 20).astype(np.uint8)
+    batches = Batches(data, args.batch, args.seq_len, comm.rank, comm.size, 0)
+    engines = {st: build(comm, st, args) for st in args.stages}
+    times = {st: [] for st in engines}
+    for it in range(args.warmup + args.iters):
+        x, y = batches.get(it)
+        for st, eng in engines.items():
+            comm.Barrier()
+            t0 = time.perf_counter()
+            eng.step(x, y, 1e-4)
+            dt = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)   # the slowest rank's step
+            if it >= args.warmup:
+                times[st].append(dt)
+    if comm.rank == 0:
+        base = float(np.median(times[args.stages[0]]))
+        rows = []
+        print(f"GPT {args.n_layer}L {args.n_embd}C T={args.seq_len}, batch {args.batch}/rank, Nd={comm.size}, "
+              f"{args.iters} steps per stage, interleaved")
+        print(f"{'stage':>6} {'median step':>12} {'vs stage ' + args.stages[0]:>12} {'traffic/step':>14}")
+        for st, eng in engines.items():
+            med = float(np.median(times[st]))
+            tr = eng.traffic_report()["measured_bytes_per_step"]
+            rows.append({"stage": st, "median_step_s": med, "ratio": med / base, "bytes_sent": tr})
+            print(f"{st:>6} {med * 1e3:10.1f} ms {med / base:11.3f}x {tr:>12,} B")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"mode": "timing", "nd": comm.size, "rows": rows}, f, indent=1)
+
+
+def rss_one(args):
+    """One stage, a few steps; print each rank's peak RSS (run under mpirun)."""
+    from mpi4py import MPI
+    from ringzero.data import Batches
+    comm = MPI.COMM_WORLD
+    data = np.random.default_rng(0).integers(0, 256, 1 << 20).astype(np.uint8)
+    batches = Batches(data, args.batch, args.seq_len, comm.rank, comm.size, 0)
+    eng = build(comm, args.stages[0], args)
+    for it in range(3):
+        x, y = batches.get(it)
+        eng.step(x, y, 1e-4)
+    rep = eng.memory_report()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
+    rows = comm.gather({"rank": comm.rank, "peak_rss": peak, "model_state": rep["model_state_measured"],
+                        "workspace": sum(rep["workspace"].values()),
+                        "activation_peak": rep["activation_peak"]})
+    if comm.rank == 0:
+        print(json.dumps({"stage": args.stages[0], "rows": rows}))
+
+
+def rss(args):
+    mpirun = os.environ.get("MPIRUN", "mpirun")
+    flags = os.environ.get("MPIRUN_FLAGS", "--oversubscribe --bind-to none"
+                           + (" --allow-run-as-root" if os.geteuid() == 0 else "")).split()
+    out = []
+    for st in args.stages:
+        cmd = [mpirun, *flags, "-n", str(args.n), sys.executable, "-m", "mpi4py", __file__, "--rss-one",
+               "--stages", st, "--n-layer", str(args.n_layer), "--n-head", str(args.n_head),
+               "--n-embd", str(args.n_embd), "--seq-len", str(args.seq_len), "--batch", str(args.batch)]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if res.returncode:
+            sys.exit(f"bench_stages: stage {st} failed: {res.stderr.strip().splitlines()[-1:]}")
+        out.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    mib = 2 ** 20
+    print(f"{'stage':>6} {'peak RSS/rank':>14} {'model state':>12} {'workspace':>10} {'activations':>12}")
+    for r in out:
+        pk = max(x["peak_rss"] for x in r["rows"])
+        x = r["rows"][0]
+        print(f"{r['stage']:>6} {pk / mib:10.1f} MiB {x['model_state'] / mib:8.2f} MiB "
+              f"{x['workspace'] / mib:6.2f} MiB {x['activation_peak'] / mib:8.2f} MiB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"mode": "rss", "nd": args.n, "stages": out}, f, indent=1)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stages", default="0,1,2,3", help="comma-separated stages, the first is the baseline")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rss", action="store_true", help="peak RSS: one mpirun per stage (run without mpirun)")
+    p.add_argument("-n", type=int, default=4, help="ranks for --rss")
+    p.add_argument("--rss-one", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--json", help="write the rows here")
+    args = p.parse_args()
+    args.stages = args.stages.split(",")
+    if args.rss_one:
+        rss_one(args)
+    elif args.rss:
+        rss(args)
+    else:
+        timing(args)
+
+
+if __name__ == "__main__":
+    main()
