@@ -341,11 +341,16 @@ class Zero:
             seg = self.work["grad_bucket"][0 if "grad_compute" in self.work else slot][:n]
         if "grad_compute" in self.work:
             cast_into(seg, self.work["grad_compute"][slot][:n])
-        if self.stage == "0":
-            self.ring.all_reduce(seg)
-        elif self.stage == "1":
+        if self.stage in ("0", "1"):
+            # stage 0's all-reduce is spelled out as the reduce-scatter and
+            # all-gather it is made of, so its ledger reads as the formula's
+            # 2Ψ(n-1)/n whichever algorithm the ring picks for the unit's size
+            # (Ring guarantees all_reduce == reduce_scatter + all_gather, bitwise)
             p = L.piece[w]
-            self.ring.reduce_scatter(seg, seg[self.srank * p:(self.srank + 1) * p])
+            own = seg[self.srank * p:(self.srank + 1) * p]
+            self.ring.reduce_scatter(seg, own)
+            if self.stage == "0":
+                self.ring.all_gather(own, seg)
         else:
             out = L.unit_shard(self.grads, w)
             self.ring.reduce_scatter(seg, out)

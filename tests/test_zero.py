@@ -26,7 +26,11 @@ def tiny_model(checkpoint=False):
 
 def batches(comm, n_world, rank, seed=5):
     from ringzero.data import Batches
-    data = np.random.default_rng(0).integers(0, TINY["vocab"], 4096).astype(np.uint8)
+    # a learnable stream: a fixed permutation cycle with 10% noise tokens
+    rng = np.random.default_rng(0)
+    data = (np.arange(4096) * 7 % TINY["vocab"]).astype(np.uint8)
+    noise = rng.random(4096) < 0.1
+    data[noise] = rng.integers(0, TINY["vocab"], int(noise.sum()))
     return Batches(data, B, T, rank, n_world, seed)
 
 
