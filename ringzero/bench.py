@@ -18,6 +18,10 @@ What it is
     each row is {"op", "impl" ("ring"|"mpi"), "n", "bytes", "count", "dtype",
     "redop", "time_us", "algbw_GBps", "busbw_GBps", "wrong"}.
 
+    Two more words: ``sched`` times every Ring schedule against each other
+    (how the thresholds were placed) and ``dtypes`` times one op on the same
+    element count in several dtypes, interleaved (float16 against float32).
+
 What it is not
     A model benchmark: main() dispatches on a first word so one can be added
     (``python -m ringzero.bench coll ...`` is the same as no word).
@@ -308,7 +312,60 @@ def run_sched(args, comm) -> list:
     return [dict(r, wrong=0) for r in rows]
 
 
-SUBCOMMANDS = {"coll": (coll_parser, run_coll), "sched": (sched_parser, run_sched)}
+def dtypes_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ringzero.bench dtypes",
+                                description="one op on the same element count in several dtypes, interleaved "
+                                            "(e.g. float16 against float32 all_reduce at 16 MiB of float32)")
+    p.add_argument("--count", type=parse_size, default=parse_size("4M"), help="elements (4M = 16 MiB of float32)")
+    p.add_argument("-d", "--dtypes", default="float16,float32")
+    p.add_argument("-o", "--op", default="all_reduce", choices=OP_NAMES)
+    p.add_argument("-n", "--iters", type=int, default=15)
+    p.add_argument("-w", "--warmup_iters", type=int, default=2)
+    p.add_argument("--json", default=None)
+    return p
+
+
+def run_dtypes(args, comm) -> list:
+    from mpi4py import MPI
+
+    from ringzero.collectives import Ring
+    n, rank = comm.size, comm.rank
+    ring = Ring(comm)
+    dts = [_dtype(d) for d in args.dtypes.split(",")]
+    count = max(n, args.count) // n * n
+    cases = [_Case(args.op, ring, comm, np, dt, count, False) for dt in dts]
+    wrong = [comm.allreduce(c.check("ring", comm, np, seed=1)) for c in cases]
+    for _ in range(args.warmup_iters):
+        for c in cases:
+            c.ring()
+    times = np.zeros((len(cases), args.iters))
+    for i in range(args.iters):
+        for k, c in enumerate(cases):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            c.ring()
+            times[k, i] = time.perf_counter() - t0
+    comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
+    rows = []
+    for k, dt in enumerate(dts):
+        t = float(np.median(times[k]))
+        rows.append(dict(op=args.op, impl="ring", n=n, bytes=count * dt.itemsize, count=count, dtype=dt.name,
+                         redop="sum", time_us=round(t * 1e6, 2), wrong=wrong[k]))
+    if rank == 0:
+        base = rows[-1]["time_us"]
+        print(f"# ringzero.bench dtypes: n={n} op={args.op} count={count} iters={args.iters} (interleaved)")
+        for r in rows:
+            print(f"  {r['dtype']:>9} {human(r['bytes']):>6} {r['time_us']:>11.1f} us  "
+                  f"x{r['time_us'] / base:.2f} of {rows[-1]['dtype']}  #wrong {r['wrong']}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"rows": rows, "meta": dict(n=n, kind="dtypes")}, f, indent=1)
+    ring.free()
+    return rows
+
+
+SUBCOMMANDS = {"coll": (coll_parser, run_coll), "sched": (sched_parser, run_sched),
+               "dtypes": (dtypes_parser, run_dtypes)}
 
 
 def main(argv=None) -> int:

@@ -75,8 +75,8 @@ except ImportError:
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 # Measured with `python -m ringzero.bench`, see docs/readme-collectives.md.
-SMALL_BYTES = 64 * 1024
-TREE_BYTES = 1 << 20
+SMALL_BYTES = 256 * 1024   # all_reduce at or below: recursive doubling (power-of-two n)
+TREE_BYTES = 16 << 20      # at or below: halving/doubling (power-of-two n); above: the ring
 SEG_BYTES = 1 << 20
 _F16 = np.dtype(np.float16)
 _SPIN = int(os.environ.get("RINGZERO_SPIN", 0))  # Tests before the poll loop starts yielding
