@@ -113,38 +113,48 @@ def test_reshard(comm, case, tmp_path_factory):
     def group(k):
         return comm.Split(0 if comm.rank < k else MPI.UNDEFINED, comm.rank)
 
-    saved, ref = None, None
+    # Each side catches its own failure, so ranks outside a group never wait
+    # in a collective that a failed rank skipped: every rank reaches assert_all.
+    saved, ref, err = None, None, None
     ca = group(a)
     if ca != MPI.COMM_NULL:
-        ea = engine(ca, sa, **kwa)
-        da = batches(ca.rank, a, G // a)
-        train(ea, da, 0, 4)
-        ck.save(ea, d, 4)
-        saved = {c: by_name(ea.layout, ea.full_state(c)) for c in ("master", "adam_m", "adam_v")}
-        ref = [r.loss for r in train(ea, da, 4, 7)]
+        try:
+            ea = engine(ca, sa, **kwa)
+            da = batches(ca.rank, a, G // a)
+            train(ea, da, 0, 4)
+            ck.save(ea, d, 4)
+            saved = {c: by_name(ea.layout, ea.full_state(c)) for c in ("master", "adam_m", "adam_v")}
+            ref = [r.loss for r in train(ea, da, 4, 7)]
+        except Exception as x:
+            err = f"saving at Nd {a}: {type(x).__name__}: {x}"
     saved, ref = comm.bcast((saved, ref), root=0)
     comm.Barrier()
-    ok, msg = True, ""
+    ok, msg = err is None, err or ""
     cb = group(b)
-    if cb != MPI.COMM_NULL:
-        eb = engine(cb, sb, seed=77)
-        for c in saved:                                    # an engine holding anything at all
-            eb.bufs[c][...] = np.nan
-        m = ck.load(eb, os.path.join(d, "step-000004"))
-        bad = [(c, n) for c in saved for n, v in by_name(eb.layout, eb.full_state(c)).items()
-               if not np.array_equal(v, saved[c][n])]
-        got = [r.loss for r in train(eb, batches(cb.rank, b, G // b), 4, 7)]
-        same_sum = a == b and "hybrid" not in (sa, sb)   # same Nd: the stages are bitwise equal
-        close = got == ref if same_sum else np.allclose(got, ref, rtol=2e-3, atol=2e-3)
-        # padding loads as zeros; the fp16 params are cast(master) again
-        full = {c: eb.full_state(c) for c in saved}
-        pad = np.ones(eb.layout.padded, bool)
-        for s in eb.layout.slots.values():
-            pad[s.offset:s.offset + s.spec.numel] = False
-        zeros = all(np.array_equal(v[pad], np.zeros(pad.sum(), np.float32)) for v in full.values())
-        ok = not bad and close and m["nd"] == (2 if sa == "hybrid" else a) and zeros
-        ok &= np.array_equal(eb.full_params(np.float16), full["master"].astype(eb.sdt))
-        msg = f"Nd {a} s{sa} -> Nd {b} s{sb}: differ in {bad[:3]}; padding zero {zeros}; losses {got} vs {ref}"
+    if cb != MPI.COMM_NULL and saved is not None:
+        try:
+            eb = engine(cb, sb, seed=77)
+            for c in saved:                                    # an engine holding anything at all
+                eb.bufs[c][...] = np.nan
+            m = ck.load(eb, os.path.join(d, "step-000004"))
+            bad = [(c, n) for c in saved for n, v in by_name(eb.layout, eb.full_state(c)).items()
+                   if not np.array_equal(v, saved[c][n])]
+            got = [r.loss for r in train(eb, batches(cb.rank, b, G // b), 4, 7)]
+            same_sum = a == b and "hybrid" not in (sa, sb)   # same Nd: the stages are bitwise equal
+            close = got == ref if same_sum else np.allclose(got, ref, rtol=2e-3, atol=2e-3)
+            # padding loads as zeros; the fp16 params are cast(master) again
+            full = {c: eb.full_state(c) for c in saved}
+            pad = np.ones(eb.layout.padded, bool)
+            for s in eb.layout.slots.values():
+                pad[s.offset:s.offset + s.spec.numel] = False
+            zeros = all(np.array_equal(v[pad], np.zeros(pad.sum(), np.float32)) for v in full.values())
+            ok = not bad and close and m["nd"] == (2 if sa == "hybrid" else a) and zeros
+            ok &= np.array_equal(eb.full_params(np.float16), full["master"].astype(eb.sdt))
+            msg = f"Nd {a} s{sa} -> Nd {b} s{sb}: differ in {bad[:3]}; padding zero {zeros}; losses {got} vs {ref}"
+        except Exception as x:
+            ok, msg = False, f"loading at Nd {b}: {type(x).__name__}: {x}"
+    elif cb != MPI.COMM_NULL:
+        ok, msg = False, msg or "nothing was saved"
     comm.Barrier()
     assert_all(comm, ok, msg)
 
@@ -193,7 +203,7 @@ def test_damage_is_caught_before_anything_changes(comm, tmp_path_factory):
             "manifest": "not a checkpoint"}
     for how, word in want.items():
         dst = os.path.join(d, f"damaged-{how}")
-        victim = _damage(src, dst, how, e.nd) if comm.rank == 0 else None
+        victim = _damage(src, dst, how, e.nd) if comm.rank == 0 else None   # plain file ops
         victim = comm.bcast(victim, root=0)
         try:
             ck.load(fresh, dst)
@@ -253,17 +263,20 @@ def test_export_equals_gathered_master(comm, tmp_path_factory):
     master = by_name(e.layout, e.full_state("master"))
     params = by_name(e.layout, e.full_params(np.float16))       # the engine's own fp16 copy
     ok, msg = True, ""
-    if comm.rank == 0:
-        for dtype, ref in (("fp32", master), ("fp16", params)):
-            out = os.path.join(d, f"w-{dtype}.safetensors")
-            ck.export(src, out, dtype)
-            w = st.load_file(out)
-            bad = [n for n in ref if n not in w or w[n].dtype != ref[n].dtype
-                   or not np.array_equal(w[n].ravel(), ref[n])]
-            shapes = all(w[n].shape == e.layout.slots[n].spec.shape for n in w)
-            ok &= not bad and shapes and sorted(w) == sorted(ref)
-            ok &= not [f for f in os.listdir(d) if ".tmp-" in f]    # atomic: no temp file left
-            msg += f"{dtype}: differ {bad[:3]}, shapes {shapes}; "
+    if comm.rank == 0:          # serial; a failure here must not leave the others waiting
+        try:
+            for dtype, ref in (("fp32", master), ("fp16", params)):
+                out = os.path.join(d, f"w-{dtype}.safetensors")
+                ck.export(src, out, dtype)
+                w = st.load_file(out)
+                bad = [n for n in ref if n not in w or w[n].dtype != ref[n].dtype
+                       or not np.array_equal(w[n].ravel(), ref[n])]
+                shapes = all(w[n].shape == e.layout.slots[n].spec.shape for n in w)
+                ok &= not bad and shapes and sorted(w) == sorted(ref)
+                ok &= not [f for f in os.listdir(d) if ".tmp-" in f]    # atomic: no temp file left
+                msg += f"{dtype}: differ {bad[:3]}, shapes {shapes}; "
+        except Exception as x:
+            ok, msg = False, f"export: {type(x).__name__}: {x}"
     assert_all(comm, ok, msg)
 
 
