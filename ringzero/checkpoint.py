@@ -285,10 +285,13 @@ def _read_range(fhs, path, cls, old: Layout, u: int, lo: int, hi: int, dst, stag
         fh.seek((old.shard_offset[u] + a - k * po) * item)
         out = dst[a - lo:b - lo]
         host = out if isinstance(out, np.ndarray) else staging[:b - a]
-        n = fh.readinto(memoryview(host.view(np.uint8)))
-        if n != (b - a) * item:
-            raise CheckpointError(f"{fh.name}: short read: expected {(b - a) * item} bytes at offset "
-                                  f"{fh.tell() - n}, got {n}")
+        mv, n = memoryview(host.view(np.uint8)), 0
+        while n < mv.nbytes:                 # a raw read may return less (>2 GiB on Linux)
+            got = fh.readinto(mv[n:])
+            if not got:
+                raise CheckpointError(f"{fh.name}: short read: expected {mv.nbytes} bytes at offset "
+                                      f"{fh.tell() - n}, got {n}")
+            n += got
         if host is not out:
             out.set(host)
 
