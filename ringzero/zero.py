@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ringzero import accounting
-from ringzero.backend import get_array_module, xp_for
+from ringzero.backend import get_array_module, select_device, xp_for
 from ringzero.collectives import Ring
 from ringzero.flat import Layout
 from ringzero import kernels
@@ -95,6 +95,8 @@ class Zero:
             raise ValueError(f"precision must be fp16 or fp32, got {precision!r}")
         self.precision = precision
         self.xp = xp = xp_for(device)
+        if device == "cuda":
+            select_device(comm)          # one GPU per rank, by node-local rank
         self.sdt = np.float16 if precision == "fp16" else np.float32   # storage dtype (params, grads)
         # compute dtype: fp32 on CPU (NumPy has no fast fp16 GEMM), storage dtype on GPU
         self.cdt = np.float32 if xp is np else self.sdt
