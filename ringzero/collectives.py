@@ -79,7 +79,10 @@ SMALL_BYTES = 256 * 1024   # all_reduce at or below: recursive doubling (power-o
 TREE_BYTES = 16 << 20      # at or below: halving/doubling (power-of-two n); above: the ring
 SEG_BYTES = 1 << 20
 _F16 = np.dtype(np.float16)
-_SPIN = int(os.environ.get("RINGZERO_SPIN", 0))  # Tests before the poll loop starts yielding
+# Tests before the poll loop starts yielding (tens of µs): a short spin catches a
+# peer that is about to answer without handing the core to another process for a
+# whole time slice; after it, sched_yield lets the rank with work run.
+_SPIN = int(os.environ.get("RINGZERO_SPIN", 100))
 
 
 class Ledger:
