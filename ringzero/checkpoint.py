@@ -481,7 +481,7 @@ def load(engine, path: str = "latest", save_dir: str | None = None) -> dict:
         engine.scaler.load_state_dict(m["scaler"])
     engine.step_count = int(m.get("engine_step_count", m["step"]))
     # params = cast(master), all-gathered where they are held in full (collective)
-    publish = getattr(engine, "publish_params", None) or engine._publish_params
+    publish = engine.publish_params
     publish()
     return dict(m, path=p)
 

@@ -59,6 +59,11 @@ class Config:
     eval_batches: int = 4            # batches per evaluation, per rank
     metrics: str = ""                # write one JSON object per step here (JSONL)
     sample_chars: int = 200          # length of the text sample at the end (0 = none)
+    # ---- checkpoints (ringzero.checkpoint)
+    save_every: int = 0              # save every N steps into --save-dir (0 = never)
+    save_dir: str = "checkpoints"    # one sub-directory per saved step: step-000010, ...
+    keep: int = 0                    # keep only the newest K checkpoints (0 = all)
+    resume: str = ""                 # a step-NNNNNN directory, or "latest" in --save-dir
     quiet: bool = False              # no progress bar
 
 
@@ -186,6 +191,13 @@ def validate(cfg: Config):
             raise ConfigError(f"--mem-budget: {e}") from None
     if cfg.data:
         need(os.path.isfile(cfg.data), f"--data file {cfg.data!r} does not exist")
+    need(cfg.save_every >= 0 and cfg.keep >= 0, "--save-every and --keep must be >= 0")
+    if cfg.resume and cfg.resume != "latest":
+        need(os.path.isfile(os.path.join(cfg.resume, "manifest.json")),
+             f"--resume {cfg.resume!r} is not a checkpoint directory (no manifest.json)")
+    if cfg.resume == "latest":
+        from ringzero.checkpoint import latest
+        need(latest(cfg.save_dir) is not None, f"--resume latest: no complete checkpoint in --save-dir {cfg.save_dir!r}")
 
 
 def lr_at(cfg: Config, step: int) -> float:
@@ -287,8 +299,19 @@ def run(cfg: Config, comm) -> dict:
         bar = tqdm(total=cfg.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout)
     tokens_per_step = cfg.batch * cfg.seq_len * n
     eval_loss, times, losses = float("nan"), [], []
+    start = 0
+    if cfg.resume:
+        from ringzero import checkpoint as ck
+        try:
+            man = ck.load(engine, cfg.resume, save_dir=cfg.save_dir)
+        except ck.CheckpointError as e:
+            raise ConfigError(str(e)) from None
+        start = int(man["step"])
+        say(f"ringzero | resumed from {man['path']} at step {start}")
+        if bar:
+            bar.update(start)
     t_start = time.perf_counter()
-    for step in range(cfg.steps):
+    for step in range(start, cfg.steps):
         x, y = train.get(step)
         lr = lr_at(cfg, step)
         comm.Barrier()          # step time is the slowest rank's
@@ -309,6 +332,12 @@ def run(cfg: Config, comm) -> dict:
         if bar:
             bar.set_postfix_str(f"loss {res.loss:.3f} | {tps:,.0f} tok/s | scale {res.loss_scale:g}")
             bar.update(1)
+        if cfg.save_every and (step + 1) % cfg.save_every == 0:
+            from ringzero import checkpoint as ck
+            path = ck.save(engine, cfg.save_dir, step + 1, config=dataclasses.asdict(cfg),
+                           data_state={"step": step + 1, "seed": cfg.seed}, keep=cfg.keep or None)
+            if bar:
+                bar.write(f"step {step + 1}: saved {path}")
         if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0 and step + 1 < cfg.steps:
             eval_loss = evaluate()
             if bar:
@@ -318,8 +347,8 @@ def run(cfg: Config, comm) -> dict:
     wall = time.perf_counter() - t_start
     traffic = engine.traffic_report()     # the last training step's ledger
     eval_loss = evaluate()
-    train_loss = float(np.mean(losses[-10:]))
-    steady = times[min(2, len(times) - 1):]
+    train_loss = float(np.mean(losses[-10:])) if losses else float("nan")
+    steady = times[min(2, len(times) - 1):] or [float("nan")]
     tput = tokens_per_step / float(np.median(steady))
 
     say(f"ringzero | final held-out loss {eval_loss:.4f} nats vs unigram entropy {H:.4f} "

@@ -148,7 +148,7 @@ class Zero:
                 else L.init_shard(np.empty(shard, np.float32), seed, self.srank))
         self.master[...] = xp.asarray(host)
         del host
-        self._publish_params()
+        self.publish_params()
 
         # ---- the plan: when each unit is materialized / reduced, and where
         self._plan(U)
@@ -359,7 +359,7 @@ class Zero:
             if self.replica_ring is not None and self.replica_ring.size > 1:
                 self.replica_ring.all_reduce(out)
 
-    def _publish_params(self):
+    def publish_params(self):
         """master -> fp16 params (own pieces), then all-gather where params are full."""
         L, st = self.layout, self.stage
         for u in range(len(L.units)):
@@ -441,7 +441,7 @@ class Zero:
                                      self._piece(self.adam_m, u, r, full_s),
                                      self._piece(self.adam_v, u, r, full_s),
                                      g, lr, self._decay[(u, r)])
-            self._publish_params()
+            self.publish_params()
         self.step_count += 1
         led1 = self._ledger_totals()
         self.last_step_ledger = {k: led1[k] - led0.get(k, 0) for k in led1}
