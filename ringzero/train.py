@@ -219,6 +219,7 @@ def prepare(cfg: Config, n: int):
     from ringzero.data import load_corpus
     from ringzero.flat import Layout
     from ringzero.nn.gpt import GPT, GPTConfig
+    from ringzero.zero import MemoryBudgetError, check_budget
     try:
         corpus = load_corpus(cfg.data or None, cfg.seq_len)
     except (ValueError, OSError) as e:
@@ -229,19 +230,12 @@ def prepare(cfg: Config, n: int):
         raise ConfigError(f"--ranks-per-node must divide the rank count: {n} % {cfg.ranks_per_node} != 0")
     budget = accounting.parse_bytes(cfg.mem_budget) if cfg.mem_budget else None
     group = n if cfg.stage != "hybrid" else (cfg.ranks_per_node or None)
-    if budget is not None and group is not None:
-        lay = Layout(model.units, nd=group)
-        rpn = group if cfg.stage == "hybrid" else None
-        fits = accounting.stages_that_fit(budget, lay.padded, n, rpn)
-        if not fits:
-            smallest = accounting.model_state_total("3", lay.padded, n)
-            raise ConfigError(f"--mem-budget {cfg.mem_budget} is below the smallest stage's need: "
-                              f"stage 3 needs {smallest / 2**20:.1f} MiB per rank at Nd={n} "
-                              f"(Ψ={lay.numel:,}); add ranks or shrink the model")
-        if cfg.stage not in fits:
-            need_b = accounting.model_state_total(cfg.stage, lay.padded, n, rpn)
-            raise ConfigError(f"--stage {cfg.stage} needs {need_b / 2**20:.1f} MiB of model state per "
-                              f"rank, over --mem-budget {cfg.mem_budget}; stages that fit: {', '.join(fits)}")
+    if budget is not None and group is not None:      # else the engine checks once it knows the node
+        try:
+            check_budget(Layout(model.units, nd=group), cfg.stage, n, budget,
+                         group if cfg.stage == "hybrid" else None)
+        except MemoryBudgetError as e:
+            raise ConfigError(f"--mem-budget {cfg.mem_budget}: {e}") from None
     return corpus, model, budget
 
 
@@ -297,6 +291,7 @@ def run(cfg: Config, comm) -> dict:
     if rank == 0 and not cfg.quiet:
         from tqdm import tqdm
         bar = tqdm(total=cfg.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout)
+    note = bar.write if bar else say      # one line, above the bar when there is one
     tokens_per_step = cfg.batch * cfg.seq_len * n
     eval_loss, times, losses = float("nan"), [], []
     start = 0
@@ -322,7 +317,7 @@ def run(cfg: Config, comm) -> dict:
         losses.append(res.loss)
         tps = tokens_per_step / dt
         if res.skipped:
-            say(f"\nringzero | step {step}: overflow in the fp16 gradients; step skipped on every rank, "
+            note(f"ringzero | step {step}: overflow in the fp16 gradients; step skipped on every rank, "
                 f"loss scale {res.loss_scale:g} -> {engine.scaler.scale:g}")
         if mfile:
             mfile.write(json.dumps({"step": step, "loss": res.loss, "lr": lr, "loss_scale": res.loss_scale,
@@ -336,12 +331,10 @@ def run(cfg: Config, comm) -> dict:
             from ringzero import checkpoint as ck
             path = ck.save(engine, cfg.save_dir, step + 1, config=dataclasses.asdict(cfg),
                            data_state={"step": step + 1, "seed": cfg.seed}, keep=cfg.keep or None)
-            if bar:
-                bar.write(f"step {step + 1}: saved {path}")
+            note(f"step {step + 1}: saved {path}")
         if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0 and step + 1 < cfg.steps:
             eval_loss = evaluate()
-            if bar:
-                bar.write(f"step {step + 1}: held-out loss {eval_loss:.4f}")
+            note(f"step {step + 1}: held-out loss {eval_loss:.4f}")
     if bar:
         bar.close()
     wall = time.perf_counter() - t_start

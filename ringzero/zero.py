@@ -585,16 +585,25 @@ class Zero:
                 "formula_elements": el}
 
     def _check_budget(self, budget):
-        L = self.layout
         rpn = self.nd if self.stage == "hybrid" else None
-        need = accounting.model_state_total(self.stage, L.padded, self.comm.size, rpn)
-        if need > budget:
-            fits = accounting.stages_that_fit(budget, L.padded, self.comm.size, rpn)
-            hint = f"stages that fit: {', '.join(fits)}" if fits else \
-                "no stage fits at this world size; add ranks or shrink the model"
-            raise MemoryBudgetError(
-                f"stage {self.stage} needs {need / 2**20:.1f} MiB of model state per rank "
-                f"(Ψ={L.numel:,}, Nd={self.comm.size}), budget is {budget / 2**20:.1f} MiB; {hint}")
+        check_budget(self.layout, self.stage, self.comm.size, budget, rpn)
+
+
+def check_budget(layout: Layout, stage: str, world: int, budget: int, ranks_per_node=None):
+    """Refuse, before anything is allocated, a stage whose model state per rank
+    (the stage formula on the padded Ψ) exceeds ``budget`` bytes."""
+    need = accounting.model_state_total(stage, layout.padded, world, ranks_per_node)
+    if need <= budget:
+        return
+    fits = accounting.stages_that_fit(budget, layout.padded, world, ranks_per_node)
+    if not fits:
+        least = accounting.model_state_total("3", layout.padded, world)
+        raise MemoryBudgetError(
+            f"budget {budget / 2**20:.1f} MiB per rank is below the smallest stage's need: stage 3 "
+            f"needs {least / 2**20:.1f} MiB at Nd={world} (Ψ={layout.numel:,}); add ranks or shrink the model")
+    raise MemoryBudgetError(
+        f"stage {stage} needs {need / 2**20:.1f} MiB of model state per rank (Ψ={layout.numel:,}, "
+        f"Nd={world}), budget is {budget / 2**20:.1f} MiB; stages that fit: {', '.join(fits)}")
 
 
 def _to_host(a):
