@@ -186,10 +186,11 @@ def test_float16_order_and_determinism(comm, schedule):
 @pytest.mark.mpi
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
 @pytest.mark.parametrize("m", [1, 3, 64, 2049, 70001])
-def test_composition_contract(comm, dtype, m):
-    """all_reduce == reduce_scatter then all_gather, bitwise, with the default schedule choice."""
+@pytest.mark.parametrize("schedule", ["default"] + list(SCHEDULES))
+def test_composition_contract(comm, dtype, m, schedule):
+    """all_reduce == reduce_scatter then all_gather, bitwise: default choice and each forced schedule."""
     n, r = comm.size, comm.rank
-    ring = Ring(comm)
+    ring = Ring(comm) if schedule == "default" else force(Ring(comm), schedule)
     x = data(r, n * m, dtype, seed=11, ints=False)
     a = x.copy()
     ring.all_reduce(a)
