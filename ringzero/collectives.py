@@ -458,4 +458,5 @@ class Ring:
             send.get(out=hr[self.rank * m:(self.rank + 1) * m])
             self.all_gather(hr[self.rank * m:(self.rank + 1) * m], hr)
             recv.set(hr)
+        sync(recv)  # the pinned buffer is reused by the next call: the copy must be done
         return recv
