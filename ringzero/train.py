@@ -41,10 +41,10 @@ class Config:
     batch: int = 8                   # sequences per rank per step (global batch = batch * ranks)
     seed: int = 1337                 # weights, batches and sampling all derive from it
     # ---- schedule
-    steps: int = 300                 # optimizer steps
-    lr: float = 3e-3                 # peak learning rate
+    steps: int = 400                 # optimizer steps
+    lr: float = 4e-3                 # peak learning rate
     min_lr_frac: float = 0.1         # cosine decays to lr * min_lr_frac
-    warmup: int = 30                 # linear warm-up steps
+    warmup: int = 40                 # linear warm-up steps
     weight_decay: float = 0.1        # AdamW, not on biases and norms
     grad_clip: float = 1.0           # global-norm clipping (0 = off)
     # ---- runtime
