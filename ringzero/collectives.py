@@ -412,7 +412,7 @@ class Ring:
         n, r, m, tag = self.size, self.rank, len(recv), self._tag(0)
         t0, t1 = self._scr(xp, send.nbytes // 2)
         acc, tmp = t0.view(send.dtype), t1.view(send.dtype)
-        lo, hi, d, cur, base = 0, n, n >> 1, send, 0  # cur holds blocks [base, base + (hi-lo)) at offset 0
+        lo, hi, d, cur = 0, n, n >> 1, send  # cur holds blocks [lo, hi) from its offset 0
         while d:
             mid = (lo + hi) // 2
             keep, give = ((mid, hi), (lo, mid)) if r & d else ((lo, mid), (mid, hi))

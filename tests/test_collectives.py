@@ -250,7 +250,7 @@ def test_ledger_ring_formula(comm, L):
 
 @pytest.mark.mpi
 def test_ledger_latency_formula(comm):
-    n, r = comm.size, comm.rank
+    n = comm.size
     if n & (n - 1):
         pytest.skip(f"latency schedule needs a power-of-two size, have {n}")
     ring = force(Ring(comm), "latency")
@@ -273,7 +273,7 @@ def test_ledger_latency_formula(comm):
 
 @pytest.mark.mpi
 def test_no_allocation_in_steady_state(comm):
-    n, r = comm.size, comm.rank
+    n = comm.size
     ring = Ring(comm)
     x = np.ones(n * 65536, np.float32)          # 256 KiB per rank and up
     part = np.empty(65536, np.float32)
