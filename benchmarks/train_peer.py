@@ -320,11 +320,17 @@ def best_of(launches):
     return best
 
 
-def table(rows):
-    """Markdown table; one ratio column per ringzero mode that ran."""
-    rz = {(r["mode"], r["ranks"]): r["tokens_per_s"] for r in rows
-          if r["mode"] in RZ_MODES and r.get("ok")}
-    cols = [m for m in RZ_MODES if any(k[0] == m for k in rz)]
+def paired_ratios(launches, rz_mode, peer, n):
+    """ringzero / peer tokens/s per round, both launches of a round adjacent in
+    time, so slow swings of the machine's load largely cancel."""
+    a, b = launches.get((rz_mode, n), []), launches.get((peer, n), [])
+    return [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(a, b) if x.get("ok") and y.get("ok")]
+
+
+def table(rows, launches):
+    """Markdown table. tokens/s is each mode's fastest launch; a ratio cell is
+    the median of the per-round ratios, with their range when rounds > 1."""
+    cols = [m for m in RZ_MODES if any(r["mode"] == m and r.get("ok") for r in rows)]
     head = "".join(f" {m} / peer |" for m in cols)
     lines = [f"| mode | ranks | tokens/s | peak RSS per rank | RSS at start | loss first → last |{head}"
              " every launch (load) |", "|---|---|---|---|---|---|" + "---|" * len(cols) + "---|"]
@@ -334,8 +340,11 @@ def table(rows):
                          + " — |" * len(cols) + " — |")
             continue
         mib = f"{r['rss_min'] / 2**20:.0f}–{r['rss_max'] / 2**20:.0f} MiB"
-        ratio = "".join(f" {rz[(m, r['ranks'])] / r['tokens_per_s']:.2f}× |"
-                        if r["mode"] in TORCH_MODES and (m, r["ranks"]) in rz else " — |" for m in cols)
+        ratio = ""
+        for m in cols:
+            q = paired_ratios(launches, m, r["mode"], r["ranks"]) if r["mode"] in TORCH_MODES else []
+            span = f" ({min(q):.2f}–{max(q):.2f})" if len(q) > 1 else ""
+            ratio += f" {statistics.median(q):.2f}×{span} |" if q else " — |"
         every = ", ".join(f"{t if t is not None else 'failed'} ({ld:.1f})"
                           for t, ld in zip(r["tokens_per_s_all"], r["load_all"]))
         lines.append(f"| {r['mode']} | {r['ranks']} | {r['tokens_per_s']:.0f} | {mib} | "
@@ -418,7 +427,7 @@ def main(argv=None):
                     print(f"  round {rnd} {mode:13s} n={n}: {row['tokens_per_s']:8.0f} tokens/s  "
                           f"(load {row['load']:.1f}, {row['wall_s']} s launch)", flush=True)
     rows = [best_of(launches[(m, n)]) for n in a.ranks for m in a.modes]
-    print(table(rows))
+    print(table(rows, launches))
     params = {r["mode"]: r["params"] for r in rows if r.get("params")}
     params.update({"ringzero layout": r["layout_params"] for r in rows if r.get("layout_params")})
     if params:
