@@ -10,9 +10,10 @@ What it is
 
     α is the latency of one step (one send/recv pair and its Python overhead),
     β the seconds per byte a rank puts on the wire (the local add is folded in).
-    For buffers of at most ``small_bytes`` at a power-of-two n, ringzero's Ring
-    switches to recursive halving/doubling (log2 n steps; an all-reduce then
-    sends S·log2 n bytes), and the model counts those steps instead.
+    For buffers of at most ``small_bytes`` (read from the bench file's meta) at
+    a power-of-two n, ringzero's Ring switches to recursive halving/doubling
+    (log2 n steps; an all-reduce then sends S·log2 n bytes), and the model
+    counts those steps instead.
 
     The fit minimises the sum of |log(predicted / measured)| (or, with
     --method lsq, the squared relative error), so a 4 KiB point counts as much
@@ -41,7 +42,7 @@ import numpy as np
 
 from ringzero import accounting as acc
 
-SMALL_BYTES = 64 * 1024   # ringzero.collectives.SMALL_BYTES (not imported: that starts MPI)
+SMALL_BYTES = 64 * 1024   # default cutoff when a bench file's meta lacks small_bytes
 OPS = {"allreduce": "all_reduce", "reducescatter": "reduce_scatter", "allgather": "all_gather"}
 TOLERANCE = 0.5           # held-out |relative error|, median must be below this (see README)
 
@@ -72,6 +73,10 @@ def load_rows(path: str) -> list:
     if not isinstance(rows, list):
         raise ValueError(f"{path}: expected a JSON list of rows or {{\"rows\": [...]}}, "
                          f"got {type(d).__name__}")
+    meta = (d.get("meta") or {}) if isinstance(d, dict) else {}
+    if isinstance(meta, dict) and meta.get("small_bytes") is not None:
+        # the cutoff the Ring ran with, recorded by the bench: it decides the schedule
+        rows = [{"small_bytes": int(meta["small_bytes"]), **r} for r in rows]
     for i, r in enumerate(rows):
         miss = [k for k in ("op", "impl", "n", "bytes", "time_us") if k not in r]
         if miss:
@@ -98,7 +103,8 @@ def split_alternate(rows) -> tuple:
 
 
 def _design(rows, small_bytes):
-    X = np.array([steps_wire(norm_op(r["op"]), int(r["n"]), float(r["bytes"]), small_bytes)
+    X = np.array([steps_wire(norm_op(r["op"]), int(r["n"]), float(r["bytes"]),
+                             r.get("small_bytes", small_bytes))
                   for r in rows], np.float64)                 # (m, 2) steps, wire bytes
     t = np.array([float(r["time_us"]) * 1e-6 for r in rows])  # (m,) seconds
     return X, t
@@ -163,7 +169,8 @@ def errors(model: dict, rows, small_bytes: int = SMALL_BYTES) -> list:
     """[(row, predicted_us, relative error)] for rows."""
     out = []
     for r in rows:
-        p = predict(model, norm_op(r["op"]), int(r["n"]), float(r["bytes"]), small_bytes) * 1e6
+        p = predict(model, norm_op(r["op"]), int(r["n"]), float(r["bytes"]),
+                    r.get("small_bytes", small_bytes)) * 1e6
         out.append((r, p, (p - float(r["time_us"])) / float(r["time_us"])))
     return out
 
@@ -299,7 +306,8 @@ def main(argv=None):
     ap.add_argument("--op", default="all_reduce", choices=sorted(OPS.values()))
     ap.add_argument("--impl", default="ring", help="rows of this impl (ring or mpi)")
     ap.add_argument("--small-bytes", type=int, default=SMALL_BYTES,
-                    help="the Ring's latency-schedule cutoff (RINGZERO_SMALL_BYTES)")
+                    help="the Ring's latency-schedule cutoff (RINGZERO_SMALL_BYTES), for rows "
+                         "whose file does not record it in meta.small_bytes")
     ap.add_argument("--units", type=int, default=1, help="units per model, for per-step latency")
     ap.add_argument("--method", default="l1log", choices=("l1log", "lsq"),
                     help="l1log: robust to the busy machine's outliers (default); lsq: relative "

@@ -118,3 +118,14 @@ def test_ignores_wrong_and_other_impl_rows():
     r = fit.report(rows + bad, op="all_reduce")
     assert r["max_abs_rel_err"] < 1e-9
     assert acc.parse_stage("FULL_SHARD") in r["predict_step_comm_s"]
+
+
+def test_small_bytes_from_bench_meta(tmp_path):
+    """A file made with a 256 KiB cutoff is fitted with that cutoff, read from its meta."""
+    rows = synthetic_rows(noise=0.0, small=256 * 1024)
+    p = tmp_path / "b.json"
+    p.write_text(json.dumps({"rows": rows, "meta": {"small_bytes": 256 * 1024}}))
+    r = fit.report(fit.load_rows(str(p)), op="all_reduce")
+    assert r["max_abs_rel_err"] < 1e-9
+    wrong = fit.report(synthetic_rows(noise=0.0, small=256 * 1024), op="all_reduce")
+    assert wrong["max_abs_rel_err"] > 0.05          # the 64 KiB default misreads 128-256 KiB
