@@ -361,7 +361,9 @@ def run(cfg: Config, comm) -> dict:
         say("sample ----------------------------------------------------------")
         say(sample)
         say("-----------------------------------------------------------------")
-    summary = {"summary": True, "params": L.numel, "world_size": n, "stage": cfg.stage,
+    summary = {"summary": True, "params": L.numel, "params_padded": L.padded, "world_size": n,
+               "stage": cfg.stage, "precision": cfg.precision,
+               "ranks_per_node": engine.nd if cfg.stage == "hybrid" else None,
                "memory": {c: {"measured_bytes": d["measured_bytes"], "formula_bytes": d["formula_bytes"]}
                           for c, d in mem["classes"].items()},
                "traffic": {"measured_bytes_per_step": traffic["measured_bytes_per_step"],
