@@ -11,6 +11,8 @@
 #   RINGZERO_MPI=system     use the mpirun on PATH (a cluster's MPI); mpi4py is
 #                           then built from source against it (needs mpicc)
 #   RINGZERO_PYTHON=python3 the interpreter that makes the venv
+#   RINGZERO_PEER=1         also install torch (CPU, pinned) for the peer
+#                           benchmarks and the torch comparison tests
 #   MPIRUN_ARGS="..."       extra flags for mpirun (hostfile, mca, ...)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,7 +20,9 @@ VENV="${RINGZERO_VENV:-$ROOT/.venv}"
 MPI_KIND="${RINGZERO_MPI:-wheel}"
 PYBIN="${RINGZERO_PYTHON:-python3}"
 
-_stamp_src() { cat "$ROOT/setup.cfg" "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT/ringzero/csrc/"*.c 2>/dev/null; echo "$MPI_KIND"; }
+PEER="${RINGZERO_PEER:-0}"
+TORCH_PIN="torch==2.13.0"   # the CPU build; an unpinned torch pulls a multi-GB CUDA build
+_stamp_src() { cat "$ROOT/setup.cfg" "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT/ringzero/csrc/"*.c 2>/dev/null; echo "$MPI_KIND $PEER"; }
 
 ensure_venv() {
     local want have=""
@@ -42,6 +46,10 @@ ensure_venv() {
             "$VENV/bin/python" -m pip install -q --no-binary=mpi4py mpi4py >&2
         fi
         "$VENV/bin/python" -m pip install -q -e "$ROOT[$extras]" >&2
+        if [ "$PEER" = 1 ]; then
+            echo "ringzero: installing $TORCH_PIN (peer benchmarks and torch comparison tests)" >&2
+            "$VENV/bin/python" -m pip install -q "$TORCH_PIN" >&2
+        fi
         echo "$want" > "$VENV/.ringzero-stamp"
     fi
     PY="$VENV/bin/python"
