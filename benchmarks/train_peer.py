@@ -63,13 +63,15 @@ def ringzero_args(a, precision: str, metrics: str) -> list:
     """The ringzero trainer's flags for this benchmark: the one place to edit.
 
     Its position table is --seq-len long (the torch side uses block = seq_len
-    too). Evaluation only at the end and no text sample keep the timed steps
-    pure training steps, as on the torch side.
+    too). A constant learning rate, as on the torch side, makes the loss
+    columns comparable. Evaluation only at the end and no text sample keep the
+    timed steps pure training steps, as on the torch side.
     """
     return ["--stage", str(a.stage), "--precision", precision, "--n-layer", str(a.n_layer),
             "--n-head", str(a.n_head), "--n-embd", str(a.n_embd), "--batch", str(a.batch),
             "--seq-len", str(a.seq_len), "--steps", str(a.steps), "--seed", str(a.seed),
-            "--lr", str(a.lr), "--grad-clip", str(a.grad_clip), "--eval-interval", "0",
+            "--lr", str(a.lr), "--warmup", "0", "--min-lr-frac", "1",   # constant lr, as torch
+            "--grad-clip", str(a.grad_clip), "--eval-interval", "0",
             "--sample-chars", "0", "--quiet", "--metrics", metrics] + a.rz_extra.split()
 
 
