@@ -74,7 +74,7 @@ except ImportError:
     pass
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
-# Measured with `python -m ringzero.bench`, see docs/readme-collectives.md.
+# Measured with `python -m ringzero.bench`, see docs/collectives.md.
 SMALL_BYTES = 256 * 1024   # all_reduce at or below: recursive doubling (power-of-two n)
 TREE_BYTES = 16 << 20      # at or below: halving/doubling (power-of-two n); above: the ring
 SEG_BYTES = 1 << 20
