@@ -96,8 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m ringzero.train",
         description="Train a byte-level GPT with ZeRO sharding over MPI. Launch under mpirun, "
                     "e.g. `mpirun -n 8 python -m mpi4py -m ringzero.train --stage 3` "
-                    "(./launch/train does this).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "(./launch/train does this).")
     p.add_argument("--config", metavar="FILE.toml", help="read any of the settings below from a TOML file")
     p.add_argument("--check", type=int, metavar="N", default=None,
                    help="only validate flags, config and data for a run on N ranks, without MPI; "
@@ -105,11 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     helps = _comments()
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
+        # default=None marks "not given", so TOML values are only overridden by real flags
+        text = f"{helps.get(f.name, '')} (default: {f.default!r})".replace("%", "%%")
         if f.type in ("bool", bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                           help=helps.get(f.name, ""))
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            p.add_argument(flag, default=None, metavar=f.name.upper(), help=helps.get(f.name, ""))
+            p.add_argument(flag, default=None, metavar=f.name.upper(), help=text)
     return p
 
 
