@@ -252,17 +252,8 @@ def traffic_rows(psi: int, nd: int, ranks_per_node=None, units=None) -> list:
 
 def read_summary(path: str) -> dict:
     """The ``"summary": true`` line of a trainer metrics file."""
-    summ = None
-    with open(path) as fh:
-        for i, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not a JSON line ({e.msg})") from None
-            if isinstance(d, dict) and d.get("summary"):
-                summ = d
+    from ringzero.train import read_metrics
+    _, summ = read_metrics(path)
     if summ is None:
         raise ValueError(f"{path}: no line with \"summary\": true (expected the trainer's final line)")
     for k in ("params", "world_size", "stage", "traffic", "memory"):

@@ -100,27 +100,8 @@ def plot_busbw(rows: list, out: str, op: str = "all_reduce", title=None) -> str:
     return out
 
 
-def read_metrics(path: str) -> tuple:
-    """(step lines, summary or None) of a trainer metrics .jsonl."""
-    steps, summ = [], None
-    with open(path) as fh:
-        for i, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not a JSON line ({e.msg})") from None
-            if d.get("summary"):
-                summ = d
-            elif "step" in d and "loss" in d:
-                steps.append(d)
-    if not steps:
-        raise ValueError(f"{path}: no step lines with 'step' and 'loss'")
-    return steps, summ
-
-
 def plot_loss(path: str, out: str, title=None) -> str:
+    from ringzero.train import read_metrics
     steps, summ = read_metrics(path)
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)

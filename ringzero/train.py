@@ -377,6 +377,26 @@ def run(cfg: Config, comm) -> dict:
     return summary
 
 
+def read_metrics(path: str) -> tuple:
+    """(step lines, summary or None) of a trainer metrics .jsonl."""
+    steps, summ = [], None
+    with open(path) as fh:
+        for i, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not a JSON line ({e.msg})") from None
+            if d.get("summary"):
+                summ = d
+            elif "step" in d and "loss" in d:
+                steps.append(d)
+    if not steps:
+        raise ValueError(f"{path}: no step lines with 'step' and 'loss'")
+    return steps, summ
+
+
 def _adam(cfg):
     from ringzero.optim import AdamConfig
     return AdamConfig(weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ringzero.nn.units import UnitModel
 from ringzero.flat import ParamSpec as P, Unit
 from ringzero.nn.layers import (GELU, CausalSelfAttention, Embedding, LayerNorm, Linear, Pool,
                                 Residual, SoftmaxCrossEntropy, Unembed, array_module, cache_nbytes)
@@ -69,7 +70,7 @@ def gpt_units(cfg: GPTConfig) -> tuple:
 # ---------------------------------------------------------------------------
 
 
-class GPT:
+class GPT(UnitModel):
     """A GPT-2-style decoder over the units of ``gpt_units(cfg)``.
 
     Unit 0 embeds, units 1..n_layer are blocks, the last unit is the final
@@ -233,23 +234,6 @@ class GPT:
         return cache_nbytes(cache)
 
     # ---- conveniences built on the unit calls ---------------------------------
-    def loss_and_grad(self, P, G, idx, targets, scale=1.0):
-        """Forward and backward through every unit; adds scale * d(loss) into G."""
-        caches, x = [], idx
-        for u in range(self.last + 1):
-            x, c = self.forward_unit(u, P, x, targets if u == self.last else None)
-            caches.append(c)
-        dy = scale
-        for u in range(self.last, -1, -1):
-            dy = self.backward_unit(u, dy, caches[u], P, G)
-        return x
-
-    def loss(self, P, idx, targets):
-        x = idx
-        for u in range(self.last + 1):
-            x, _ = self.forward_unit(u, P, x, targets if u == self.last else None)
-        return x
-
     def logits(self, P, idx):
         """(B, T, V) logits; buffers are not reused (T may vary)."""
         reuse, self.pool.reuse = self.pool.reuse, False

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+from ringzero.nn.units import UnitModel
 from ringzero.flat import ParamSpec, Unit
 from ringzero.nn.layers import GELU, Linear, Pool, SoftmaxCrossEntropy, cache_nbytes
 
@@ -36,7 +37,7 @@ def mlp_units(sizes) -> tuple:
     return tuple(units)
 
 
-class MLP:
+class MLP(UnitModel):
     """Classifier over ``mlp_units(sizes)``; see the module docstring for the contract."""
 
     def __init__(self, sizes, pool: Pool | None = None):
@@ -91,18 +92,3 @@ class MLP:
     @staticmethod
     def cache_nbytes(cache) -> int:
         return cache_nbytes(cache)
-
-    def loss_and_grad(self, P, G, x, targets, scale=1.0):
-        caches = []
-        for u in range(self.last + 1):
-            x, c = self.forward_unit(u, P, x, targets if u == self.last else None)
-            caches.append(c)
-        dy = scale
-        for u in range(self.last, -1, -1):
-            dy = self.backward_unit(u, dy, caches[u], P, G)
-        return x
-
-    def loss(self, P, x, targets):
-        for u in range(self.last + 1):
-            x, _ = self.forward_unit(u, P, x, targets if u == self.last else None)
-        return x
