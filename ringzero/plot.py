@@ -16,7 +16,6 @@ What it is not
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from ringzero import accounting as acc
