@@ -4,8 +4,8 @@
     python benchmarks/bench_stages.py --rss -n 4                        # peak RSS, one mpirun per stage
 
 Timing: one engine per stage lives in the same processes, and the stages
-take steps in turn (0, 1, 2, 3, 0, 1, ...), so the machine's noise falls on
-all of them alike; the figure is each stage's median step time and its
+take steps in turn, the first of each round rotating (0123, 1230, 2301, ...),
+so the machine's noise and any place-in-the-round effect fall on all alike; the figure is each stage's median step time and its
 ratio to stage 0's. Memory: a process's peak RSS can only be read for the
 whole process, so --rss starts one mpirun per stage and reports each rank's
 ru_maxrss beside the model-state bytes the runtime measured on its buffers.
@@ -38,9 +38,12 @@ def timing(args):
     batches = Batches(data, args.batch, args.seq_len, comm.rank, comm.size, 0)
     engines = {st: build(comm, st, args) for st in args.stages}
     times = {st: [] for st in engines}
+    order = list(engines)
     for it in range(args.warmup + args.iters):
         x, y = batches.get(it)
-        for st, eng in engines.items():
+        # rotate who goes first: a stage's time can depend on its place in the round
+        for st in order[it % len(order):] + order[:it % len(order)]:
+            eng = engines[st]
             comm.Barrier()
             t0 = time.perf_counter()
             eng.step(x, y, 1e-4)
