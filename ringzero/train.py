@@ -351,7 +351,8 @@ def run(cfg: Config, comm) -> dict:
     say(f"traffic per step per rank  measured {traffic['measured_bytes_per_step']:,} B   formula "
         f"{traffic['formula']} = {traffic['formula_bytes_per_step']:,} B")
     for op, b in traffic["by_op"].items():
-        say(f"  {op:<22} {b:,} B")
+        if b:
+            say(f"  {op:<22} {b:,} B")
     if traffic["schedule_bytes_per_step"] != traffic["formula_bytes_per_step"]:
         say(f"  differs by {traffic['formula_bytes_per_step'] - traffic['measured_bytes_per_step']:,} B: the "
             f"last unit's forward and backward are adjacent, so it is gathered once, not twice (as FSDP does)")
