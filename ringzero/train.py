@@ -344,8 +344,9 @@ def run(cfg: Config, comm) -> dict:
     steady = times[min(2, len(times) - 1):] or [float("nan")]
     tput = tokens_per_step / float(np.median(steady))
 
+    rel = 100 * (1 - eval_loss / H)
     say(f"ringzero | final held-out loss {eval_loss:.4f} nats vs unigram entropy {H:.4f} "
-        f"({100 * (1 - eval_loss / H):.1f}% below); train loss (last 10) {train_loss:.4f}")
+        f"({abs(rel):.1f}% {'below' if rel >= 0 else 'above'}); train loss (last 10) {train_loss:.4f}")
     say(f"ringzero | throughput {tput:,.0f} tokens/s (median step {np.median(steady) * 1e3:.1f} ms), "
         f"{cfg.steps} steps in {wall:.1f} s")
     say(f"traffic per step per rank  measured {traffic['measured_bytes_per_step']:,} B   formula "
