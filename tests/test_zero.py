@@ -121,6 +121,11 @@ def test_stages_bitwise_equal(comm):
     bad = [st for st, r in runs.items()
            if r[0] != ref[0] or not np.array_equal(r[1], ref[1]) or not np.array_equal(r[2], ref[2])]
     assert_all(comm, not bad, f"stages {bad} differ bitwise from stage 0")
+    # padding stays out of the update: every padded element is still exactly 0
+    L = engine(comm, "0").layout
+    pad = [(L.unit_offset[u] + L.unit_numel[u], L.unit_offset[u] + L.unit_padded[u]) for u in range(len(L.units))]
+    dirty = [st for st, r in runs.items() for a, b in pad if np.any(r[1][a:b]) or np.any(r[2][a:b])]
+    assert_all(comm, not dirty, f"padding of stages {sorted(set(dirty))} is not zero after training")
     assert_all(comm, ref[0][-1] < ref[0][0], f"loss did not fall: {ref[0][0]} -> {ref[0][-1]}")
 
 
