@@ -194,27 +194,6 @@ class Layout:
             start = self.unit_offset[ui] + rank * self.piece[ui]
             yield ui, start, start + self.piece[ui], self.shard_offset[ui]
 
-    # ---- real (unpadded) extents ------------------------------------------
-    def real_segments(self, rank: int | None = None):
-        """(start, stop, decay) runs of real parameters.
-
-        rank=None: offsets into a full flat buffer. rank=r: offsets into r's shard.
-        Padding never appears in these runs.
-        """
-        out = []
-        for name, s in self.slots.items():
-            a, b = s.offset, s.offset + s.spec.numel
-            if rank is None:
-                out.append((a, b, s.spec.decay))
-                continue
-            for ui, fa, fb, so in self.shard_ranges(rank):
-                if ui != s.unit:
-                    continue
-                lo, hi = max(a, fa), min(b, fb)
-                if lo < hi:
-                    out.append((so + lo - fa, so + hi - fa, s.spec.decay))
-        return out
-
     # ---- init ---------------------------------------------------------------
     def init_param(self, name: str, seed: int) -> np.ndarray:
         """Float32 initial value of one parameter, a pure function of (seed, name).

@@ -42,13 +42,12 @@ What it is not
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from ringzero import accounting
-from ringzero.backend import get_array_module, select_device, xp_for
+from ringzero.backend import get_array_module, select_device, to_host, xp_for
 from ringzero.collectives import Ring
 from ringzero.flat import Layout
 from ringzero import kernels
@@ -123,9 +122,8 @@ class Zero:
         U = len(L.units)
 
         # ---- budget: refuse before allocating anything
-        self.mem_budget = mem_budget
         if mem_budget is not None:
-            self._check_budget(mem_budget)
+            check_budget(L, self.stage, self.n, mem_budget, self.nd if self.stage == "hybrid" else None)
 
         # ---- the state buffers (the only model-state allocations, ever)
         full, shard = L.padded, L.shard_numel
@@ -517,7 +515,7 @@ class Zero:
                 own = seg[self.srank * p:(self.srank + 1) * p]
                 own[...] = L.unit_shard(buf, u)
                 self.ring.all_gather(own, seg)
-            out[L.unit_offset[u]:L.unit_offset[u] + L.unit_padded[u]] = _to_host(seg)
+            out[L.unit_offset[u]:L.unit_offset[u] + L.unit_padded[u]] = to_host(seg)
         return out
 
     # ------------------------------------------------------------- accounting
@@ -584,10 +582,6 @@ class Zero:
                 "formula": accounting.traffic_formula(self.stage),
                 "formula_elements": el}
 
-    def _check_budget(self, budget):
-        rpn = self.nd if self.stage == "hybrid" else None
-        check_budget(self.layout, self.stage, self.comm.size, budget, rpn)
-
 
 def check_budget(layout: Layout, stage: str, world: int, budget: int, ranks_per_node=None):
     """Refuse, before anything is allocated, a stage whose model state per rank
@@ -604,11 +598,6 @@ def check_budget(layout: Layout, stage: str, world: int, budget: int, ranks_per_
     raise MemoryBudgetError(
         f"stage {stage} needs {need / 2**20:.1f} MiB of model state per rank (Ψ={layout.numel:,}, "
         f"Nd={world}), budget is {budget / 2**20:.1f} MiB; stages that fit: {', '.join(fits)}")
-
-
-def _to_host(a):
-    xp = get_array_module(a)
-    return a if xp is np else xp.asnumpy(a)
 
 
 def cast_into(dst, src):
