@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from ringzero.flat import Layout
+from ringzero.runtime.flat import Layout
 from ringzero.nn.gpt import GPT, GPTConfig, gpt_units
 
 

@@ -25,14 +25,14 @@ import numpy as np
 
 def build(comm, stage, args):
     from ringzero.nn.gpt import GPT, GPTConfig
-    from ringzero.zero import Zero
+    from ringzero.runtime.zero import Zero
     cfg = GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len, 256)
     return Zero(GPT(cfg), comm, stage, seed=1)
 
 
 def timing(args):
     from mpi4py import MPI
-    from ringzero.data import Batches
+    from ringzero.app.data import Batches
     comm = MPI.COMM_WORLD
     data = np.random.default_rng(0).integers(0, 256, 1 << 20).astype(np.uint8)
     batches = Batches(data, args.batch, args.seq_len, comm.rank, comm.size, 0)
@@ -69,7 +69,7 @@ def timing(args):
 def rss_one(args):
     """One stage, a few steps; print each rank's peak RSS (run under mpirun)."""
     from mpi4py import MPI
-    from ringzero.data import Batches
+    from ringzero.app.data import Batches
     comm = MPI.COMM_WORLD
     data = np.random.default_rng(0).integers(0, 256, 1 << 20).astype(np.uint8)
     batches = Batches(data, args.batch, args.seq_len, comm.rank, comm.size, 0)

@@ -17,7 +17,7 @@ What it is
     Every side gets the same config (GPTConfig defaults: 4 layers, 4 heads,
     n_embd 256, block 128, vocab 256), batch 8 per rank, T = 128, AdamW with
     the same lr and global-norm clipping at 1.0, one thread per rank, and the
-    same batches (ringzero.data's default corpus).
+    same batches (ringzero.app.data's default corpus).
     tokens/s of a step = world * batch * T / (rank 0's wall time of the step),
     median over the steps after ``--warmup``; the same formula is applied to
     ringzero's ``step_time_s`` metric (its ``tokens_per_s`` is cross-checked).
@@ -138,8 +138,8 @@ def torch_worker(a):
     import torch.distributed as dist
     sys.path.insert(0, HERE)
     from torch_gpt import Block, TorchGPT
-    from ringzero.data import Batches, load_corpus
-    from ringzero.flat import Layout
+    from ringzero.app.data import Batches, load_corpus
+    from ringzero.runtime.flat import Layout
     from ringzero.nn.gpt import GPTConfig, gpt_units
 
     torch.set_num_threads(1)

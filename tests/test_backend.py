@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from conftest import assert_all, have_cupy
 
-from ringzero import backend
+from ringzero.comm import backend
 
 
 class FakeCupyArray:
@@ -114,7 +114,7 @@ def test_gpu_add_f16_matches_numpy():
         pytest.skip(f"CuPy with a GPU is not available ({backend.cupy_missing_reason()})")
     import cupy
 
-    from ringzero import kernels
+    from ringzero.comm import kernels
     rng = np.random.default_rng(0)
     a = rng.integers(0, 1 << 16, 1 << 20).astype(np.uint16).view(np.float16)
     b = rng.integers(0, 1 << 16, 1 << 20).astype(np.uint16).view(np.float16)

@@ -35,13 +35,13 @@ DATA = np.random.default_rng(0).integers(0, TINY["vocab"], 4096).astype(np.uint8
 
 
 def batches(rank, world, b=B, seed=5):
-    from ringzero.data import Batches
+    from ringzero.app.data import Batches
     return Batches(DATA, b, T, rank, world, seed)
 
 
 def engine(comm, stage, seed=3, scaler=None, **kw):
-    from ringzero.optim import LossScaler
-    from ringzero.zero import Zero
+    from ringzero.runtime.optim import LossScaler
+    from ringzero.runtime.zero import Zero
     # a scaler that grows every 3 clean steps: its state must survive a resume
     scaler = scaler or LossScaler(init=2.0 ** 10, growth_interval=3)
     return Zero(tiny_model(**kw.pop("model", {})), comm, stage, seed=seed, timeout=60, scaler=scaler, **kw)
@@ -65,7 +65,7 @@ def by_name(layout, full):
 @pytest.mark.mpi
 @pytest.mark.parametrize("stage", ["0", "3"])      # HYBRID save/load: test_reshard
 def test_resume_bitwise(comm, stage, tmp_path_factory):
-    from ringzero import checkpoint as ck
+    from ringzero.runtime import checkpoint as ck
     d = shared_dir(comm, tmp_path_factory)
     data = batches(comm.rank, comm.size)
     a = engine(comm, stage)
@@ -97,7 +97,7 @@ RESHARD = [  # (Nd a, stage a) -> (Nd b, stage b); 0 = the world size
 @pytest.mark.parametrize("case", RESHARD, ids=lambda c: f"{c[0] or 'n'}s{c[1]}-{c[2] or 'n'}s{c[3]}")
 def test_reshard(comm, case, tmp_path_factory):
     from mpi4py import MPI
-    from ringzero import checkpoint as ck
+    from ringzero.runtime import checkpoint as ck
     a, sa, b, sb = case
     a, b = a or comm.size, b or comm.size
     if comm.size < max(a, b):
@@ -191,7 +191,7 @@ def _damage(src, dst, how, nd):
 
 @pytest.mark.mpi
 def test_damage_is_caught_before_anything_changes(comm, tmp_path_factory):
-    from ringzero import checkpoint as ck
+    from ringzero.runtime import checkpoint as ck
     d = shared_dir(comm, tmp_path_factory)
     e = engine(comm, "2")
     train(e, batches(comm.rank, comm.size), 0, 2)
@@ -229,7 +229,7 @@ def test_damage_is_caught_before_anything_changes(comm, tmp_path_factory):
 @pytest.mark.mpi
 def test_save_failure_on_one_rank_raises_everywhere(comm, tmp_path_factory, monkeypatch):
     """A rank that cannot write: every rank raises, the temp dir is gone, the last checkpoint stays."""
-    from ringzero import checkpoint as ck
+    from ringzero.runtime import checkpoint as ck
     d = shared_dir(comm, tmp_path_factory)
     e = engine(comm, "3")
     ck.save(e, d, 1)
@@ -254,7 +254,7 @@ def test_save_failure_on_one_rank_raises_everywhere(comm, tmp_path_factory, monk
 # ----------------------------------------------------------------- export
 @pytest.mark.mpi
 def test_export_equals_gathered_master(comm, tmp_path_factory):
-    from ringzero import checkpoint as ck
+    from ringzero.runtime import checkpoint as ck
     st = pytest.importorskip("safetensors.numpy")
     d = shared_dir(comm, tmp_path_factory)
     e = engine(comm, "3")
@@ -286,7 +286,7 @@ import os, sys, numpy as np
 sys.path.insert(0, {tests!r})
 from mpi4py import MPI
 import test_checkpoint as t
-from ringzero import checkpoint as ck
+from ringzero.runtime import checkpoint as ck
 comm, d = MPI.COMM_WORLD, {d!r}
 e = t.engine(comm, "3")
 data = t.batches(comm.rank, comm.size)
@@ -322,8 +322,8 @@ def _clean_env():
 
 def test_kill_mid_save_keeps_previous(tmp_path):
     from mpi4py import MPI
-    from ringzero import checkpoint as ck
-    from ringzero.flat import Layout
+    from ringzero.runtime import checkpoint as ck
+    from ringzero.runtime.flat import Layout
     d = str(tmp_path / "ckpt")
     script = tmp_path / "kill.py"
     script.write_text(KILL_SCRIPT.format(tests=os.path.dirname(__file__), d=d))
@@ -346,7 +346,7 @@ def test_kill_mid_save_keeps_previous(tmp_path):
 
 def test_keep_latest_and_replace(tmp_path):
     from mpi4py import MPI
-    from ringzero import checkpoint as ck
+    from ringzero.runtime import checkpoint as ck
     d = str(tmp_path)
     e = engine(MPI.COMM_SELF, "0")
     os.makedirs(os.path.join(d, "step-000099"))           # no manifest: not a checkpoint
@@ -371,7 +371,7 @@ def test_keep_latest_and_replace(tmp_path):
 
 def test_cli_inspect_export(tmp_path):
     from mpi4py import MPI
-    from ringzero import checkpoint as ck
+    from ringzero.runtime import checkpoint as ck
     e = engine(MPI.COMM_SELF, "3")
     train(e, batches(0, 1), 0, 2)
     src = ck.save(e, str(tmp_path / "c"), 2, config={"n_layer": 2})
@@ -387,7 +387,7 @@ def test_cli_inspect_export(tmp_path):
     r = run("export", src, out)
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "master-r00000.bin: missing" in r.stderr, r.stderr
     # without safetensors: one line that says how to get it
-    code = "import sys; sys.modules['safetensors'] = None; from ringzero.checkpoint import main; sys.exit(main())"
+    code = "import sys; sys.modules['safetensors'] = None; from ringzero.runtime.checkpoint import main; sys.exit(main())"
     r = subprocess.run([sys.executable, "-c", code, "export", src, out], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "pip install 'ringzero[checkpoint]'" in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
@@ -395,8 +395,8 @@ def test_cli_inspect_export(tmp_path):
 def test_precision_change_keeps_master(tmp_path):
     """An fp16 run's checkpoint loads into an fp32 engine: master bitwise, its own scaler kept."""
     from mpi4py import MPI
-    from ringzero import checkpoint as ck
-    from ringzero.optim import LossScaler
+    from ringzero.runtime import checkpoint as ck
+    from ringzero.runtime.optim import LossScaler
     a = engine(MPI.COMM_SELF, "2")
     train(a, batches(0, 1), 0, 2)
     ck.save(a, str(tmp_path), 2)

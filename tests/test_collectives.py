@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import assert_all, have_cupy
 
-from ringzero.collectives import DTYPES, Ring, blocks
+from ringzero.comm.ring import DTYPES, Ring, blocks
 
 FLOATS = ("float16", "float32", "float64")
 ALL_DT = [d.name for d in DTYPES]
@@ -448,11 +448,11 @@ def test_comm_self_is_identity():
 @pytest.mark.parametrize("dtype", ["float16", "float32", "int64"])
 def test_cupy_buffers(comm, monkeypatch, aware, dtype):
     if not have_cupy():
-        from ringzero.backend import cupy_missing_reason
+        from ringzero.comm.backend import cupy_missing_reason
         pytest.skip(f"CuPy with a GPU is not available ({cupy_missing_reason()})")
     import cupy
 
-    from ringzero.backend import _library_cuda_hint, select_device
+    from ringzero.comm.backend import _library_cuda_hint, select_device
     if aware == "1" and not _library_cuda_hint() and os.environ.get("RINGZERO_CUDA_AWARE") != "1":
         pytest.skip("this MPI does not say it is CUDA-aware (set RINGZERO_CUDA_AWARE=1 to force)")
     monkeypatch.setenv("RINGZERO_CUDA_AWARE", aware)

@@ -1,4 +1,4 @@
-"""Tests of ringzero/data.py: corpus rule, --data formats, batches, entropy, errors.
+"""Tests of ringzero/app/data.py: corpus rule, --data formats, batches, entropy, errors.
 
 Serial only. References are independent of the code under test: windows are
 located in the raw data by their content (token == position), entropy comes
@@ -13,7 +13,7 @@ import zlib
 import numpy as np
 import pytest
 
-from ringzero.data import (Batches, file_corpus, load_corpus, stdlib_corpus,
+from ringzero.app.data import (Batches, file_corpus, load_corpus, stdlib_corpus,
                            unigram_entropy)
 
 

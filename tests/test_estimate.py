@@ -1,4 +1,4 @@
-"""ringzero.accounting and ``python -m ringzero.estimate`` against the seed's figures.
+"""ringzero.runtime.accounting and ``python -m ringzero.estimate`` against the seed's figures.
 
 The seed's printed figures (120 / 31.4 / 16.6 / 1.88 GB, ...) are the
 reference; the code's numbers come from the formulas and are rounded the way
@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from ringzero import accounting as acc
-from ringzero import estimate as est
-from ringzero.flat import Layout
+from ringzero.runtime import accounting as acc
+from ringzero.tools import estimate as est
+from ringzero.runtime.flat import Layout
 from ringzero.nn.gpt import PRESETS, GPTConfig, gpt_units
 
 GB = 1e9

@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from ringzero import accounting as acc
-from ringzero import explain as ex
+from ringzero.runtime import accounting as acc
+from ringzero.tools import explain as ex
 
 f16 = np.float16
 SUB = float(np.finfo(f16).smallest_subnormal)      # 2^-24
@@ -67,7 +67,7 @@ def test_loss_scaling_rescues_underflow():
 
 
 def test_scaler_backs_off_and_skips():
-    pytest.importorskip("ringzero.optim")
+    pytest.importorskip("ringzero.runtime.optim")
     tr = ex.scaler_trace(steps=12, overflow_at=(3,), grad_max=2.0)
     # real overflows while 2 * scale > 65504 (fp16 max), then the injected one at step 3
     fmax = float(np.finfo(f16).max)

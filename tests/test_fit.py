@@ -1,4 +1,4 @@
-"""ringzero.fit: the α–β model recovers known α and β from a synthetic bench file and
+"""ringzero.tools.fit: the α–β model recovers known α and β from a synthetic bench file and
 predicts held-out points within the stated tolerance.
 
 The synthetic times are written here from the textbook ring costs (not from
@@ -10,8 +10,8 @@ import math
 import numpy as np
 import pytest
 
-from ringzero import accounting as acc
-from ringzero import fit
+from ringzero.runtime import accounting as acc
+from ringzero.tools import fit
 
 ALPHA, BETA = 20e-6, 1 / 4e9          # 20 us per step, 4 GB/s
 

@@ -6,7 +6,7 @@ path, its portable scalar path, and the NumPy fallback (kernels._c = None).
 import numpy as np
 import pytest
 
-from ringzero import kernels
+from ringzero.comm import kernels
 
 ALL_H = np.arange(1 << 16, dtype=np.uint16).view(np.float16)  # incl. NaN, Inf, subnormals, -0
 

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from ringzero.optim import AdamConfig, AdamW, LossScaler, clip_coef
+from ringzero.runtime.optim import AdamConfig, AdamW, LossScaler, clip_coef
 
 
 def adamw_reference(p, g_seq, lr, cfg, decay_mask):

@@ -1,4 +1,4 @@
-"""ringzero.plot renders headless (Agg) PNGs that exist, are non-empty and are PNGs."""
+"""ringzero.tools.plot renders headless (Agg) PNGs that exist, are non-empty and are PNGs."""
 import json
 import os
 import sys
@@ -6,7 +6,7 @@ import sys
 import pytest
 
 pytest.importorskip("matplotlib")
-from ringzero import plot  # noqa: E402
+from ringzero.tools import plot  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_fit import synthetic_rows  # noqa: E402

@@ -36,7 +36,7 @@ def _text(path, n=60_000):
 def test_end_to_end(comm, tmp_path_factory, stage):
     if comm.size not in (2, 3):
         pytest.skip("the end-to-end run is checked at world sizes 2 and 3")
-    from ringzero.train import parse_config, run
+    from ringzero.app.train import parse_config, run
     d = comm.bcast(str(tmp_path_factory.mktemp("train")) if comm.rank == 0 else None)
     data = _text(os.path.join(d, "corpus.txt")) if comm.rank == 0 else None
     data = comm.bcast(data)
@@ -66,7 +66,7 @@ def test_resume_continues_bitwise(comm, tmp_path_factory):
     """Save every 3 steps; a run resumed from step 3 repeats steps 3-5 bit for bit."""
     if comm.size != 2:
         pytest.skip("checked at world size 2")
-    from ringzero.train import parse_config, run
+    from ringzero.app.train import parse_config, run
     d = comm.bcast(str(tmp_path_factory.mktemp("resume")) if comm.rank == 0 else None)
     data = comm.bcast(_text(os.path.join(d, "corpus.txt")) if comm.rank == 0 else None)
     common = TINY + ["--data", data, "--stage", "3", "--steps", "6", "--eval-interval", "0",
@@ -120,7 +120,7 @@ def test_good_input_passes_check(tmp_path):
 
 
 def test_toml_config_and_flags_override(tmp_path):
-    from ringzero.train import parse_config
+    from ringzero.app.train import parse_config
     f = tmp_path / "c.toml"
     f.write_text('stage = "FULL_SHARD"\nsteps = 7\nlr = 0.01\n')
     cfg, _ = parse_config(["--config", str(f), "--steps", "9"])
@@ -128,7 +128,7 @@ def test_toml_config_and_flags_override(tmp_path):
 
 
 def test_lr_schedule_warmup_then_cosine():
-    from ringzero.train import Config, lr_at
+    from ringzero.app.train import Config, lr_at
     c = Config(lr=1.0, warmup=10, steps=110, min_lr_frac=0.1)
     assert lr_at(c, 0) == pytest.approx(0.1) and lr_at(c, 9) == pytest.approx(1.0)
     assert lr_at(c, 60) == pytest.approx(0.1 + 0.9 * 0.5)        # half-way down the cosine

@@ -25,7 +25,7 @@ def tiny_model(checkpoint=False):
 
 
 def batches(comm, n_world, rank, seed=5):
-    from ringzero.data import Batches
+    from ringzero.app.data import Batches
     # a learnable stream: a fixed permutation cycle with 10% noise tokens
     rng = np.random.default_rng(0)
     data = (np.arange(4096) * 7 % TINY["vocab"]).astype(np.uint8)
@@ -35,7 +35,7 @@ def batches(comm, n_world, rank, seed=5):
 
 
 def engine(comm, stage, **kw):
-    from ringzero.zero import Zero
+    from ringzero.runtime.zero import Zero
     kw.setdefault("seed", 3)
     return Zero(tiny_model(kw.pop("checkpoint", False)), comm, stage, timeout=60, **kw)
 
@@ -86,7 +86,7 @@ def test_memory_hybrid(comm):
 @pytest.mark.parametrize("stage", ["0", "1", "2", "3"])
 def test_traffic_matches_schedule(comm, stage):
     """Ledger bytes of one step == the element counts of the stage's schedule."""
-    from ringzero.optim import LossScaler
+    from ringzero.runtime.optim import LossScaler
     eng = engine(comm, stage, scaler=LossScaler(init=2.0 ** 8))   # no overflow-skipped step
     data = batches(comm, comm.size, comm.rank)
     train(eng, data, steps=1)
@@ -158,7 +158,7 @@ def test_matches_one_process_on_global_batch(comm, stage):
     dist = engine(comm, stage, precision="fp32")
     one = engine(MPI.COMM_SELF, "0", precision="fp32")
     d_data = batches(comm, comm.size, comm.rank)
-    from ringzero.data import Batches
+    from ringzero.app.data import Batches
     g_data = Batches(d_data.data, B * comm.size, T, 0, 1, d_data.seed)   # the same global batch
     ld, lo = train(dist, d_data, 10), train(one, g_data, 10)
     md = _global(dist, "master")
@@ -194,8 +194,8 @@ class _InfAt:
 
 @pytest.mark.parametrize("stage", ["0", "2", "3"])
 def test_overflow_on_one_rank_skips_everywhere(comm, stage):
-    from ringzero.optim import LossScaler
-    from ringzero.zero import Zero
+    from ringzero.runtime.optim import LossScaler
+    from ringzero.runtime.zero import Zero
     data = batches(comm, comm.size, comm.rank)
     eng = Zero(tiny_model(), comm, stage, seed=3, timeout=60,
                scaler=LossScaler(init=2.0 ** 12, hysteresis=1))
@@ -218,7 +218,7 @@ def test_overflow_on_one_rank_skips_everywhere(comm, stage):
 def test_clipping_norm_is_global_norm(comm):
     """grad_norm == the norm of every rank's fp32 gradient averaged by MPI's Allreduce."""
     from mpi4py import MPI
-    from ringzero.flat import Layout
+    from ringzero.runtime.flat import Layout
     eng = engine(comm, "3")
     data = batches(comm, comm.size, comm.rank)
     x, y = data.get(0)
@@ -239,9 +239,9 @@ def test_clipping_norm_is_global_norm(comm):
 
 
 def test_memory_budget_refuses_stage0_runs_stage3(comm):
-    from ringzero import accounting
-    from ringzero.flat import Layout
-    from ringzero.zero import MemoryBudgetError
+    from ringzero.runtime import accounting
+    from ringzero.runtime.flat import Layout
+    from ringzero.runtime.zero import MemoryBudgetError
     if comm.size == 1:
         pytest.skip("at Nd = 1 every stage needs the same 16Ψ")
     P = Layout(tiny_model().units, comm.size).padded

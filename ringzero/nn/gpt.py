@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ringzero.nn.units import UnitModel
-from ringzero.flat import ParamSpec as P, Unit
+from ringzero.runtime.flat import ParamSpec as P, Unit
 from ringzero.nn.layers import (GELU, CausalSelfAttention, Embedding, LayerNorm, Linear, Pool,
                                 Residual, SoftmaxCrossEntropy, Unembed, array_module, cache_nbytes)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 
 from ringzero.nn.units import UnitModel
-from ringzero.flat import ParamSpec, Unit
+from ringzero.runtime.flat import ParamSpec, Unit
 from ringzero.nn.layers import GELU, Linear, Pool, SoftmaxCrossEntropy, cache_nbytes
 
 

@@ -6,7 +6,7 @@ What it is
     to float32, added once, rounded once). The ring uses ``add_f16`` for every
     float16 hop; the sharding runtime uses the two casts per unit.
 
-    The work is done by the optional C extension ``ringzero._f16`` (F16C + AVX
+    The work is done by the optional C extension ``ringzero.comm._f16`` (F16C + AVX
     when the CPU has them, checked at run time, portable C otherwise) when it
     was built, and by NumPy otherwise. ``HAVE_C`` says which. Both give the
     same bits for every input, NaN payloads included (tests/test_kernels.py
@@ -25,10 +25,10 @@ import os
 
 import numpy as np
 
-from ringzero.backend import get_array_module
+from ringzero.comm.backend import get_array_module
 
 try:  # the optional C extension (setup.py, optional=True)
-    from ringzero import _f16 as _c
+    from ringzero.comm import _f16 as _c
 except ImportError:  # no compiler at install time: NumPy does the work
     _c = None
 

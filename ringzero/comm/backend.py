@@ -60,7 +60,7 @@ def get_array_module(*arrays):
     if len(kinds) > 1:
         names = ", ".join(f"{type(a).__module__}.{type(a).__name__}" for a in arrays if a is not None)
         raise TypeError(f"expected arrays all NumPy or all CuPy, got a mix ({names}); "
-                        "HINT: move data with ringzero.backend.to_device/to_host first")
+                        "HINT: move data with ringzero.comm.backend.to_device/to_host first")
     if kinds == {True}:
         import cupy
         return cupy

@@ -1,6 +1,6 @@
 /* ringzero._f16: float16 <-> float32 conversion and float16 addition.
  *
- * What it is: three loops over contiguous buffers, used by ringzero/kernels.py
+ * What it is: three loops over contiguous buffers, used by ringzero/comm/kernels.py
  * (which checks dtypes and lengths before calling in here). A float16 sum is
  * done as "widen both operands to float32, add once in float32, round once to
  * float16 (round-to-nearest-even)", which is what NumPy's own float16 add does,

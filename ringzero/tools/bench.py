@@ -1,0 +1,382 @@
+"""``python -m ringzero.bench``: the collectives sweep, in the style of nccl-tests.
+
+What it is
+    For each size S (the whole array, bytes) from -b to -e by factor -f, and
+    each op, it times the hand-written Ring and the MPI library's own
+    collective (Allreduce / Reduce_scatter_block / Allgather) on the same
+    buffers, interleaving the two iteration by iteration so that noise hits
+    both alike. A time is the median over iterations of the slowest rank's
+    time (a barrier starts each iteration). As in nccl-tests,
+
+        algbw = S / time
+        busbw = algbw * 2(n-1)/n   all_reduce
+        busbw = algbw *  (n-1)/n   reduce_scatter, all_gather
+
+    With -c 1 each op first runs once on integer-valued data, whose sums are
+    exact in any order, and #wrong counts wrong elements over all ranks.
+    Only rank 0 prints. ``--json FILE`` writes {"rows": [...], "meta": {...}};
+    each row is {"op", "impl" ("ring"|"mpi"), "n", "bytes", "count", "dtype",
+    "redop", "time_us", "algbw_GBps", "busbw_GBps", "wrong"}.
+
+    Two more words: ``sched`` times every Ring schedule against each other
+    (how the thresholds were placed) and ``dtypes`` times one op on the same
+    element count in several dtypes, interleaved (float16 against float32).
+
+What it is not
+    A model benchmark: main() dispatches on a first word so one can be added
+    (``python -m ringzero.bench coll ...`` is the same as no word).
+
+    mpirun -n 4 python -m mpi4py -m ringzero.bench -b 4K -e 64M -f 4 -c 1 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+OP_NAMES = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+def parse_size(s: str) -> int:
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    s = s.strip().upper().rstrip("B")
+    num, unit = (s[:-1], s[-1]) if s and s[-1] in units else (s, "")
+    try:
+        return int(float(num) * units[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size like 4096, 4K, 64M or 1G, got {s!r}") from None
+
+
+def human(nbytes: int) -> str:
+    for unit, f in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= f and nbytes % f == 0:
+            return f"{nbytes // f}{unit}"
+    return str(nbytes)
+
+
+def coll_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ringzero.bench [coll]", description=__doc__.split("\n\n")[0])
+    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("4K"), help="smallest S (bytes)")
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"), help="largest S (bytes)")
+    p.add_argument("-f", "--stepfactor", type=int, default=4, help="multiply S by this each row")
+    p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per impl")
+    p.add_argument("-w", "--warmup_iters", type=int, default=3, help="untimed iterations per impl")
+    p.add_argument("-c", "--check", type=int, default=1, help="1: count wrong elements first")
+    p.add_argument("-o", "--op", default="all", choices=OP_NAMES + ("all",))
+    p.add_argument("-d", "--dtype", default="float32", help="float16|float32|float64|int32|int64|bfloat16")
+    p.add_argument("--redop", default="sum", choices=("sum",), help="the check needs exact sums")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--no-mpi", action="store_true", help="time the ring only")
+    p.add_argument("--max-seconds", type=float, default=20.0,
+                   help="cut the iterations of a row so that it takes about this long")
+    p.add_argument("--small-bytes", type=int, default=None, help="Ring.small_bytes for this run")
+    p.add_argument("--seg-bytes", type=int, default=None, help="Ring.seg_bytes for this run")
+    p.add_argument("--json", default=None, help="write the rows here")
+    return p
+
+
+def _dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _fill(xp, out, rank, seed):
+    """Integer-valued data in [-6, 6], reproducible on any rank from (rank, seed)."""
+    i = np.arange(len(out), dtype=np.int64)
+    host = ((i * 7 + rank * 5 + seed) % 13 - 6).astype(out.dtype)
+    out[...] = xp.asarray(host) if xp is not np else host
+
+
+def _expect(n, count, dtype, seed):
+    """Sum over ranks of _fill's data, in int64 (exact), for the check."""
+    i = np.arange(count, dtype=np.int64)
+    return sum((i * 7 + r * 5 + seed) % 13 - 6 for r in range(n))
+
+
+class _Case:
+    """Buffers for one op and size, and closures that run the ring / MPI on them."""
+
+    def __init__(self, op, ring, comm, xp, dtype, count, mpi_on_host):
+        from mpi4py import MPI
+        n = comm.size
+        self.op, self.count = op, count
+        if op == "all_reduce":
+            self.a = xp.zeros(count, dtype)
+            self.b = self.a
+        elif op == "reduce_scatter":
+            self.a, self.b = xp.zeros(count, dtype), xp.zeros(count // n, dtype)
+        else:
+            self.a, self.b = xp.zeros(count // n, dtype), xp.zeros(count, dtype)
+        ma, mb = (self.a.get(), self.b.get()) if mpi_on_host else (self.a, self.b)
+        if op == "all_reduce":
+            mb = ma
+        ring_fn = {"all_reduce": lambda: ring.all_reduce(self.a),
+                   "reduce_scatter": lambda: ring.reduce_scatter(self.a, self.b),
+                   "all_gather": lambda: ring.all_gather(self.a, self.b)}[op]
+        mpi_fn = {"all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, mb, MPI.SUM),
+                  "reduce_scatter": lambda: comm.Reduce_scatter_block(ma, mb, MPI.SUM),
+                  "all_gather": lambda: comm.Allgather(ma, mb)}[op]
+        self.ring, self.mpi, self.ma, self.mb = ring_fn, mpi_fn, ma, mb
+
+    def check(self, which, comm, xp, seed):
+        """Wrong elements of this rank after one run of `which` on fresh data."""
+        n, r = comm.size, comm.rank
+        a, b = (self.a, self.b) if which == "ring" else (self.ma, self.mb)
+        axp = xp if which == "ring" else np
+        _fill(axp, a, r, seed)
+        (self.ring if which == "ring" else self.mpi)()
+        got = np.asarray(b.get() if hasattr(b, "get") and axp is not np else b).astype(np.int64)
+        m = self.count // n
+        if self.op == "all_reduce":
+            want = _expect(n, self.count, a.dtype, seed)
+        elif self.op == "reduce_scatter":
+            want = _expect(n, self.count, a.dtype, seed)[r * m:(r + 1) * m]
+        else:
+            i = np.arange(m, dtype=np.int64)
+            want = np.concatenate([(i * 7 + k * 5 + seed) % 13 - 6 for k in range(n)])
+        wrong = int(np.count_nonzero(got != want))
+        a[...] = 0  # timing runs on zeros: sums never overflow
+        return wrong
+
+
+def run_coll(args, comm) -> list:
+    from mpi4py import MPI
+
+    from ringzero.comm.backend import cuda_aware, select_device, xp_for
+    from ringzero.comm.ring import Ring
+
+    n, rank = comm.size, comm.rank
+    if args.device == "cuda":
+        select_device(comm)
+    xp = xp_for(args.device)
+    dtype = _dtype(args.dtype)
+    ring = Ring(comm)
+    if args.small_bytes is not None:
+        ring.small_bytes = args.small_bytes
+    if args.seg_bytes is not None:
+        ring.seg_bytes = args.seg_bytes
+    mpi_on_host = args.device == "cuda" and not cuda_aware()
+    ops = OP_NAMES if args.op == "all" else (args.op,)
+    rows = []
+
+    def out(line):
+        if rank == 0:
+            print(line, flush=True)
+
+    out(f"# ringzero.bench coll: n={n} dtype={dtype.name} device={args.device} iters={args.iters} "
+        f"warmup={args.warmup_iters} small_bytes={ring.small_bytes} seg_bytes={ring.seg_bytes}"
+        + (" (MPI runs on host copies: not CUDA-aware)" if mpi_on_host else ""))
+    out(f"# {'op':>14} {'size':>9} {'count':>10} {'type':>8} {'redop':>5} | {'ring us':>10} {'algbw':>7} "
+        f"{'busbw':>7} {'#wrong':>6} | {'mpi us':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} | {'busbw ring/mpi':>14}")
+    for op in ops:
+        factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+        S = args.minbytes
+        while S <= args.maxbytes:
+            count = max(n, S // dtype.itemsize) // n * n  # divisible by n, as RS/AG need
+            nbytes = count * dtype.itemsize
+            case = _Case(op, ring, comm, xp, dtype, count, mpi_on_host)
+            impls = ["ring"] + ([] if args.no_mpi else ["mpi"])
+            wrong = {}
+            for which in impls:
+                if args.check:
+                    try:
+                        w = case.check(which, comm, xp, seed=S % 97)
+                    except Exception:
+                        if which == "ring":
+                            raise
+                        w = None  # the MPI cannot reduce this dtype (e.g. bfloat16)
+                    wrong[which] = None if w is None else comm.allreduce(w)
+                else:
+                    wrong[which] = 0
+            if wrong.get("mpi", 0) is None:
+                impls = ["ring"]
+            fns = {"ring": case.ring, "mpi": case.mpi}
+            for _ in range(args.warmup_iters):
+                for which in impls:
+                    fns[which]()
+            # one probe iteration sizes the run so a row takes about --max-seconds
+            comm.Barrier()
+            t0 = time.perf_counter()
+            for which in impls:
+                fns[which]()
+            probe = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+            iters = max(3, min(args.iters, int(args.max_seconds / max(probe, 1e-9))))
+            times = np.zeros((len(impls), iters))
+            for i in range(iters):
+                for k, which in enumerate(impls):
+                    comm.Barrier()
+                    t0 = time.perf_counter()
+                    fns[which]()
+                    if xp is not np:
+                        xp.cuda.get_current_stream().synchronize()
+                    times[k, i] = time.perf_counter() - t0
+            comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)  # the slowest rank's time per iteration
+            res = {}
+            for k, which in enumerate(impls):
+                t = float(np.median(times[k]))
+                alg = nbytes / t / 1e9
+                res[which] = dict(op=op, impl=which, n=n, bytes=nbytes, count=count, dtype=dtype.name,
+                                  redop=args.redop, time_us=round(t * 1e6, 2), algbw_GBps=round(alg, 4),
+                                  busbw_GBps=round(alg * factor, 4), wrong=wrong[which])
+                rows.append(res[which])
+            rg = res["ring"]
+            if "mpi" in res:
+                mp = res["mpi"]
+                ratio = rg["busbw_GBps"] / mp["busbw_GBps"] if mp["busbw_GBps"] else float("nan")
+                mcol = f"{mp['time_us']:>10.1f} {mp['algbw_GBps']:>7.3f} {mp['busbw_GBps']:>7.3f} {mp['wrong']:>6}"
+            else:
+                ratio, mcol = float("nan"), f"{'n/a':>10} {'':>7} {'':>7} {'':>6}"
+            out(f"  {op:>14} {human(nbytes):>9} {count:>10} {dtype.name:>8} {args.redop:>5} | "
+                f"{rg['time_us']:>10.1f} {rg['algbw_GBps']:>7.3f} {rg['busbw_GBps']:>7.3f} {rg['wrong']:>6} | "
+                f"{mcol} | {ratio:>14.2f}")
+            S *= args.stepfactor
+    bad = sum(r["wrong"] or 0 for r in rows)
+    out(f"# total wrong elements: {bad}")
+    if args.json and rank == 0:
+        meta = dict(n=n, dtype=dtype.name, device=args.device, iters=args.iters, warmup=args.warmup_iters,
+                    small_bytes=ring.small_bytes, seg_bytes=ring.seg_bytes, mpi=MPI.Get_library_version().split(",")[0],
+                    mpi_on_host=mpi_on_host, argv=sys.argv[1:], time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "meta": meta}, f, indent=1)
+    ring.free()
+    return rows
+
+
+def sched_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ringzero.bench sched",
+                                description="time every schedule of the Ring on the same buffers, interleaved, "
+                                            "to place the thresholds (small_bytes, tree_bytes)")
+    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("4K"))
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("16M"))
+    p.add_argument("-f", "--stepfactor", type=int, default=4)
+    p.add_argument("-n", "--iters", type=int, default=15)
+    p.add_argument("-d", "--dtype", default="float32")
+    p.add_argument("--json", default=None)
+    return p
+
+
+# (small_bytes, tree_bytes) that force each schedule
+_FORCE = {"ring": (0, 0), "rd": (1 << 62, 1 << 62), "tree": (0, 1 << 62)}
+
+
+def run_sched(args, comm) -> list:
+    """Median time of each schedule per op and size; rank 0 prints, best marked with *."""
+    from mpi4py import MPI
+
+    from ringzero.comm.ring import Ring
+    n, rank = comm.size, comm.rank
+    dtype = _dtype(args.dtype)
+    ring = Ring(comm)
+    pow2 = n & (n - 1) == 0
+    variants = {"all_reduce": ["ring", "rd", "tree"], "reduce_scatter": ["ring", "tree"],
+                "all_gather": ["ring", "tree"]}
+    rows = []
+    if rank == 0:
+        print(f"# ringzero.bench sched: n={n} dtype={dtype.name}; time per call in us "
+              "(rd: recursive doubling; tree: halving RS / doubling AG; * fastest)")
+    for op, names in variants.items():
+        names = names if pow2 else ["ring"]
+        S = args.minbytes
+        while S <= args.maxbytes:
+            count = max(n, S // dtype.itemsize) // n * n
+            case = _Case(op, ring, comm, np, dtype, count, False)
+            impls = names + ["mpi"]
+            times = np.zeros((len(impls), args.iters + 2))
+            for i in range(args.iters + 2):
+                for k, name in enumerate(impls):
+                    if name != "mpi":
+                        ring.small_bytes, ring.tree_bytes = _FORCE[name]
+                    comm.Barrier()
+                    t0 = time.perf_counter()
+                    (case.mpi if name == "mpi" else case.ring)()
+                    times[k, i] = time.perf_counter() - t0
+            comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
+            med = {name: float(np.median(times[k, 2:])) * 1e6 for k, name in enumerate(impls)}
+            best = min(names, key=med.get)
+            for name in impls:
+                rows.append(dict(op=op, impl=name, n=n, bytes=count * dtype.itemsize, dtype=dtype.name,
+                                 time_us=round(med[name], 2)))
+            if rank == 0:
+                cells = " ".join(f"{name}={med[name]:9.1f}{'*' if name == best else ' '}" for name in impls)
+                print(f"  {op:>14} {human(count * dtype.itemsize):>6}  {cells}", flush=True)
+            S *= args.stepfactor
+    if args.json and rank == 0:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "meta": dict(n=n, dtype=dtype.name, kind="sched")}, f, indent=1)
+    ring.free()
+    return [dict(r, wrong=0) for r in rows]
+
+
+def dtypes_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ringzero.bench dtypes",
+                                description="one op on the same element count in several dtypes, interleaved "
+                                            "(e.g. float16 against float32 all_reduce at 16 MiB of float32)")
+    p.add_argument("--count", type=parse_size, default=parse_size("4M"), help="elements (4M = 16 MiB of float32)")
+    p.add_argument("-d", "--dtypes", default="float16,float32")
+    p.add_argument("-o", "--op", default="all_reduce", choices=OP_NAMES)
+    p.add_argument("-n", "--iters", type=int, default=15)
+    p.add_argument("-w", "--warmup_iters", type=int, default=2)
+    p.add_argument("--json", default=None)
+    return p
+
+
+def run_dtypes(args, comm) -> list:
+    from mpi4py import MPI
+
+    from ringzero.comm.ring import Ring
+    n, rank = comm.size, comm.rank
+    ring = Ring(comm)
+    dts = [_dtype(d) for d in args.dtypes.split(",")]
+    count = max(n, args.count) // n * n
+    cases = [_Case(args.op, ring, comm, np, dt, count, False) for dt in dts]
+    wrong = [comm.allreduce(c.check("ring", comm, np, seed=1)) for c in cases]
+    for _ in range(args.warmup_iters):
+        for c in cases:
+            c.ring()
+    times = np.zeros((len(cases), args.iters))
+    for i in range(args.iters):
+        for k, c in enumerate(cases):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            c.ring()
+            times[k, i] = time.perf_counter() - t0
+    comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
+    rows = []
+    for k, dt in enumerate(dts):
+        t = float(np.median(times[k]))
+        rows.append(dict(op=args.op, impl="ring", n=n, bytes=count * dt.itemsize, count=count, dtype=dt.name,
+                         redop="sum", time_us=round(t * 1e6, 2), wrong=wrong[k]))
+    if rank == 0:
+        base = rows[-1]["time_us"]
+        print(f"# ringzero.bench dtypes: n={n} op={args.op} count={count} iters={args.iters} (interleaved)")
+        for r in rows:
+            print(f"  {r['dtype']:>9} {human(r['bytes']):>6} {r['time_us']:>11.1f} us  "
+                  f"x{r['time_us'] / base:.2f} of {rows[-1]['dtype']}  #wrong {r['wrong']}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"rows": rows, "meta": dict(n=n, kind="dtypes")}, f, indent=1)
+    ring.free()
+    return rows
+
+
+SUBCOMMANDS = {"coll": (coll_parser, run_coll), "sched": (sched_parser, run_sched),
+               "dtypes": (dtypes_parser, run_dtypes)}
+
+
+def main(argv=None) -> int:
+    from mpi4py import MPI
+    argv = sys.argv[1:] if argv is None else list(argv)
+    name = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "coll"
+    make_parser, run = SUBCOMMANDS[name]
+    args = make_parser().parse_args(argv)
+    rows = run(args, MPI.COMM_WORLD)
+    return 1 if any(r["wrong"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

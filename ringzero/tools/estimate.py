@@ -1,0 +1,312 @@
+"""``python -m ringzero.estimate``: will it fit? ZeRO's memory and traffic arithmetic per rank.
+
+What it is
+    A calculator over ringzero.runtime.accounting (model state per stage, traffic per
+    step) plus the tenants that formula leaves out: activations of a GPT with and
+    without activation checkpointing, and a flattened fp32 all-reduce buffer.
+    Ψ comes from the same layout table the model uses (``Layout(gpt_units(cfg))``)
+    when a GPT shape is given, or from ``--params 7.5B``. Every figure is
+    computed; where the seed document rounds, the exact value is printed beside.
+
+What it is not
+    A measurement. ``python -m ringzero.train`` prints measured bytes beside
+    these formulas; this tool only does the arithmetic, for any size.
+
+GB here is 10^9 bytes (what the ZeRO paper and the seed use); GiB is 2^30.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from ringzero.runtime import accounting as acc
+from ringzero.runtime.flat import Layout
+from ringzero.nn.gpt import PRESETS, GPTConfig, gpt_units
+
+GB, GIB = 10**9, 2**30
+FSDP_NAME = {"0": "NO_SHARD", "1": "-", "2": "SHARD_GRAD_OP", "3": "FULL_SHARD",
+             "hybrid": "HYBRID_SHARD"}
+
+
+def gpt_psi(cfg: GPTConfig) -> int:
+    """Ψ of a GPT config, from the layout table (tied head: no separate lm_head)."""
+    return Layout(gpt_units(cfg)).numel
+
+
+def sig3(x: float) -> str:
+    """Three significant figures, the way the seed prints its table (1.875 -> 1.88)."""
+    return f"{x:.3g}" if x < 1000 else f"{x:.0f}"
+
+
+# ---- activations ---------------------------------------------------------------
+def activations(cfg: GPTConfig, batch: int, seq: int) -> dict:
+    """Activation bytes per rank for a micro-batch of ``batch`` sequences of ``seq`` tokens.
+
+    zero_paper      12·b·s·h·L elements in fp16 (ZeRO §3.2: "about 12 × hidden ×
+                    batch × seq × layers"); leaves out attention scores and logits.
+    ckpt_inputs     the fp16 checkpoints alone: one layer input (b·s·h) per layer.
+    zero_ckpt       one fp16 checkpoint (the layer input, b·s·h) per layer, plus one
+                    layer's 12·b·s·h recomputed during backward: 2·b·s·h·(L + 12).
+    korthikanti     Korthikanti et al. 2022, per layer s·b·h·(34 + 5·a·s/h) bytes
+                    (fp16, counts the a·s² attention scores, softmax and dropout masks).
+    korthikanti_ckpt  full recompute: 2·s·b·h per layer kept, plus one layer's peak.
+    logits          the fp16 (b, s, V) logits, outside every per-layer count.
+    """
+    b, s, h, L, a, V = batch, seq, cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.vocab
+    bsh = b * s * h
+    per_layer_k = s * b * h * 34 + 5 * a * s * s * b   # s·b·h·(34 + 5as/h), exact in ints
+    return {
+        "zero_paper": 2 * 12 * bsh * L,
+        "ckpt_inputs": 2 * bsh * L,
+        "zero_ckpt": 2 * bsh * (L + 12),
+        "korthikanti": per_layer_k * L,
+        "korthikanti_ckpt": 2 * bsh * L + per_layer_k,
+        "logits": 2 * b * s * V,
+    }
+
+
+ACT_FORMULAS = {
+    "zero_paper": "2 B x 12·b·s·h·L",
+    "ckpt_inputs": "2 B x b·s·h·L",
+    "zero_ckpt": "2 B x b·s·h·(L + 12)",
+    "korthikanti": "L·(34·s·b·h + 5·a·s²·b)",
+    "korthikanti_ckpt": "2·s·b·h·L + (34·s·b·h + 5·a·s²·b)",
+    "logits": "2 B x b·s·V",
+}
+
+
+# ---- fit ------------------------------------------------------------------------
+def smallest_group(stage, psi: int, budget: int, extra: int, nd_max: int = 1 << 24):
+    """Smallest Nd (Ng for hybrid) at which model state + ``extra`` fits ``budget``; None if never."""
+    st = acc.parse_stage(stage)
+
+    def need(n):
+        return acc.model_state_total(st, psi, n, n if st == "hybrid" else None) + extra
+    if need(nd_max) > budget:
+        return None
+    lo, hi = 1, nd_max          # need(n) never grows with n: bisect for the first fit
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if need(mid) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def estimate(psi: int, nd: int, ranks_per_node=None, cfg: GPTConfig | None = None,
+             batch: int | None = None, seq: int | None = None, gpu_mem: int | None = None,
+             temp_buffer: str = "fp32-flat") -> dict:
+    """Everything the CLI prints, as a dict (the --json output)."""
+    stages = [s for s in acc.STAGES if s != "hybrid" or ranks_per_node]
+    rows = []
+    for st in stages:
+        by = acc.model_state_bytes(st, psi, nd, ranks_per_node)
+        tot = sum(by.values())
+        el = acc.traffic_elements(st, psi, nd, ranks_per_node)
+        rows.append({
+            "stage": st, "fsdp": FSDP_NAME[st], "formula": acc.bytes_per_param_formula(st),
+            "bytes_per_param": acc.bytes_per_param(st, nd, ranks_per_node),
+            "bytes": tot, "GB": tot / GB, "GiB": tot / GIB, "by_class": by,
+            "traffic_formula": acc.traffic_formula(st),
+            "traffic_elements": sum(el.values()), "traffic_by_collective": el,
+            "traffic_bytes": sum(acc.traffic_bytes(st, psi, nd, ranks_per_node).values()),
+        })
+    out = {"psi": psi, "nd": nd, "ranks_per_node": ranks_per_node, "stages": rows,
+           "buffers": {"fp32_flat_allreduce_bytes": 4 * psi,
+                       "fp16_flat_allreduce_bytes": 2 * psi}}
+    act = None
+    if cfg is not None and batch:
+        act = activations(cfg, batch, seq)
+        out["activations"] = {"batch": batch, "seq": seq, "bytes": act, "formulas": ACT_FORMULAS}
+    if gpu_mem:
+        buf = {"fp32-flat": 4 * psi, "fp16-flat": 2 * psi, "none": 0}[temp_buffer]
+        extra = {"no_ckpt": (act["zero_paper"] if act else 0) + buf,
+                 "ckpt": (act["zero_ckpt"] if act else 0) + buf}
+        fit = []
+        for r in rows:
+            f = {"stage": r["stage"]}
+            for k, e in extra.items():
+                f[k] = {"need_bytes": r["bytes"] + e, "fits": r["bytes"] + e <= gpu_mem,
+                        "smallest_group": smallest_group(r["stage"], psi, gpu_mem, e)}
+            fit.append(f)
+        out["fit"] = {"gpu_mem": gpu_mem, "activations_counted": act is not None,
+                      "temp_buffer": temp_buffer, "temp_buffer_bytes": buf,
+                      "activation_formula": "zero_paper / zero_ckpt", "stages": fit}
+    # Other accountings users meet, labelled (bytes per rank at this Nd).
+    out["other_accountings"] = {
+        "deepspeed_zero2_estimator (2Ψ + 18Ψ/N)": 2 * psi + 18 * psi / nd,
+        "megatron_distributed_optimizer_fp16 (4Ψ + 16Ψ/N)": 4 * psi + 16 * psi / nd,
+        "megatron_optimizer_fp16_not_distributed (20Ψ)": 20 * psi,
+    }
+    return out
+
+
+# ---- printing -------------------------------------------------------------------
+def _g(b):
+    return f"{b / GB:,.4f}"
+
+
+def print_report(r: dict, cfg, f=None):
+    p = lambda *a: print(*a, file=f or sys.stdout)  # noqa: E731
+    psi, nd = r["psi"], r["nd"]
+    p(f"Ψ = {psi:,} parameters   Nd = {nd}" + (f"   Ng = {r['ranks_per_node']} ranks per node"
+                                                  if r["ranks_per_node"] else ""))
+    p("GB = 1e9 bytes (the ZeRO paper's unit); GiB = 2^30 bytes.\n")
+    p("Model state per parameter (mixed-precision Adam), stage 0:")
+    s0 = r["stages"][0]["by_class"]
+    for c in acc.CLASSES:
+        p(f"  {c:<12} {acc.CLASS_BYTES[c]} B/param  {_g(s0[c]):>14} GB  "
+          f"{100 * s0[c] / sum(s0.values()):5.1f} % of model state")
+    p("")
+    hdr = (f"{'stage':<7}{'FSDP':<14}{'bytes/param':<13}{'B/param':>8}{'GB exact':>16}{'GB 3sf':>8}"
+           f"{'GiB':>12}{'vs 0':>7}   {'traffic/step (elements)':<42}{'GB sent':>10}")
+    p(hdr)
+    p("-" * len(hdr))
+    for row in r["stages"]:
+        p(f"{row['stage']:<7}{row['fsdp']:<14}{row['formula']:<13}{row['bytes_per_param']:>8.3f}"
+          f"{_g(row['bytes']):>16}{sig3(row['GB']):>8}{row['GiB']:>12,.3f}"
+          f"{s0_total(r) / row['bytes'] if row['bytes'] else math.inf:>6.2f}x   "
+          f"{row['traffic_formula'] + ' = ' + format(row['traffic_elements'], ',.0f'):<42}"
+          f"{row['traffic_bytes'] / GB:>10.3f}")
+    p("as Nd grows, stage 1 tends to 16/4 = 4x less than stage 0, stage 2 to 16/2 = 8x, stage 3 "
+      "falls as 1/Nd; stage 3 sends 3/2 = 1.5x the elements of stages 0-2.")
+    p("traffic: elements sent per rank per step (ring: each RS or AG of Ψ sends Ψ(n-1)/n); "
+      "GB sent at 2 B/element (fp16 grads and params)")
+    b = r["buffers"]
+    p(f"\nTemporary buffers: a flattened fp32 all-reduce buffer of the whole model = 4Ψ = "
+      f"{_g(b['fp32_flat_allreduce_bytes'])} GB (fp16: {_g(b['fp16_flat_allreduce_bytes'])} GB); "
+      f"ringzero reduces unit by unit instead, so its buffer is one unit.")
+    if "activations" in r:
+        a = r["activations"]
+        ab = a["bytes"]
+        p(f"\nActivations per rank, micro-batch {a['batch']} x seq {a['seq']} "
+          f"(L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}, V={cfg.vocab}):")
+        for k, label in (("zero_paper", "ZeRO paper, no checkpointing"),
+                         ("ckpt_inputs", "layer-input checkpoints alone"),
+                         ("zero_ckpt", "ZeRO count, checkpoint per layer"),
+                         ("korthikanti", "Korthikanti et al., no recompute"),
+                         ("korthikanti_ckpt", "Korthikanti et al., full recompute"),
+                         ("logits", "fp16 logits (in neither count)")):
+            p(f"  {label:<36}{a['formulas'][k]:<38}{_g(ab[k]):>12} GB")
+        p("  recompute cost of checkpointing: one more forward; backward is ~2 forwards, so "
+          "+1/(1+2) = 33 % of a step's compute.")
+        p("  used below: the ZeRO paper's count (the seed's ~60 GB / ~8 GB for GPT-2 1.5B, seq 1K,"
+          " batch 32).")
+        p("  why they differ: ZeRO's 12·bshL leaves out the a·s² attention scores and dropout masks"
+          " that Korthikanti counts; the paper gives no formula for its ~8 GB, which lies between"
+          " the per-layer checkpoints alone and checkpoints + one recomputed layer + logits.")
+    if "fit" in r:
+        ft = r["fit"]
+        p(f"\nFits in {ft['gpu_mem'] / GB:g} GB per rank at Nd = {nd}? model state"
+          + (" + activations (ZeRO count)" if ft["activations_counted"]
+             else " (no GPT shape given: activations NOT counted)")
+          + f" + temporary buffer {ft['temp_buffer']} ({_g(ft['temp_buffer_bytes'])} GB)")
+        for x in ft["stages"]:
+            cells = []
+            kinds = (("no_ckpt", "no ckpt"), ("ckpt", "ckpt")) if ft["activations_counted"] \
+                else (("no_ckpt", "model state"),)
+            for k, label in kinds:
+                c = x[k]
+                sm = c["smallest_group"]
+                grp = "Ng" if x["stage"] == "hybrid" else "Nd"
+                cells.append(f"{label}: need {_g(c['need_bytes']):>12} GB "
+                             f"{'fits ' if c['fits'] else 'NO   '} smallest {grp} "
+                             f"{sm if sm else 'never':>6}")
+            p(f"  stage {x['stage']:<7}" + "   |   ".join(cells))
+    p("\nOther accountings (labelled; bytes per rank at this Nd):")
+    for k, v in r["other_accountings"].items():
+        p(f"  {k:<52}{_g(v):>14} GB")
+    p("  DeepSpeed's estimator adds an fp32 gradient copy (4 B); Megatron's distributed optimizer "
+      "keeps fp32 main grads too.")
+
+
+def s0_total(r):
+    return r["stages"][0]["bytes"]
+
+
+# ---- CLI ------------------------------------------------------------------------
+_DIMS = ("n_layer", "n_embd", "n_head", "vocab", "block_size")
+
+
+def add_model_args(ap):
+    """--params / --model / --n-layer ...: shared with ``python -m ringzero.explain traffic``."""
+    src = ap.add_argument_group("model size (one of)")
+    src.add_argument("--params", help="parameter count with K/M/B/T suffix, e.g. 7.5B")
+    src.add_argument("--model", choices=sorted(PRESETS), help="a GPT-2 preset; Ψ from its layout")
+    for k, h in (("n_layer", "blocks"), ("n_embd", "width"), ("n_head", "heads"),
+                 ("vocab", "vocabulary"), ("block_size", "context length")):
+        src.add_argument("--" + k.replace("_", "-"), type=int, help=f"GPT {h} (overrides --model)")
+
+
+def model_from_args(a):
+    """(Ψ, GPTConfig or None) from parsed model args; ValueError on a bad or missing size."""
+    dims = {k: getattr(a, k) for k in _DIMS if getattr(a, k) is not None}
+    if a.params and (a.model or dims):
+        raise ValueError("give --params or a GPT shape (--model / --n-layer ...), not both")
+    if a.params:
+        return acc.parse_count(a.params), None
+    if a.model or dims:
+        base = PRESETS[a.model] if a.model else GPTConfig()
+        cfg = GPTConfig(**{**base.__dict__, **dims})
+        return gpt_psi(cfg), cfg
+    raise ValueError("no model size: give --params 7.5B or --model gpt2-xl or --n-layer ...")
+
+
+def build_parser():
+    ap = argparse.ArgumentParser(
+        prog="python -m ringzero.estimate",
+        description="Per-rank memory and traffic of ZeRO stages 0-3 (and HYBRID_SHARD): prints, per "
+                    "stage, the bytes-per-parameter formula, the model state per rank in GB (exact and "
+                    "to 3 significant figures, as the ZeRO paper rounds), the elements and bytes each "
+                    "rank sends per step; then temporary buffers, activations (with --batch), "
+                    "whether it fits (with --gpu-mem), and other published accountings.",
+        epilog="Examples: --params 7.5B --nd 64 (the seed's 120/31.4/16.6/1.88 GB);  "
+               "--model gpt2-xl --nd 1 --batch 32 --seq 1024 --gpu-mem 32GB")
+    add_model_args(ap)
+    ap.add_argument("--nd", type=int, default=64, help="data-parallel ranks Nd (default 64)")
+    ap.add_argument("--ranks-per-node", type=int, help="Ng: adds the HYBRID_SHARD row")
+    ap.add_argument("--batch", type=int, help="micro-batch per rank, for activations (GPT only)")
+    ap.add_argument("--seq", type=int, help="sequence length (default: the block size)")
+    ap.add_argument("--gpu-mem", help="memory per rank, e.g. 32GB or 80GiB: which stages fit")
+    ap.add_argument("--temp-buffer", choices=("fp32-flat", "fp16-flat", "none"), default="fp32-flat",
+                    help="temporary buffer counted by --gpu-mem: the paper's flattened fp32 "
+                         "all-reduce buffer of the whole model (default), fp16, or none")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead")
+    return ap
+
+
+def main(argv=None):
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    try:
+        psi, cfg = model_from_args(a)
+        if a.nd < 1:
+            raise ValueError(f"--nd must be >= 1, got {a.nd}")
+        if a.ranks_per_node is not None and (a.ranks_per_node < 1 or a.nd % a.ranks_per_node):
+            raise ValueError(f"--ranks-per-node must divide --nd: got nd={a.nd}, "
+                             f"ranks-per-node={a.ranks_per_node}")
+        if a.batch is not None and a.batch < 1:
+            raise ValueError(f"--batch must be >= 1, got {a.batch}")
+        seq = a.seq
+        if a.batch and cfg is None:
+            raise ValueError("--batch needs a GPT shape (--model or --n-layer ...) for activations")
+        if cfg is not None:
+            seq = seq or cfg.block_size
+            if not 1 <= seq <= cfg.block_size:
+                raise ValueError(f"--seq must be in 1..block_size={cfg.block_size}, got {seq}")
+        gpu = acc.parse_bytes(a.gpu_mem) if a.gpu_mem else None
+    except ValueError as e:
+        ap.error(str(e))
+    r = estimate(psi, a.nd, a.ranks_per_node, cfg, a.batch, seq, gpu, a.temp_buffer)
+    if a.json:
+        print(json.dumps(r, indent=1))
+    else:
+        print_report(r, cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
