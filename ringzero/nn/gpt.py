@@ -32,13 +32,57 @@ class GPTConfig:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
 
 
-# Published GPT-2 shapes (vocab 50257, context 1024), for the estimator.
+# Published GPT-2 shapes (Radford et al. 2019; the HF `gpt2*` configs): layers,
+# heads, width, context 1024, vocab 50257. Ψ of these, with the tied head, is
+# 124,439,808 / 354,823,168 / 774,030,080 / 1,557,611,200 (tests/test_presets.py).
 PRESETS = {
     "gpt2": GPTConfig(12, 12, 768, 1024, 50257),
     "gpt2-medium": GPTConfig(24, 16, 1024, 1024, 50257),
     "gpt2-large": GPTConfig(36, 20, 1280, 1024, 50257),
     "gpt2-xl": GPTConfig(48, 25, 1600, 1024, 50257),
 }
+VOCAB_MULTIPLE = 64     # nanoGPT pads 50257 to 50304: whole 64-wide tiles for the head GEMM
+
+
+def vocab_for(max_id: int, byte_level: bool = False, multiple: int = VOCAB_MULTIPLE) -> int:
+    """The vocabulary a model needs for data whose largest token id is ``max_id``.
+
+    Byte-level data (text read as bytes) gets 256 whatever bytes occur, so
+    any prompt byte can be fed later. Token data (a nanoGPT uint16 ``.bin``)
+    gets max_id + 1 rounded up to a multiple of ``multiple``: 50256 -> 50304.
+    The extra rows are never targets; their logits learn to stay low.
+    """
+    if isinstance(max_id, bool) or int(max_id) != max_id or max_id < 0:
+        raise ValueError(f"max_id must be an int >= 0, got {max_id!r}")
+    if int(multiple) != multiple or multiple < 1:
+        raise ValueError(f"multiple must be an int >= 1, got {multiple!r}")
+    if byte_level:
+        if max_id > 255:
+            raise ValueError(f"byte-level data holds ids < 256, got max_id {max_id}")
+        return 256
+    return -(-(int(max_id) + 1) // int(multiple)) * int(multiple)
+
+
+def model_config(name: str | None = None, vocab: int | None = None, **overrides) -> GPTConfig:
+    """A GPTConfig from a preset name (or the small default), the data's vocab, and overrides.
+
+        model_config("gpt2", vocab_for(corpus_max_id, byte_level=True))   # GPT-2 shapes, vocab 256
+        model_config(None, 256, n_layer=4, n_embd=128, block_size=128)    # the trainer's default model
+
+    ``overrides`` are GPTConfig fields (n_layer, n_head, n_embd, block_size);
+    a value of None means "not given" and keeps the preset's.
+    """
+    if name is not None and name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}: expected one of {', '.join(sorted(PRESETS))}")
+    base = PRESETS[name] if name is not None else GPTConfig()
+    fields = set(base.__dict__)
+    bad = sorted(set(overrides) - fields)
+    if bad:
+        raise ValueError(f"unknown GPTConfig field(s) {bad}: expected some of {sorted(fields)}")
+    given = {k: int(v) for k, v in overrides.items() if v is not None}
+    if vocab is not None:
+        given["vocab"] = int(vocab)
+    return GPTConfig(**{**base.__dict__, **given})
 
 
 def gpt_units(cfg: GPTConfig) -> tuple:
