@@ -201,3 +201,103 @@ def test_numpy_ints_accepted():
     assert acc.model_state_total("2", np.int64(1024), np.int32(4)) == 2 * 1024 + 14 * 1024 // 4
     with pytest.raises(ValueError, match="psi must be"):
         acc.model_state_bytes("2", 1.5, 4)
+
+
+# ---- precision and gradient accumulation ---------------------------------------------
+# What each stage keeps on a rank, written out from the issue's design: (bytes per element,
+# sharded?) for params, grads, master, m, v, and the fp32 accumulator when K > 1.
+def hand_state(stage, psi, nd, ng, precision, k):
+    sb = {"fp16": 2, "bf16": 2, "fp32": 4}[precision]
+    group = ng if stage == "hybrid" else nd
+    shard = {"0": (False, False, False), "1": (False, False, True), "2": (False, True, True),
+             "3": (True, True, True), "hybrid": (True, True, True)}[stage]   # params, grads, optimizer
+    per = lambda b, sh: b * psi / group if sh else b * psi                   # noqa: E731
+    total = per(sb, shard[0]) + per(sb, shard[1]) + 3 * per(4, shard[2])
+    if k > 1:   # fp32 accumulator: full Ψ where grads are reduced once per step, a shard at 3/hybrid
+        total += per(4, stage in ("3", "hybrid"))
+    return total
+
+
+def hand_traffic(stage, psi, nd, ng, k):
+    """Elements one rank sends per optimizer step, by replaying the step's collectives:
+    a ring RS or AG over n ranks sends (n-1) blocks of Ψ/n; an all-reduce is RS + AG."""
+    ring = lambda n, size: (n - 1) * size / n              # noqa: E731
+    events = []
+    if stage in ("0", "1", "2"):
+        events += [("RS", nd, psi), ("AG", nd, psi)]       # once per step, whatever K
+    else:
+        g = ng if stage == "hybrid" else nd
+        for _ in range(k):                                 # every micro-batch
+            events += [("AG", g, psi), ("AG", g, psi), ("RS", g, psi)]
+        if stage == "hybrid":                              # the accumulated shard, once per step
+            nn = nd // ng
+            events += [("RS", nn, psi / ng), ("AG", nn, psi / ng)]
+    return sum(ring(n, size) for _, n, size in events)
+
+
+@pytest.mark.parametrize("stage", acc.STAGES)
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+def test_state_and_traffic_with_precision_and_grad_accum(stage, precision, k):
+    psi, nd, ng = 3 * 5 * 7 * 8 * 1000, 8, 4
+    rpn = ng if stage == "hybrid" else None
+    tot = acc.model_state_total(stage, psi, nd, rpn, precision, k)
+    assert tot == pytest.approx(hand_state(stage, psi, nd, ng, precision, k), rel=1e-12)
+    assert acc.bytes_per_param(stage, nd, rpn, precision, k) * psi == pytest.approx(tot, rel=1e-12)
+    el = acc.traffic_elements(stage, psi, nd, rpn, k)
+    assert sum(el.values()) == pytest.approx(hand_traffic(stage, psi, nd, ng, k), rel=1e-12)
+    b = acc.traffic_bytes(stage, psi, nd, rpn, grad_accum=k, precision=precision)
+    assert sum(b.values()) == {"fp16": 2, "bf16": 2, "fp32": 4}[precision] * sum(el.values())
+    # the printed formula, evaluated at this Nd, is the same number
+    f = acc.bytes_per_param_formula(stage, precision, k)
+    val = sum(float(t.split("Ψ")[0]) / (ng if "/Ng" in t else nd if "/Nd" in t else 1)
+              for t in f.split(" + "))
+    assert val == pytest.approx(acc.bytes_per_param(stage, nd, rpn, precision, k), rel=1e-12)
+
+
+def test_bf16_is_fp16_bytes_and_k1_is_unchanged():
+    psi, nd = 1_234_560, 4
+    for st in ("0", "1", "2", "3"):
+        old = acc.model_state_bytes(st, psi, nd)                      # the existing call
+        assert tuple(old) == acc.CLASSES                               # no accumulator key at K = 1
+        assert acc.model_state_bytes(st, psi, nd, precision="bf16") == old
+        assert acc.model_state_bytes(st, psi, nd, None, "fp16", 1) == old
+        assert acc.traffic_elements(st, psi, nd, None, 1) == acc.traffic_elements(st, psi, nd)
+        k4 = acc.model_state_bytes(st, psi, nd, grad_accum=4)
+        assert k4[acc.ACCUM_CLASS] == (psi if st in "012" else psi // nd) * 4
+    assert acc.traffic_formula("3", 4) == "4 x 3Ψ(Nd-1)/Nd" and acc.traffic_formula("2", 4) == "2Ψ(Nd-1)/Nd"
+    assert acc.class_name("params_fp16", "bf16") == "params_bf16"
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="grad_accum must be"):
+            acc.traffic_elements("3", psi, nd, grad_accum=bad)
+    with pytest.raises(ValueError, match="unknown precision"):
+        acc.model_state_bytes("0", psi, nd, precision="fp8")
+
+
+def test_estimate_padded_state_is_layout_shards():
+    """With a GPT shape, ringzero's own buffers: one Layout shard per sharded class per rank."""
+    cfg = GPTConfig(n_layer=3, n_head=2, n_embd=40, block_size=24, vocab=101)
+    for nd in (2, 3):
+        lay = Layout(gpt_units(cfg), nd)
+        r = est.estimate(lay.numel, nd, cfg=cfg, precision="bf16", grad_accum=3)
+        full, sh = lay.padded, lay.shard_numel
+        held = {"0": (full, full, full, full), "1": (full, full, sh, full),
+                "2": (full, sh, sh, full), "3": (sh, sh, sh, sh)}   # params, grads, optimizer, accumulator
+        for row in r["stages"]:
+            p, g, o, a = held[row["stage"]]
+            assert row["psi_padded"] == full
+            assert row["bytes_padded"] == 2 * p + 2 * g + 12 * o + 4 * a
+
+
+def test_cli_precision_and_grad_accum(capsys):
+    est.main(["--params", "1B", "--nd", "8", "--precision", "bf16", "--grad-accum", "4", "--json"])
+    r = json.loads(capsys.readouterr().out)
+    assert r["precision"] == "bf16" and r["grad_accum"] == 4 and r["loss_scaler"] is False
+    s3 = next(x for x in r["stages"] if x["stage"] == "3")
+    assert s3["traffic_elements"] == 4 * 3 * 10**9 * 7 // 8
+    est.main(["--params", "1B", "--nd", "8", "--precision", "bf16"])
+    out = capsys.readouterr().out
+    assert "same bytes as fp16" in out and "params_bf16" in out
+    with pytest.raises(SystemExit) as e:
+        est.main(["--params", "1B", "--grad-accum", "0"])
+    assert e.value.code == 2 and "--grad-accum must be >= 1" in capsys.readouterr().err

@@ -19,6 +19,27 @@ What it is
     each gradient shard is all-reduced among the Nn ranks that hold the same
     shard on other nodes.
 
+    precision="bf16" stores params and grads in bf16: 2 B each, like fp16, with
+    the same fp32 master and Adam m, v, so every byte figure above is unchanged
+    (bf16 drops the loss scaler, not memory). precision="fp32" stores them in
+    fp32: 4 B each, 20Ψ at stage 0. The class keys keep their names
+    (``params_fp16`` is "the params in the storage dtype"); ``class_name``
+    spells them for a precision.
+
+    grad_accum=K (K micro-batches per optimizer step):
+
+        stage   extra memory per rank          traffic per step
+        0-2     fp32 accumulator of Ψ: 4Ψ      unchanged (reduced once per step,
+                (full size even at stage 2)      as DDP's no_sync): per sample 1/K
+        3       fp32 shard accumulator: 4Ψ/Nd  K x 3Ψ(Nd-1)/Nd (every micro-batch
+                                                 gathers params twice and
+                                                 reduce-scatters its grads)
+        hybrid  fp32 shard accumulator: 4Ψ/Ng  K x 3Ψ(Ng-1)/Ng + 2(Ψ/Ng)(Nn-1)/Nn
+                                                 (the accumulated shard crosses
+                                                 nodes once per step)
+
+    K = 1 adds no accumulator (and no dict key): gradients are used as they are.
+
 What it is not
     No MPI, no arrays, no measurement. Pass the PADDED Ψ (``Layout.padded``)
     to get what a padded runtime allocates and sends, the real Ψ
@@ -37,6 +58,12 @@ STAGES = ("0", "1", "2", "3", "hybrid")
 CLASSES = ("params_fp16", "grads_fp16", "master_fp32", "adam_m_fp32", "adam_v_fp32")
 CLASS_BYTES = {"params_fp16": 2, "grads_fp16": 2, "master_fp32": 4,
                "adam_m_fp32": 4, "adam_v_fp32": 4}
+
+# Bytes of one stored param or grad element, by precision (master and Adam stay fp32).
+PRECISION_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+STORAGE_CLASSES = ("params_fp16", "grads_fp16")     # the classes held in the storage dtype
+ACCUM_CLASS = "grad_accum_fp32"                     # present only when grad_accum > 1
+ACCUM_BYTES = 4
 
 _ALIASES = {
     "0": "0", "1": "1", "2": "2", "3": "3", "hybrid": "hybrid",
@@ -87,45 +114,96 @@ def _check(psi, nd, stage, ranks_per_node):
     return ng
 
 
-def model_state_bytes(stage, psi: int, nd: int, ranks_per_node: int | None = None) -> dict:
-    """Bytes per rank of each state class: {class: bytes} for CLASSES."""
+def storage_bytes(precision: str = "fp16") -> int:
+    """Bytes of a stored param or grad element: fp16 2, bf16 2, fp32 4."""
+    if precision not in PRECISION_BYTES:
+        raise ValueError(f"unknown precision {precision!r}: expected one of "
+                         f"{', '.join(PRECISION_BYTES)}")
+    return PRECISION_BYTES[precision]
+
+
+def _check_k(grad_accum) -> int:
+    if not isinstance(grad_accum, numbers.Integral) or isinstance(grad_accum, bool) or grad_accum < 1:
+        raise ValueError(f"grad_accum must be an int >= 1, got {grad_accum!r}")
+    return int(grad_accum)
+
+
+def class_bytes(precision: str = "fp16", grad_accum: int = 1) -> dict:
+    """Bytes per element of every class held at this precision and K: {class: bytes}."""
+    sb = storage_bytes(precision)
+    out = {c: sb if c in STORAGE_CLASSES else CLASS_BYTES[c] for c in CLASSES}
+    if _check_k(grad_accum) > 1:
+        out[ACCUM_CLASS] = ACCUM_BYTES
+    return out
+
+
+def class_name(c: str, precision: str = "fp16") -> str:
+    """A class key as it reads at a precision: params_fp16 -> params_bf16."""
+    storage_bytes(precision)
+    return c.replace("fp16", precision) if c in STORAGE_CLASSES else c
+
+
+def _is_sharded(stage: str, c: str) -> bool:
+    """Whether a stage divides class c by the sharding group (the accumulator: at 3 and hybrid)."""
+    return c in _SHARDED[stage] or (c == ACCUM_CLASS and stage in ("3", "hybrid"))
+
+
+def model_state_bytes(stage, psi: int, nd: int, ranks_per_node: int | None = None,
+                      precision: str = "fp16", grad_accum: int = 1) -> dict:
+    """Bytes per rank of each state class: {class: bytes} for CLASSES (+ ACCUM_CLASS if K > 1)."""
     st = parse_stage(stage)
     group = _check(psi, nd, st, ranks_per_node)
-    return {c: _div(CLASS_BYTES[c] * psi, group) if c in _SHARDED[st] else CLASS_BYTES[c] * psi
-            for c in CLASSES}
+    return {c: _div(b * psi, group) if _is_sharded(st, c) else b * psi
+            for c, b in class_bytes(precision, grad_accum).items()}
 
 
-def model_state_total(stage, psi: int, nd: int, ranks_per_node: int | None = None):
+def model_state_total(stage, psi: int, nd: int, ranks_per_node: int | None = None,
+                      precision: str = "fp16", grad_accum: int = 1):
     """Total model-state bytes per rank (the 16Ψ-family figure)."""
-    return sum(model_state_bytes(stage, psi, nd, ranks_per_node).values())
+    return sum(model_state_bytes(stage, psi, nd, ranks_per_node, precision, grad_accum).values())
 
 
-def bytes_per_param(stage, nd: int, ranks_per_node: int | None = None) -> float:
+def bytes_per_param(stage, nd: int, ranks_per_node: int | None = None,
+                    precision: str = "fp16", grad_accum: int = 1) -> float:
     """Model-state bytes per parameter per rank, as a number (16, 4 + 12/Nd, ...)."""
     st = parse_stage(stage)
     group = _check(0, nd, st, ranks_per_node)
-    return sum(CLASS_BYTES[c] / group if c in _SHARDED[st] else CLASS_BYTES[c] for c in CLASSES)
+    return sum(b / group if _is_sharded(st, c) else b
+               for c, b in class_bytes(precision, grad_accum).items())
 
 
-def bytes_per_param_formula(stage) -> str:
-    """The stage's formula as the ZeRO paper writes it."""
-    return {"0": "16Ψ", "1": "4Ψ + 12Ψ/Nd", "2": "2Ψ + 14Ψ/Nd", "3": "16Ψ/Nd",
-            "hybrid": "16Ψ/Ng"}[parse_stage(stage)]
+def bytes_per_param_formula(stage, precision: str = "fp16", grad_accum: int = 1) -> str:
+    """The stage's formula as the ZeRO paper writes it ("4Ψ + 12Ψ/Nd"), for a precision and K."""
+    st = parse_stage(stage)
+    full = sharded = 0
+    for c, b in class_bytes(precision, grad_accum).items():
+        if _is_sharded(st, c):
+            sharded += b
+        else:
+            full += b
+    g = "Ng" if st == "hybrid" else "Nd"
+    terms = ([f"{full}Ψ"] if full else []) + ([f"{sharded}Ψ/{g}"] if sharded else [])
+    return " + ".join(terms)
 
 
-def traffic_elements(stage, psi: int, nd: int, ranks_per_node: int | None = None) -> dict:
-    """Elements sent by one rank per step, by collective.
+def traffic_elements(stage, psi: int, nd: int, ranks_per_node: int | None = None,
+                     grad_accum: int = 1) -> dict:
+    """Elements sent by one rank per optimizer step, by collective.
 
     Keys: "reduce_scatter", "all_gather" and, for hybrid only, "all_reduce"
     (the inter-node all-reduce of the gradient shard). A ring all-reduce is
     counted as the reduce-scatter plus the all-gather it is made of.
+    With grad_accum = K: stages 0-2 reduce once per step (unchanged); stage 3
+    and hybrid gather and reduce-scatter once per micro-batch (K times); the
+    hybrid all-reduce of the accumulated shard stays once per step.
     """
     st = parse_stage(stage)
     group = _check(psi, nd, st, ranks_per_node)
+    k = _check_k(grad_accum)
     one = _div(psi * (group - 1), group)          # one ring RS or AG over Ψ in the group
     if st in ("0", "1", "2"):
         return {"reduce_scatter": one, "all_gather": one}
-    out = {"reduce_scatter": one, "all_gather": 2 * one}   # gathers for forward and backward
+    out = {"reduce_scatter": k * one, "all_gather": 2 * k * one}   # gathers for forward and backward
     if st == "hybrid":
         nn = nd // group
         out["all_reduce"] = _div(2 * psi * (nn - 1), nd)  # 2·(Ψ/Ng)·(Nn-1)/Nn
@@ -133,29 +211,40 @@ def traffic_elements(stage, psi: int, nd: int, ranks_per_node: int | None = None
 
 
 def traffic_bytes(stage, psi: int, nd: int, ranks_per_node: int | None = None,
-                  grad_bytes: int = 2, param_bytes: int = 2) -> dict:
+                  grad_bytes: int = 2, param_bytes: int = 2, grad_accum: int = 1,
+                  precision: str | None = None) -> dict:
     """Bytes sent by one rank per step, by collective (fp16 grads and params by default).
 
-    Reduce-scatters and all-reduces carry gradients, all-gathers carry parameters.
+    Reduce-scatters and all-reduces carry gradients, all-gathers carry
+    parameters. ``precision`` (fp16, bf16, fp32), when given, sets both
+    element sizes; bf16 sends what fp16 sends.
     """
-    el = traffic_elements(stage, psi, nd, ranks_per_node)
+    if precision is not None:
+        grad_bytes = param_bytes = storage_bytes(precision)
+    el = traffic_elements(stage, psi, nd, ranks_per_node, grad_accum)
     return {k: v * (param_bytes if k == "all_gather" else grad_bytes) for k, v in el.items()}
 
 
-def traffic_formula(stage) -> str:
-    """Elements sent per rank per step, as a formula."""
-    return {"0": "2Ψ(Nd-1)/Nd", "1": "2Ψ(Nd-1)/Nd", "2": "2Ψ(Nd-1)/Nd", "3": "3Ψ(Nd-1)/Nd",
-            "hybrid": "3Ψ(Ng-1)/Ng + 2(Ψ/Ng)(Nn-1)/Nn"}[parse_stage(stage)]
+def traffic_formula(stage, grad_accum: int = 1) -> str:
+    """Elements sent per rank per step, as a formula (K micro-batches: "K x ..." at stage 3)."""
+    st = parse_stage(stage)
+    k = _check_k(grad_accum)
+    base = {"0": "2Ψ(Nd-1)/Nd", "1": "2Ψ(Nd-1)/Nd", "2": "2Ψ(Nd-1)/Nd", "3": "3Ψ(Nd-1)/Nd",
+            "hybrid": "3Ψ(Ng-1)/Ng"}[st]
+    if k > 1 and st in ("3", "hybrid"):
+        base = f"{k} x {base}"
+    return base + (" + 2(Ψ/Ng)(Nn-1)/Nn" if st == "hybrid" else "")
 
 
 def stages_that_fit(budget_bytes, psi: int, nd: int, ranks_per_node: int | None = None,
-                    extra_bytes=0) -> list:
+                    extra_bytes=0, precision: str = "fp16", grad_accum: int = 1) -> list:
     """The stages whose model state (plus ``extra_bytes``) fits ``budget_bytes`` per rank."""
     out = []
     for st in STAGES:
         if st == "hybrid" and ranks_per_node is None:
             continue
-        if model_state_total(st, psi, nd, ranks_per_node) + extra_bytes <= budget_bytes:
+        if model_state_total(st, psi, nd, ranks_per_node, precision, grad_accum) + extra_bytes \
+                <= budget_bytes:
             out.append(st)
     return out
 

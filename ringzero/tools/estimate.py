@@ -7,6 +7,11 @@ What it is
     Ψ comes from the same layout table the model uses (``Layout(gpt_units(cfg))``)
     when a GPT shape is given, or from ``--params 7.5B``. Every figure is
     computed; where the seed document rounds, the exact value is printed beside.
+    ``--precision bf16`` gives fp16's bytes (bf16 is 2 B too; fp32 master and
+    Adam either way) and says so; ``--grad-accum K`` adds the fp32 gradient
+    accumulator and multiplies stage 3's traffic by K (accounting's table).
+    With a GPT shape, the model state is also given on the padded Ψ of
+    ringzero's own layout at this Nd: the bytes its buffers take.
 
 What it is not
     A measurement. ``python -m ringzero.train`` prints measured bytes beside
@@ -78,12 +83,14 @@ ACT_FORMULAS = {
 
 
 # ---- fit ------------------------------------------------------------------------
-def smallest_group(stage, psi: int, budget: int, extra: int, nd_max: int = 1 << 24):
+def smallest_group(stage, psi: int, budget: int, extra: int, precision: str = "fp16",
+                   grad_accum: int = 1, nd_max: int = 1 << 24):
     """Smallest Nd (Ng for hybrid) at which model state + ``extra`` fits ``budget``; None if never."""
     st = acc.parse_stage(stage)
 
     def need(n):
-        return acc.model_state_total(st, psi, n, n if st == "hybrid" else None) + extra
+        return acc.model_state_total(st, psi, n, n if st == "hybrid" else None, precision,
+                                     grad_accum) + extra
     if need(nd_max) > budget:
         return None
     lo, hi = 1, nd_max          # need(n) never grows with n: bisect for the first fit
@@ -96,31 +103,47 @@ def smallest_group(stage, psi: int, budget: int, extra: int, nd_max: int = 1 << 
     return lo
 
 
+def padded_psi(cfg: GPTConfig, group: int) -> int:
+    """Ψ padded by ringzero's layout for a sharding group of ``group`` ranks (what it allocates)."""
+    return Layout(gpt_units(cfg), nd=group).padded
+
+
 def estimate(psi: int, nd: int, ranks_per_node=None, cfg: GPTConfig | None = None,
              batch: int | None = None, seq: int | None = None, gpu_mem: int | None = None,
-             temp_buffer: str = "fp32-flat") -> dict:
+             temp_buffer: str = "fp32-flat", precision: str = "fp16", grad_accum: int = 1) -> dict:
     """Everything the CLI prints, as a dict (the --json output)."""
     stages = [s for s in acc.STAGES if s != "hybrid" or ranks_per_node]
+    K, pr = grad_accum, precision
     rows = []
     for st in stages:
-        by = acc.model_state_bytes(st, psi, nd, ranks_per_node)
+        by = acc.model_state_bytes(st, psi, nd, ranks_per_node, pr, K)
         tot = sum(by.values())
-        el = acc.traffic_elements(st, psi, nd, ranks_per_node)
-        rows.append({
-            "stage": st, "fsdp": FSDP_NAME[st], "formula": acc.bytes_per_param_formula(st),
-            "bytes_per_param": acc.bytes_per_param(st, nd, ranks_per_node),
+        el = acc.traffic_elements(st, psi, nd, ranks_per_node, K)
+        tb = sum(acc.traffic_bytes(st, psi, nd, ranks_per_node, grad_accum=K, precision=pr).values())
+        row = {
+            "stage": st, "fsdp": FSDP_NAME[st], "formula": acc.bytes_per_param_formula(st, pr, K),
+            "bytes_per_param": acc.bytes_per_param(st, nd, ranks_per_node, pr, K),
             "bytes": tot, "GB": tot / GB, "GiB": tot / GIB, "by_class": by,
-            "traffic_formula": acc.traffic_formula(st),
+            "traffic_formula": acc.traffic_formula(st, K),
             "traffic_elements": sum(el.values()), "traffic_by_collective": el,
-            "traffic_bytes": sum(acc.traffic_bytes(st, psi, nd, ranks_per_node).values()),
-        })
+            "traffic_bytes": tb, "traffic_bytes_per_micro_batch": tb / K,
+        }
+        if cfg is not None:      # ringzero's own buffers: the padded Ψ of its layout
+            group = ranks_per_node if st == "hybrid" else nd
+            pp = padded_psi(cfg, group)
+            row["psi_padded"] = pp
+            row["bytes_padded"] = acc.model_state_total(st, pp, nd, ranks_per_node, pr, K)
+            row["by_class_padded"] = acc.model_state_bytes(st, pp, nd, ranks_per_node, pr, K)
+        rows.append(row)
     out = {"psi": psi, "nd": nd, "ranks_per_node": ranks_per_node, "stages": rows,
+           "precision": pr, "grad_accum": K, "loss_scaler": pr == "fp16",
            "buffers": {"fp32_flat_allreduce_bytes": 4 * psi,
                        "fp16_flat_allreduce_bytes": 2 * psi}}
     act = None
     if cfg is not None and batch:
         act = activations(cfg, batch, seq)
-        out["activations"] = {"batch": batch, "seq": seq, "bytes": act, "formulas": ACT_FORMULAS}
+        out["activations"] = {"batch": batch, "seq": seq, "bytes": act, "formulas": ACT_FORMULAS,
+                              "global_batch": batch * K * nd}
     if gpu_mem:
         buf = {"fp32-flat": 4 * psi, "fp16-flat": 2 * psi, "none": 0}[temp_buffer]
         extra = {"no_ckpt": (act["zero_paper"] if act else 0) + buf,
@@ -130,7 +153,7 @@ def estimate(psi: int, nd: int, ranks_per_node=None, cfg: GPTConfig | None = Non
             f = {"stage": r["stage"]}
             for k, e in extra.items():
                 f[k] = {"need_bytes": r["bytes"] + e, "fits": r["bytes"] + e <= gpu_mem,
-                        "smallest_group": smallest_group(r["stage"], psi, gpu_mem, e)}
+                        "smallest_group": smallest_group(r["stage"], psi, gpu_mem, e, pr, K)}
             fit.append(f)
         out["fit"] = {"gpu_mem": gpu_mem, "activations_counted": act is not None,
                       "temp_buffer": temp_buffer, "temp_buffer_bytes": buf,
@@ -155,11 +178,18 @@ def print_report(r: dict, cfg, f=None):
     p(f"Ψ = {psi:,} parameters   Nd = {nd}" + (f"   Ng = {r['ranks_per_node']} ranks per node"
                                                   if r["ranks_per_node"] else ""))
     p("GB = 1e9 bytes (the ZeRO paper's unit); GiB = 2^30 bytes.\n")
-    p("Model state per parameter (mixed-precision Adam), stage 0:")
+    pr, K = r["precision"], r["grad_accum"]
+    p(f"Model state per parameter ({pr} params and grads, fp32 master and Adam"
+      + (f", fp32 gradient accumulator for {K} micro-batches" if K > 1 else "") + "), stage 0:")
     s0 = r["stages"][0]["by_class"]
-    for c in acc.CLASSES:
-        p(f"  {c:<12} {acc.CLASS_BYTES[c]} B/param  {_g(s0[c]):>14} GB  "
+    cb = acc.class_bytes(pr, K)
+    for c in s0:
+        p(f"  {acc.class_name(c, pr):<16} {cb[c]} B/param  {_g(s0[c]):>14} GB  "
           f"{100 * s0[c] / sum(s0.values()):5.1f} % of model state")
+    if pr == "bf16":
+        p("  bf16 takes the same bytes as fp16 (2 B params and grads, 12 B of fp32 master, m, v): "
+          "every formula below is the fp16 one. What bf16 changes is range, so it runs without a "
+          "loss scaler (python -m ringzero.explain precision).")
     p("")
     hdr = (f"{'stage':<7}{'FSDP':<14}{'bytes/param':<13}{'B/param':>8}{'GB exact':>16}{'GB 3sf':>8}"
            f"{'GiB':>12}{'vs 0':>7}   {'traffic/step (elements)':<42}{'GB sent':>10}")
@@ -171,10 +201,24 @@ def print_report(r: dict, cfg, f=None):
           f"{s0_total(r) / row['bytes'] if row['bytes'] else math.inf:>6.2f}x   "
           f"{row['traffic_formula'] + ' = ' + format(row['traffic_elements'], ',.0f'):<42}"
           f"{row['traffic_bytes'] / GB:>10.3f}")
-    p("as Nd grows, stage 1 tends to 16/4 = 4x less than stage 0, stage 2 to 16/2 = 8x, stage 3 "
-      "falls as 1/Nd; stage 3 sends 3/2 = 1.5x the elements of stages 0-2.")
-    p("traffic: elements sent per rank per step (ring: each RS or AG of Ψ sends Ψ(n-1)/n); "
-      "GB sent at 2 B/element (fp16 grads and params)")
+    if pr != "fp32" and K == 1:
+        p("as Nd grows, stage 1 tends to 16/4 = 4x less than stage 0, stage 2 to 16/2 = 8x, stage 3 "
+          "falls as 1/Nd; stage 3 sends 3/2 = 1.5x the elements of stages 0-2.")
+    eb = acc.storage_bytes(pr)
+    p(f"traffic: elements sent per rank per optimizer step (ring: each RS or AG of Ψ sends Ψ(n-1)/n); "
+      f"GB sent at {eb} B/element ({pr} grads and params)")
+    if K > 1:
+        p(f"grad accumulation, K = {K} micro-batches per step: stages 0-2 add up gradients locally "
+          f"in an fp32 buffer of Ψ (4Ψ, full size even at stage 2) and reduce once per step, so "
+          f"their traffic per step is that of K = 1 ({1 / K:.3g}x per sample); stage 3 gathers "
+          f"params and reduce-scatters grads in every micro-batch (into a 4Ψ/Nd fp32 shard), so "
+          f"its traffic per step is {K}x the per-micro-batch 3Ψ(Nd-1)/Nd; hybrid likewise inside "
+          f"the node, with the accumulated shard all-reduced across nodes once per step.")
+    if "bytes_padded" in r["stages"][0]:
+        p(f"\nringzero's buffers (units padded to a multiple of group x 32 elements):")
+        for row in r["stages"]:
+            p(f"  stage {row['stage']:<7} padded Ψ {row['psi_padded']:>16,}   model state per rank "
+              f"{row['bytes_padded']:>18,} B = {_g(row['bytes_padded'])} GB")
     b = r["buffers"]
     p(f"\nTemporary buffers: a flattened fp32 all-reduce buffer of the whole model = 4Ψ = "
       f"{_g(b['fp32_flat_allreduce_bytes'])} GB (fp16: {_g(b['fp16_flat_allreduce_bytes'])} GB); "
@@ -183,7 +227,9 @@ def print_report(r: dict, cfg, f=None):
         a = r["activations"]
         ab = a["bytes"]
         p(f"\nActivations per rank, micro-batch {a['batch']} x seq {a['seq']} "
-          f"(L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}, V={cfg.vocab}):")
+          f"(L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}, V={cfg.vocab}); one micro-batch is "
+          f"alive at a time, so they do not grow with K (global batch = {a['batch']} x K {K} x Nd "
+          f"{nd} = {a['global_batch']:,} sequences per step):")
         for k, label in (("zero_paper", "ZeRO paper, no checkpointing"),
                          ("ckpt_inputs", "layer-input checkpoints alone"),
                          ("zero_ckpt", "ZeRO count, checkpoint per layer"),
@@ -274,8 +320,18 @@ def build_parser():
     ap.add_argument("--temp-buffer", choices=("fp32-flat", "fp16-flat", "none"), default="fp32-flat",
                     help="temporary buffer counted by --gpu-mem: the paper's flattened fp32 "
                          "all-reduce buffer of the whole model (default), fp16, or none")
+    add_step_args(ap)
     ap.add_argument("--json", action="store_true", help="print one JSON object instead")
     return ap
+
+
+def add_step_args(ap):
+    """--precision / --grad-accum: shared with ``python -m ringzero.explain traffic``."""
+    ap.add_argument("--precision", choices=tuple(acc.PRECISION_BYTES), default="fp16",
+                    help="storage dtype of params and grads (default fp16; bf16 takes the same bytes)")
+    ap.add_argument("--grad-accum", type=int, default=1, metavar="K",
+                    help="micro-batches per optimizer step (default 1): adds the fp32 gradient "
+                         "accumulator, multiplies stage 3's traffic by K")
 
 
 def main(argv=None):
@@ -288,6 +344,8 @@ def main(argv=None):
         if a.ranks_per_node is not None and (a.ranks_per_node < 1 or a.nd % a.ranks_per_node):
             raise ValueError(f"--ranks-per-node must divide --nd: got nd={a.nd}, "
                              f"ranks-per-node={a.ranks_per_node}")
+        if a.grad_accum < 1:
+            raise ValueError(f"--grad-accum must be >= 1, got {a.grad_accum}")
         if a.batch is not None and a.batch < 1:
             raise ValueError(f"--batch must be >= 1, got {a.batch}")
         seq = a.seq
@@ -300,7 +358,8 @@ def main(argv=None):
         gpu = acc.parse_bytes(a.gpu_mem) if a.gpu_mem else None
     except ValueError as e:
         ap.error(str(e))
-    r = estimate(psi, a.nd, a.ranks_per_node, cfg, a.batch, seq, gpu, a.temp_buffer)
+    r = estimate(psi, a.nd, a.ranks_per_node, cfg, a.batch, seq, gpu, a.temp_buffer,
+                 a.precision, a.grad_accum)
     if a.json:
         print(json.dumps(r, indent=1))
     else:
