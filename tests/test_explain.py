@@ -142,3 +142,92 @@ def test_traffic_missing_file_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
         ex.main(["traffic", "--metrics", "/nonexistent/m.jsonl"])
     assert e.value.code == 2
+
+
+# ---- bf16 beside fp16 (ml_dtypes) ----------------------------------------------------
+try:                                             # a test dependency (setup.cfg [test])
+    import ml_dtypes
+    bf16, BF = ml_dtypes.bfloat16, ml_dtypes.finfo(ml_dtypes.bfloat16)
+except ImportError:
+    ml_dtypes = bf16 = BF = None
+needs_bf16 = pytest.mark.skipif(ml_dtypes is None, reason="needs ml_dtypes (pip install 'ringzero[bf16]')")
+
+
+@needs_bf16
+def test_bf16_underflow_and_overflow_by_experiment():
+    u = ex.underflow_threshold(bf16)
+    assert u["largest_zero"] == float(BF.smallest_subnormal) / 2      # 2^-134: a tie, to even 0
+    assert u["rounds_to"] == float(BF.smallest_subnormal)             # 2^-133
+    assert u["threshold"] == float(np.nextafter(np.float32(u["largest_zero"]), np.float32(1)))
+    o = ex.overflow_threshold(bf16)
+    assert o["largest_finite"] == float(BF.max)
+    assert np.isinf(np.float32(o["threshold"]).astype(bf16))
+    assert np.isfinite(np.float32(o["largest_finite_input"]).astype(bf16))
+    o16 = ex.overflow_threshold(f16)                                   # 65504 + ulp/2 = 65520 rounds up
+    assert o16["largest_finite"] == float(np.finfo(f16).max)
+    top = float(np.finfo(f16).max)
+    assert o16["threshold"] == top + float(np.spacing(f16(2 ** 15))) / 2   # 65504 + ulp/2: the tie goes to even, Inf
+    with np.errstate(over="ignore"):
+        assert np.isinf(f16(o16["threshold"])) and np.isfinite(f16(o16["largest_finite_input"]))
+
+
+@needs_bf16
+@pytest.mark.parametrize("w", [1.0, 1.5, 3.0, 0.25, 100.0])
+def test_bf16_swamp_ratio_is_w_over_half_ulp(w):
+    s = ex.swamp_ratio(w, bf16)
+    wb = np.array(w).astype(bf16)
+    assert not s["odd"]
+    assert s["ratio"] == w / (float(np.spacing(wb)) / 2)
+    assert ex.swamp_ratio(1.0, bf16)["ratio"] == 2 / float(BF.eps) == 256   # vs fp16's 2048
+
+
+@needs_bf16
+def test_cast_gradients_bf16_keeps_what_fp16_flushes():
+    from ringzero.tools import bf16 as b
+    n, seed = 50000, 3
+    g = (2.0 ** np.random.default_rng(seed).uniform(-34, -14, n)).astype(np.float32)
+    r16, rb = b.cast_gradients(f16, n, seed), b.cast_gradients(bf16, n, seed)
+    assert r16["zero"] == np.mean(g <= 2.0 ** -25)       # below fp16's half-subnormal (ties: measure 0)
+    assert rb["zero"] == 0.0
+    assert rb["max_rel_err"] <= 2.0 ** -8                # 8 significant bits: half an ulp, relative
+    t = ex.toy_run(n=64, steps=500, lr=1e-4, dtype=bf16)
+    assert t["fp16_moved"] == 0.0 and t["master_err"] < 0.01 * t["fp32_moved"]
+
+
+@needs_bf16
+def test_precision_cli_shows_bf16(capsys):
+    assert ex.main(["precision"]) == 0
+    out = capsys.readouterr().out
+    assert "bf16 beside fp16" in out and "256x" in out and "2^-133" in out and "no loss scaler" in out
+
+
+# ---- traffic with gradient accumulation --------------------------------------------------
+def test_traffic_grad_accum_cli(capsys):
+    psi, nd, k = 8 * 10**6, 8, 4
+    assert ex.main(["traffic", "--params", "8M", "--nd", str(nd), "--grad-accum", str(k),
+                    "--precision", "bf16"]) == 0
+    out = capsys.readouterr().out
+    one = psi * (nd - 1) // nd                             # one ring RS or AG over Ψ
+    assert f"stage 2: 2Ψ(Nd-1)/Nd = {2 * one:,} elements" in out             # once per step
+    assert f"stage 3: 4 x 3Ψ(Nd-1)/Nd = {k * 3 * one:,} elements" in out     # every micro-batch
+    assert f"{k * 3 * one * 2 / 1e9:.4f} GB per rank per step" in out        # bf16: 2 B/element
+    assert "reduce-scatter bf16 grads" in out
+    rows = {r["stage"]: r for r in ex.traffic_rows(psi, nd, None, None, k, "fp32")}
+    assert rows["3"]["total_bytes"] == 4 * k * 3 * one and rows["1"]["total_bytes"] == 4 * 2 * one
+    with pytest.raises(SystemExit) as e:
+        ex.main(["traffic", "--params", "8M", "--grad-accum", "0"])
+    assert e.value.code == 2
+
+
+def test_traffic_metrics_with_grad_accum_and_bf16(tmp_path, capsys):
+    psi, n, k = 1024, 4, 3
+    path, _ = _metrics(tmp_path, psi=psi, n=n, stage="3")
+    lines = [json.loads(x) for x in open(path)]
+    want = k * 3 * (psi * (n - 1) // n) * 2                # K x (2 AG + RS), bf16
+    lines[-1].update(precision="bf16", grad_accum=k)
+    lines[-1]["traffic"] = {"measured_bytes_per_step": want, "formula_bytes_per_step": want}
+    with open(path, "w") as fh:
+        fh.write("\n".join(json.dumps(x) for x in lines) + "\n")
+    ex.main(["traffic", "--metrics", path])
+    out = capsys.readouterr().out
+    assert f"accounting on unpadded Ψ {want:,} B" in out and "exact match" in out and "K = 3" in out

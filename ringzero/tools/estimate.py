@@ -215,7 +215,7 @@ def print_report(r: dict, cfg, f=None):
           f"its traffic per step is {K}x the per-micro-batch 3Ψ(Nd-1)/Nd; hybrid likewise inside "
           f"the node, with the accumulated shard all-reduced across nodes once per step.")
     if "bytes_padded" in r["stages"][0]:
-        p(f"\nringzero's buffers (units padded to a multiple of group x 32 elements):")
+        p("\nringzero's buffers (units padded to a multiple of group x 32 elements):")
         for row in r["stages"]:
             p(f"  stage {row['stage']:<7} padded Ψ {row['psi_padded']:>16,}   model state per rank "
               f"{row['bytes_padded']:>18,} B = {_g(row['bytes_padded'])} GB")

@@ -7,10 +7,16 @@ What it is
                (swamping) and how that depends on w's place in its binade, a toy
                run where fp16 weights stall while an fp32 master tracks fp32, and
                loss scaling (underflowed gradients survive; the dynamic scaler of
-               ringzero.runtime.optim backs off on an overflow).
+               ringzero.runtime.optim backs off on an overflow). Then bf16 beside
+               fp16, by the same experiments on ml_dtypes.bfloat16: fp32's range
+               (no underflow at 2^-24, no overflow at 65504: no loss scaler) but
+               8 significant bits (swamping at 256x, not 2048x: the fp32 master
+               matters more). bf16 takes fp16's bytes: the 16Ψ table is unchanged.
     traffic    Who sends what in each stage, per rank and per step, from
                ringzero.runtime.accounting; per unit when a GPT shape is given; measured
                beside formula when a training run's ``--metrics`` file is given.
+               ``--grad-accum K``: per micro-batch and per step (stages 0-2 reduce
+               once per step, stage 3 gathers and reduce-scatters every micro-batch).
 
 What it is not
     No thresholds are typed in: each is searched for by experiment; the seed
@@ -34,75 +40,121 @@ SEED_SWAMP_RATIO = "2048x"
 
 
 # ---- precision experiments (pure; the tests call these) --------------------------
-def _bisect_bits(pred, lo: float, hi: float) -> float:
-    """Smallest positive float64 x in (lo, hi] with pred(x) True, pred monotone (False..True).
+def bf16_type():
+    """ml_dtypes.bfloat16, or None without the ``bf16`` extra (pip install 'ringzero[bf16]')."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return ml_dtypes.bfloat16
 
-    Bisects on the float64 bit patterns, which order like the values for x >= 0,
-    so the answer is exact to the last float64 bit.
+
+def _source(dtype):
+    """The float type a dtype's values are cast from: bf16 is made from fp32 in the
+    runtime (and ml_dtypes converts float64 via float32), fp16 from any float64."""
+    return f64 if dtype is f16 else f32
+
+
+def _bisect_bits(pred, lo: float, hi: float, src=f64) -> float:
+    """Smallest positive ``src`` float x in (lo, hi] with pred(x) True, pred monotone (False..True).
+
+    Bisects on the bit patterns of ``src`` (float64 or float32), which order
+    like the values for x >= 0, so the answer is exact to the last bit.
     """
-    a = int(np.array(lo, f64).view(np.int64))
-    b = int(np.array(hi, f64).view(np.int64))
+    it = np.int64 if src is f64 else np.int32
+    a = int(np.array(lo, src).view(it))
+    b = int(np.array(hi, src).view(it))
     if pred(lo) or not pred(hi):
         raise ValueError(f"bisection needs pred(lo) False and pred(hi) True, got "
                          f"{pred(lo)} and {pred(hi)}")
     while b - a > 1:
         m = (a + b) // 2
-        if pred(float(np.array(m, np.int64).view(f64))):
+        if pred(float(np.array(m, it).view(src))):
             b = m
         else:
             a = m
-    return float(np.array(b, np.int64).view(f64))
+    return float(np.array(b, it).view(src))
 
 
-def underflow_threshold() -> dict:
-    """The smallest magnitude that survives conversion to fp16, found by bisection."""
-    x = _bisect_bits(lambda v: f16(v) != 0, 0.0, 1.0)
-    below = float(np.nextafter(x, 0.0))
-    return {"threshold": x, "rounds_to": float(f16(x)), "largest_zero": below,
-            "largest_zero_is_2^-25": below == 2.0 ** -25,
-            "tie_2^-25_to": float(f16(2.0 ** -25))}
+def _cast(dtype, src, v):
+    """v (a Python float) rounded to src, then to dtype: one value of dtype."""
+    with np.errstate(over="ignore"):
+        return np.array(src(v)).astype(dtype)
 
 
-def swamp_ratio(w: float) -> dict:
-    """For fp16 weight w > 0: the largest fp16 Δw with w + Δw == w (added in fp16), by exhaustion.
+def underflow_threshold(dtype=f16) -> dict:
+    """The smallest magnitude that survives conversion to ``dtype``, found by bisection
+    (over float64 for fp16, over float32 for bf16: see ``_source``)."""
+    src = _source(dtype)
+    x = _bisect_bits(lambda v: _cast(dtype, src, v) != 0, 0.0, 1.0, src)
+    below = float(np.nextafter(src(x), src(0)))
+    out = {"threshold": x, "rounds_to": float(_cast(dtype, src, x)), "largest_zero": below,
+           "largest_zero_log2": float(np.log2(below)), "tie_to": float(_cast(dtype, src, below))}
+    if dtype is f16:
+        out.update({"largest_zero_is_2^-25": below == 2.0 ** -25, "tie_2^-25_to": float(f16(2.0 ** -25))})
+    return out
 
-    Every positive finite fp16 value is tried as Δw; the threshold ratio is
+
+def overflow_threshold(dtype=f16) -> dict:
+    """The smallest magnitude that becomes Inf in ``dtype``, found by bisection, and the
+    largest value that stays finite (where everything between rounds down to)."""
+    src = _source(dtype)
+    top = float(np.finfo(src).max)
+    x = _bisect_bits(lambda v: not np.isfinite(_cast(dtype, src, v)), 1.0, top, src)
+    below = float(np.nextafter(src(x), src(0)))
+    return {"threshold": x, "largest_finite_input": below,
+            "largest_finite": float(_cast(dtype, src, below))}
+
+
+def _positive_finite(dtype):
+    """Every positive finite value of a 16-bit float type, ascending."""
+    v = np.arange(1, 0x8000, dtype=np.uint16).view(dtype)
+    with np.errstate(invalid="ignore"):
+        return v[np.isfinite(v)]
+
+
+def swamp_ratio(w: float, dtype=f16) -> dict:
+    """For a ``dtype`` weight w > 0: the largest Δw of that dtype with w + Δw == w (added in
+    the dtype), by exhaustion.
+
+    Every positive finite value of the dtype is tried as Δw; the threshold ratio is
     w / (largest swallowed Δw), i.e. the smallest w/Δw at which the update vanishes.
     """
-    w16 = f16(w)
+    w16 = np.array(w).astype(dtype)[()]
     if not (np.isfinite(w16) and w16 > 0):
-        raise ValueError(f"w must be a positive finite fp16 value, got {w!r} -> {w16}")
-    dw = np.arange(1, 0x7C00, dtype=np.uint16).view(f16)   # every positive finite fp16
-    with np.errstate(over="ignore"):                         # w + 65504 overflows: not lost
-        lost = (w16 + dw) == w16                             # fp16 add, one rounding
+        raise ValueError(f"w must be a positive finite {np.dtype(dtype).name} value, got {w!r} -> {w16}")
+    dw = _positive_finite(dtype)                             # every positive finite value
+    with np.errstate(over="ignore"):                         # w + max overflows: not lost
+        lost = (w16 + dw) == w16                             # one add in the dtype, one rounding
     big = dw[lost].max()
     # the next larger Δw must be kept: the swallowed set is a prefix
     if not lost[: int(np.flatnonzero(lost).max()) + 1].all():
         raise RuntimeError("swallowed updates are not a prefix of the fp16 values")
     m = float(w16) / 2.0 ** np.floor(np.log2(float(w16)))   # significand in [1, 2)
-    odd = bool(np.array(w16).view(np.uint16) & 1)            # last mantissa bit
+    odd = bool(np.array(w16, dtype).view(np.uint16) & 1)     # last mantissa bit
     return {"w": float(w16), "largest_lost_dw": float(big), "ratio": float(w16) / float(big),
             "significand": m, "ulp": float(np.spacing(w16)), "odd": odd}
 
 
-def toy_run(n: int = 1024, steps: int = 20000, lr: float = 1e-4, seed: int = 0) -> dict:
+def toy_run(n: int = 1024, steps: int = 20000, lr: float = 1e-4, seed: int = 0, dtype=f16) -> dict:
     """Gradient descent on 0.5·||w - t||² three ways; final max |w - w_fp32| of each.
 
-    fp32 reference; fp16 weights updated in place (w16 += fp16(-lr·g)); and fp16
-    weights copied each step from an fp32 master that accumulates the updates.
+    fp32 reference; fp16 (or ``dtype``) weights updated in place (w16 +=
+    fp16(-lr·g)); and fp16 weights copied each step from an fp32 master that
+    accumulates the updates. The keys say fp16 whatever the dtype.
     """
     rng = np.random.default_rng(seed)
     w0 = rng.uniform(0.5, 2.0, n).astype(f32)                # (n,)
     t = (w0 + rng.normal(0, 0.5, n)).astype(f32)              # (n,) targets
     w32, master = w0.copy(), w0.copy()
-    w16, wm16 = w0.astype(f16), w0.astype(f16)
+    w16, wm16 = w0.astype(dtype), w0.astype(dtype)
     lr32 = f32(lr)
     for _ in range(steps):
         w32 -= lr32 * (w32 - t)
         g16 = w16.astype(f32) - t                             # grads computed in fp32
-        w16 -= (lr32 * g16).astype(f16)                       # fp16 weights, fp16 add
+        w16 -= (lr32 * g16).astype(dtype)                     # fp16 weights, fp16 add
         master -= lr32 * (wm16.astype(f32) - t)               # fp32 master accumulates
-        wm16 = master.astype(f16)                             # fp16 copy for the next forward
+        wm16 = master.astype(dtype)                           # fp16 copy for the next forward
     moved = float(np.abs(w32 - w0).max())
     return {"steps": steps, "lr": lr, "n": n, "fp32_moved": moved,
             "fp16_err": float(np.abs(w16.astype(f32) - w32).max()),
@@ -110,7 +162,9 @@ def toy_run(n: int = 1024, steps: int = 20000, lr: float = 1e-4, seed: int = 0) 
             "master_fp16_err": float(np.abs(wm16.astype(f32) - w32).max()),
             "copy_within_half_ulp": bool((np.abs(wm16.astype(f64) - master) <=
                                           np.spacing(np.abs(wm16)).astype(f64) / 2).all()),
-            "fp16_moved": float(np.abs(w16.astype(f32) - w0).max())}
+            "dtype": np.dtype(dtype).name,
+            # from its own start (w0 rounded to the dtype), so the cast's rounding is not counted
+            "fp16_moved": float(np.abs(w16.astype(f32) - w0.astype(dtype).astype(f32)).max())}
 
 
 def loss_scaling(scale: float = 2.0 ** 16, n: int = 100000, seed: int = 0) -> dict:
@@ -187,7 +241,7 @@ def print_precision(f=None):
     p(f"\n== Toy run: {t['steps']} steps of gradient descent, lr {t['lr']:g}, {t['n']} weights "
       f"in [0.5, 2); each update lr·|w - t| is about 5e-5, below ulp(w)/2")
     p(f"  fp32 run moved the weights by up to {t['fp32_moved']:.4f}")
-    p(f"  fp16 weights updated in place: moved {t['fp16_moved']:.4f}; max error vs fp32 "
+    p(f"  fp16 weights updated in place: moved {t['fp16_moved']:.4f} from their fp16 start; max error vs fp32 "
       f"{t['fp16_err']:.4f}  (stalled: every update was swamped)")
     p(f"  fp32 master, fp16 copy:        max error of master vs fp32 {t['master_err']:.2e} "
       f"({100 * t['master_err'] / t['fp32_moved']:.3f} % of the distance moved); its fp16 copy "
@@ -207,6 +261,8 @@ def print_precision(f=None):
           f"{str(r['master_changed']):>15} {str(r['master_finite']):>14} {r['next_scale']:>8g}")
     p("  steps 0-1 overflow for real (2 x 65536 and 2 x 32768 exceed 65504), step 3 by injection: "
       "each is skipped, the master is untouched and the scale halves; 4 clean steps double it.")
+    from ringzero.tools.bf16 import print_bf16
+    print_bf16(f)
 
 
 # ---- traffic ----------------------------------------------------------------------
@@ -228,21 +284,25 @@ _STAGE_STEPS["hybrid"] = _STAGE_STEPS["3"] + [
      ("all_reduce",))]
 
 
-def traffic_rows(psi: int, nd: int, ranks_per_node=None, units=None) -> list:
-    """[{stage, elements, bytes, by_collective, per_unit?}] for every stage."""
+def traffic_rows(psi: int, nd: int, ranks_per_node=None, units=None, grad_accum: int = 1,
+                 precision: str = "fp16") -> list:
+    """[{stage, elements, bytes, by_collective, per_unit?}] for every stage, per optimizer step
+    of ``grad_accum`` micro-batches (per_unit: per micro-batch)."""
     rows = []
     for st in acc.STAGES:
         if st == "hybrid" and not ranks_per_node:
             continue
-        r = {"stage": st, "formula": acc.traffic_formula(st),
-             "by_collective": acc.traffic_elements(st, psi, nd, ranks_per_node),
-             "bytes": acc.traffic_bytes(st, psi, nd, ranks_per_node)}
+        r = {"stage": st, "formula": acc.traffic_formula(st, grad_accum),
+             "by_collective": acc.traffic_elements(st, psi, nd, ranks_per_node, grad_accum),
+             "bytes": acc.traffic_bytes(st, psi, nd, ranks_per_node, grad_accum=grad_accum,
+                                        precision=precision),
+             "per_micro_batch": acc.traffic_elements(st, psi, nd, ranks_per_node, 1)}
         r["elements"] = sum(r["by_collective"].values())
         r["total_bytes"] = sum(r["bytes"].values())
         if units is not None:
             from ringzero.runtime.flat import Layout
             lay = Layout(units, nd)
-            r["per_unit"] = [(u.name, lay.unit_numel[i], lay.unit_padded[i],
+            r["per_unit"] = [(u.name, lay.unit_numel[i], lay.unit_padded[i],     # per micro-batch
                               acc.traffic_elements(st, lay.unit_padded[i], nd, ranks_per_node))
                              for i, u in enumerate(lay.units)]
             r["padded_psi"] = lay.padded
@@ -262,26 +322,50 @@ def read_summary(path: str) -> dict:
     return summ
 
 
-def print_traffic(psi, nd, rpn, cfg, metrics, f=None):
+_ACCUM = {  # what K > 1 micro-batches per optimizer step change, per stage
+    "0": "micro-batches add their grads into a local fp32 buffer of Ψ (4Ψ B); the all-reduce "
+         "runs once, after the last (DDP's no_sync): traffic per step as at K = 1",
+    "1": "micro-batches add their grads into a local fp32 buffer of Ψ (4Ψ B); one reduce-scatter "
+         "after the last: traffic per step as at K = 1",
+    "2": "micro-batches add their grads into a local fp32 buffer of Ψ (4Ψ B, full size: the price "
+         "of reducing once; DeepSpeed's ZeRO-2 reduces every micro-batch into its partition "
+         "instead): traffic per step as at K = 1",
+    "3": "every micro-batch gathers each unit for forward and backward again and reduce-scatters "
+         "its grads into an fp32 shard accumulator (4Ψ/Nd B), as FSDP does: K x the traffic of one",
+}
+_ACCUM["hybrid"] = (_ACCUM["3"].replace("Nd", "Ng") + "; the accumulated shard is all-reduced "
+                    "across nodes once per step")
+
+
+def print_traffic(psi, nd, rpn, cfg, metrics, f=None, grad_accum: int = 1, precision: str = "fp16"):
     p = lambda *a: print(*a, file=f or sys.stdout)  # noqa: E731
     units = None
     if cfg is not None:
         from ringzero.nn.gpt import gpt_units
         units = gpt_units(cfg)
+    K, eb = grad_accum, acc.storage_bytes(precision)
     p(f"Ψ = {psi:,}  Nd = {nd}" + (f"  Ng = {rpn}" if rpn else "") +
-      "; elements and bytes SENT by one rank per step (fp16: 2 B/element).")
+      f"; elements and bytes SENT by one rank per optimizer step ({precision}: {eb} B/element"
+      + (f"; K = {K} micro-batches per step" if K > 1 else "") + ").")
     p(f"A ring reduce-scatter or all-gather over n ranks takes n-1 steps; in each, every rank sends "
       f"one block of 1/n of the buffer to its right neighbour: Ψ(n-1)/n elements in all.\n")
-    for r in traffic_rows(psi, nd, rpn, units):
+    for r in traffic_rows(psi, nd, rpn, units, K, precision):
         st = r["stage"]
+        one = sum(r["per_micro_batch"].values())
         p(f"stage {st}: {r['formula']} = {r['elements']:,.0f} elements = "
           f"{r['total_bytes'] / 1e9:.4f} GB per rank per step")
         for when, what, keys in _STAGE_STEPS[st]:
-            p(f"  {when:<16} {what}")
+            p(f"  {when:<16} {what.replace('fp16', precision)}")
+        if K > 1:
+            p(f"  {'K = ' + str(K):<16} {_ACCUM[st]}")
+            p(f"  {'':<16} per micro-batch alone {one:,.0f} el; per step {r['elements']:,.0f} el = "
+              f"{r['elements'] / one if one else 0:.3g}x; per sample {r['elements'] / one / K if one else 0:.3g}x "
+              f"of K = 1")
         for k, v in r["by_collective"].items():
             p(f"  {'':<16} {k:<15} {v:>18,.0f} el  {r['bytes'][k] / 1e9:>10.4f} GB")
         if st in ("3", "hybrid") and "per_unit" in r:
-            p(f"  per unit (padded to a multiple of Nd·align; total padded Ψ = {r['padded_psi']:,}):")
+            p(f"  per unit and micro-batch (padded to a multiple of Nd·align; total padded Ψ = "
+              f"{r['padded_psi']:,}):")
             shown = r["per_unit"] if len(r["per_unit"]) <= 8 else r["per_unit"][:3] + r["per_unit"][-2:]
             for name, real, padded, el in shown:
                 p(f"    {name:<10} Ψ_unit {real:>12,} (padded {padded:>12,})  AG fwd+bwd "
@@ -295,9 +379,11 @@ def print_traffic(psi, nd, rpn, cfg, metrics, f=None):
         s = read_summary(metrics)
         st, n, P = acc.parse_stage(s["stage"]), int(s["world_size"]), int(s["params"])
         t = s["traffic"]
-        eb = 4 if s.get("precision") == "fp32" else 2          # bytes per element on the wire
-        ours = sum(acc.traffic_bytes(st, P, n, s.get("ranks_per_node"), eb, eb).values())
-        p(f"\n== measured ({metrics}): stage {st}, Ψ = {P:,}, Nd = {n}")
+        spr, sk = s.get("precision", "fp16"), int(s.get("grad_accum", 1))   # what the run used
+        ours = sum(acc.traffic_bytes(st, P, n, s.get("ranks_per_node"), grad_accum=sk,
+                                     precision=spr).values())
+        p(f"\n== measured ({metrics}): stage {st}, Ψ = {P:,}, Nd = {n}, {spr}"
+          + (f", K = {sk}" if sk > 1 else ""))
         p(f"  traffic/step: measured {t['measured_bytes_per_step']:,} B   trainer's formula "
           f"{t['formula_bytes_per_step']:,} B   accounting on unpadded Ψ {ours:,.0f} B")
         if "schedule_bytes_per_step" in t:
@@ -311,10 +397,7 @@ def print_traffic(psi, nd, rpn, cfg, metrics, f=None):
                     "not twice, which removes"]
         p(f"  measured - unpadded formula = {d:,.0f} B ({100 * d / ours if ours else 0:+.3f} %)"
           + (": " + "; ".join(why) if d else ": exact match"))
-        mine = acc.model_state_bytes(st, P, n, s.get("ranks_per_node"))
-        if eb == 4:                                            # fp32 params and grads
-            mine["params_fp16"] *= 2
-            mine["grads_fp16"] *= 2
+        mine = acc.model_state_bytes(st, P, n, s.get("ranks_per_node"), spr, sk)
         p(f"  {'memory class':<14}{'measured B':>16}{'trainer formula B':>20}{'unpadded formula B':>20}")
         for c, v in s["memory"].items():
             p(f"  {c:<14}{v['measured_bytes']:>16,}{v['formula_bytes']:>20,}"
@@ -323,11 +406,11 @@ def print_traffic(psi, nd, rpn, cfg, metrics, f=None):
 
 # ---- CLI ------------------------------------------------------------------------
 def main(argv=None):
-    from ringzero.tools.estimate import add_model_args, model_from_args
+    from ringzero.tools.estimate import add_model_args, add_step_args, model_from_args
     ap = argparse.ArgumentParser(prog="python -m ringzero.explain",
                                  description="Explain ZeRO's accounting by experiment.")
     sub = ap.add_subparsers(dest="what", required=True)
-    sub.add_parser("precision", help="fp16 underflow, swamping, a toy run, loss scaling",
+    sub.add_parser("precision", help="fp16 underflow, swamping, a toy run, loss scaling; bf16 beside",
                    description="Prints, found by experiment on numpy.float16: the underflow "
                                "threshold and its rounding, the swamping ratio w/Δw by position "
                                "in the binade, a toy run (fp16 weights vs fp32 master), and loss "
@@ -340,6 +423,7 @@ def main(argv=None):
     tp.add_argument("--nd", type=int, default=64, help="data-parallel ranks (default 64)")
     tp.add_argument("--ranks-per-node", type=int, help="Ng: adds HYBRID_SHARD")
     tp.add_argument("--metrics", help="a trainer metrics .jsonl: measured beside formula")
+    add_step_args(tp)
     a = ap.parse_args(argv)
     if a.what == "precision":
         print_precision()
@@ -355,12 +439,15 @@ def main(argv=None):
             psi, cfg = model_from_args(a)
             if a.metrics:
                 read_summary(a.metrics)
+        if a.grad_accum < 1:
+            raise ValueError(f"--grad-accum must be >= 1, got {a.grad_accum}")
         if a.nd < 1 or (a.ranks_per_node and a.nd % a.ranks_per_node):
             raise ValueError(f"--nd must be >= 1 and divisible by --ranks-per-node: got nd={a.nd}, "
                              f"ranks-per-node={a.ranks_per_node}")
     except (ValueError, OSError) as e:
         tp.error(str(e))
-    print_traffic(psi, a.nd, a.ranks_per_node, cfg, a.metrics)
+    print_traffic(psi, a.nd, a.ranks_per_node, cfg, a.metrics, grad_accum=a.grad_accum,
+                  precision=a.precision)
     return 0
 
 

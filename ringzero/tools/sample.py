@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-from ringzero.nn.gpt import GPT, PRESETS, GPTConfig, gpt_units
+from ringzero.nn.gpt import GPT, PRESETS, GPTConfig
 from ringzero.runtime import checkpoint as ck
 from ringzero.runtime.flat import Layout, units_from_description
 
