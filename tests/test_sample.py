@@ -180,3 +180,15 @@ def test_bad_input_one_line_exit_2(ckpt, tmp_path):
         assert r.stdout == ""
     r = run_cli(small, "--prompt-ids", "1,2,36", "--tokens", 5, "--temperature", 0)
     assert r.returncode == 0 and len(r.stdout.encode("utf-8", "surrogateescape")) >= 1
+
+
+def test_generate_reproduces_the_trainers_current_sample(ckpt):
+    """The trainer's end-of-run sample today is GPT.generate (temperature 0.8, its seed);
+    sample.generate, its replacement, gives the same tokens for the same Generator."""
+    from ringzero.tools import sample as sm
+    path, full, eng = ckpt
+    P = eng.layout.views(full)
+    ids = sm.encode(PROMPT, 256)
+    theirs = eng.model.generate(P, ids[None, :], 40, 0.8, np.random.default_rng(1337))[0]
+    ours = sm.generate(eng.model, P, ids, 40, 0.8, None, np.random.default_rng(1337))
+    assert np.array_equal(np.asarray(theirs), ours)
