@@ -192,3 +192,19 @@ def test_generate_reproduces_the_trainers_current_sample(ckpt):
     theirs = eng.model.generate(P, ids[None, :], 40, 0.8, np.random.default_rng(1337))[0]
     ours = sm.generate(eng.model, P, ids, 40, 0.8, None, np.random.default_rng(1337))
     assert np.array_equal(np.asarray(theirs), ours)
+
+
+def test_heads_come_from_the_saved_config(ckpt):
+    """Shapes come from the layout, heads from the config: the saved GPTConfig ("gpt"), then
+    a preset name, then the trainer's n_head; none of them is one line, exit 2."""
+    from ringzero.tools import sample as sm
+    from ringzero.runtime import checkpoint as ck
+    m = ck.read_manifest(ckpt[0])
+    c = sm.config_from_manifest(m)
+    assert (c.n_layer, c.n_embd, c.block_size, c.vocab, c.n_head) == (2, 24, 16, 256, 2)
+    for conf, heads in (({"gpt": {"n_head": 3}, "model": "gpt2", "n_head": 4}, 3),
+                        ({"model": "gpt2", "n_head": 4}, 12), ({"n_head": 4}, 4)):
+        assert sm.config_from_manifest(dict(m, config=conf)).n_head == heads
+    with pytest.raises(sm.SampleError, match="no n_head"):
+        sm.config_from_manifest(dict(m, config={}))
+

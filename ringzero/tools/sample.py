@@ -60,13 +60,17 @@ def config_from_manifest(m: dict) -> GPTConfig:
     (V, C), (T, _) = shapes["wte"], shapes["wpe"]
     L = sum(1 for n in shapes if _BLOCK_RE.match(n))
     conf = m.get("config") or {}
-    if conf.get("n_head"):
-        H = int(conf["n_head"])
+    gpt = conf.get("gpt") if isinstance(conf.get("gpt"), dict) else {}
+    # the effective GPTConfig if the run saved it, else its preset, else the trainer's flag
+    if gpt.get("n_head"):
+        H = int(gpt["n_head"])
     elif conf.get("model") in PRESETS:
         H = PRESETS[conf["model"]].n_head
+    elif conf.get("n_head"):
+        H = int(conf["n_head"])
     else:
-        raise SampleError("the manifest's config has neither n_head nor a preset model name: "
-                          f"expected one to rebuild the attention heads, got keys {sorted(conf)}")
+        raise SampleError("the manifest's config has no n_head (nor gpt.n_head, nor a preset model "
+                          f"name): expected one to rebuild the attention heads, got keys {sorted(conf)}")
     try:
         return GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=T, vocab=V)
     except ValueError as e:
@@ -84,10 +88,11 @@ def load(path: str, weights: str = "params"):
         raise SampleError(f"weights must be params or master, got {weights!r}")
     p = ck.resolve(path)
     m = ck.read_manifest(p)
+    ck.check_layout(m, p)                         # a well-formed manifest before reading it
     cfg = config_from_manifest(m)
     model = GPT(cfg)
     new = Layout(model.units, nd=1)
-    old = ck.check_layout(m, p, new)              # also: the rebuilt model matches its table
+    old = ck.check_layout(m, p, new)              # and the rebuilt model matches its table
     err = ck.verify(p, m, [ck.shard_file(weights, k) for k in range(old.nd)])
     if err:
         raise ck.CheckpointError(err)
