@@ -232,7 +232,7 @@ def prepare(cfg: Config, n: int):
     group = n if cfg.stage != "hybrid" else (cfg.ranks_per_node or None)
     if budget is not None and group is not None:      # else the engine checks once it knows the node
         try:
-            check_budget(Layout(model.units, nd=group), cfg.stage, n, budget,
+            check_budget(Layout(model.units, shards=group), cfg.stage, n, budget,
                          group if cfg.stage == "hybrid" else None)
         except MemoryBudgetError as e:
             raise ConfigError(f"--mem-budget {cfg.mem_budget}: {e}") from None
@@ -273,7 +273,7 @@ def run(cfg: Config, comm) -> dict:
     for st in accounting.STAGES:
         if st == "hybrid" and cfg.stage != "hybrid":
             continue
-        rpn = engine.nd if st == "hybrid" else None
+        rpn = engine.layout.shards if st == "hybrid" else None
         others.append(f"{st}: {accounting.model_state_total(st, L.padded, n, rpn) / 2**20:.2f} MiB")
     say("  every stage at this Nd: " + " | ".join(others))
 
@@ -365,7 +365,7 @@ def run(cfg: Config, comm) -> dict:
         say("-----------------------------------------------------------------")
     summary = {"summary": True, "params": L.numel, "params_padded": L.padded, "world_size": n,
                "stage": cfg.stage, "precision": cfg.precision,
-               "ranks_per_node": engine.nd if cfg.stage == "hybrid" else None,
+               "ranks_per_node": engine.layout.shards if cfg.stage == "hybrid" else None,
                "memory": {c: {"measured_bytes": d["measured_bytes"], "formula_bytes": d["formula_bytes"]}
                           for c, d in mem["classes"].items()},
                "traffic": {"measured_bytes_per_step": traffic["measured_bytes_per_step"],

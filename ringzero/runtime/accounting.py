@@ -44,14 +44,30 @@ _ALIASES = {
     "ddp": "0", "dp": "0",
 }
 
-# Which classes each stage partitions (divides by the sharding group size).
-_SHARDED = {
-    "0": (),
-    "1": ("master_fp32", "adam_m_fp32", "adam_v_fp32"),
-    "2": ("grads_fp16", "master_fp32", "adam_m_fp32", "adam_v_fp32"),
-    "3": CLASSES,
-    "hybrid": CLASSES,
+# THE stage table, the only place a stage's sharding is written down: which
+# state classes each stage partitions over its sharding group, and whether that
+# group is a node whose shards are replicated across nodes (HYBRID_SHARD).
+# runtime/policy.py builds the engine's StagePolicy from it; the formulas below
+# read it too.
+OPTIMIZER_CLASSES = ("master_fp32", "adam_m_fp32", "adam_v_fp32")
+STAGE_TABLE = {
+    #  stage     partitioned classes                        replicated across nodes
+    "0":      ((),                                          False),
+    "1":      (OPTIMIZER_CLASSES,                           False),
+    "2":      (("grads_fp16",) + OPTIMIZER_CLASSES,         False),
+    "3":      (CLASSES,                                     False),
+    "hybrid": (CLASSES,                                     True),
 }
+
+
+def sharded_classes(stage) -> tuple:
+    """The state classes ``stage`` partitions over its sharding group."""
+    return STAGE_TABLE[parse_stage(stage)][0]
+
+
+def replicated_across_nodes(stage) -> bool:
+    """True if ``stage`` shards inside a node and replicates across nodes (HYBRID)."""
+    return STAGE_TABLE[parse_stage(stage)][1]
 
 
 def parse_stage(stage) -> str:
@@ -76,7 +92,7 @@ def _check(psi, nd, stage, ranks_per_node):
         raise ValueError(f"psi must be an int >= 0, got {psi!r}")
     if not isinstance(nd, numbers.Integral) or isinstance(nd, bool) or nd < 1:
         raise ValueError(f"nd must be an int >= 1, got {nd!r}")
-    if stage != "hybrid":
+    if not STAGE_TABLE[stage][1]:
         return nd
     if ranks_per_node is None:
         raise ValueError("stage hybrid needs ranks_per_node (Ng), got None")
@@ -91,7 +107,7 @@ def model_state_bytes(stage, psi: int, nd: int, ranks_per_node: int | None = Non
     """Bytes per rank of each state class: {class: bytes} for CLASSES."""
     st = parse_stage(stage)
     group = _check(psi, nd, st, ranks_per_node)
-    return {c: _div(CLASS_BYTES[c] * psi, group) if c in _SHARDED[st] else CLASS_BYTES[c] * psi
+    return {c: _div(CLASS_BYTES[c] * psi, group) if c in STAGE_TABLE[st][0] else CLASS_BYTES[c] * psi
             for c in CLASSES}
 
 
@@ -104,7 +120,7 @@ def bytes_per_param(stage, nd: int, ranks_per_node: int | None = None) -> float:
     """Model-state bytes per parameter per rank, as a number (16, 4 + 12/Nd, ...)."""
     st = parse_stage(stage)
     group = _check(0, nd, st, ranks_per_node)
-    return sum(CLASS_BYTES[c] / group if c in _SHARDED[st] else CLASS_BYTES[c] for c in CLASSES)
+    return sum(CLASS_BYTES[c] / group if c in STAGE_TABLE[st][0] else CLASS_BYTES[c] for c in CLASSES)
 
 
 def bytes_per_param_formula(stage) -> str:
@@ -122,11 +138,12 @@ def traffic_elements(stage, psi: int, nd: int, ranks_per_node: int | None = None
     """
     st = parse_stage(stage)
     group = _check(psi, nd, st, ranks_per_node)
+    sharded, replicated = STAGE_TABLE[st]
     one = _div(psi * (group - 1), group)          # one ring RS or AG over Ψ in the group
-    if st in ("0", "1", "2"):
+    if "params_fp16" not in sharded:               # params held in full: gathered once, after the update
         return {"reduce_scatter": one, "all_gather": one}
     out = {"reduce_scatter": one, "all_gather": 2 * one}   # gathers for forward and backward
-    if st == "hybrid":
+    if replicated:
         nn = nd // group
         out["all_reduce"] = _div(2 * psi * (nn - 1), nd)  # 2·(Ψ/Ng)·(Nn-1)/Nn
     return out
@@ -153,7 +170,7 @@ def stages_that_fit(budget_bytes, psi: int, nd: int, ranks_per_node: int | None 
     """The stages whose model state (plus ``extra_bytes``) fits ``budget_bytes`` per rank."""
     out = []
     for st in STAGES:
-        if st == "hybrid" and ranks_per_node is None:
+        if STAGE_TABLE[st][1] and ranks_per_node is None:
             continue
         if model_state_total(st, psi, nd, ranks_per_node) + extra_bytes <= budget_bytes:
             out.append(st)
