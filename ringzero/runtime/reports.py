@@ -68,19 +68,19 @@ def traffic_report(engine) -> dict:
     """Bytes this rank sent in the last step, by collective, beside the formula."""
     L, topo, policy = engine.layout, engine.topology, engine.policy
     n = topo.shard_size
-    el = accounting.traffic_elements(engine.stage, L.padded, topo.world_size, policy.ranks_per_node(n))
-    itm = np.dtype(engine.storage_dtype).itemsize
-    formula = sum(el.values()) * itm
+    elements = accounting.traffic_elements(engine.stage, L.padded, topo.world_size, policy.ranks_per_node(n))
+    itemsize = np.dtype(engine.storage_dtype).itemsize
+    formula = sum(elements.values()) * itemsize
     # the exact figure for this schedule: units gathered once per run of
     # consecutive uses (the last unit once), every unit reduce-scattered once
     exact = formula
     if policy.gather_params:
         gathered = sum(L.unit_padded[w] for w, a, b in engine.plan.param_runs)
-        exact = formula - (2 * L.padded - gathered) * (n - 1) // n * itm
+        exact = formula - (2 * L.padded - gathered) * (n - 1) // n * itemsize
     measured = sum(engine.last_step_ledger.values())
     return {"stage": engine.stage, "by_op": dict(engine.last_step_ledger),
             "measured_bytes_per_step": int(measured),
             "formula_bytes_per_step": int(formula),
             "schedule_bytes_per_step": int(exact),
             "formula": accounting.traffic_formula(engine.stage),
-            "formula_elements": el}
+            "formula_elements": elements}
