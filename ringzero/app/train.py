@@ -32,6 +32,7 @@ import numpy as np
 
 from ringzero.app.config import (Config, ConfigError, build_parser, lr_at, parse_config,  # noqa: F401
                                  validate)
+from ringzero.metrics import read_metrics  # noqa: F401  (its old home; tools import ringzero.metrics)
 
 
 def _mib(b) -> str:
