@@ -245,19 +245,9 @@ def _rank_files(d, n):
 
 def _read_metrics(path):
     """(per-step records sorted by step, the summary record or {})."""
-    rows, summary = [], {}
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                rec = json.loads(line)
-                if rec.get("summary"):
-                    summary = rec
-                elif "step" in rec:
-                    rows.append(rec)
-    if not rows:
-        raise RuntimeError(f"no per-step records in {path}")
-    return sorted(rows, key=lambda r: r["step"]), summary
+    from ringzero.metrics import read_metrics
+    rows, summary = read_metrics(path)
+    return sorted(rows, key=lambda r: r["step"]), summary or {}
 
 
 def run_mode(mode, n, a, work):

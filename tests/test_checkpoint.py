@@ -148,8 +148,8 @@ def test_reshard(comm, case, tmp_path_factory):
             for s in eb.layout.slots.values():
                 pad[s.offset:s.offset + s.spec.numel] = False
             zeros = all(np.array_equal(v[pad], np.zeros(pad.sum(), np.float32)) for v in full.values())
-            ok = not bad and close and m["nd"] == (2 if sa == "hybrid" else a) and zeros
-            ok &= np.array_equal(eb.full_params(np.float16), full["master"].astype(eb.sdt))
+            ok = not bad and close and m["shards"] == (2 if sa == "hybrid" else a) and zeros
+            ok &= np.array_equal(eb.full_params(np.float16), full["master"].astype(eb.storage_dtype))
             msg = f"Nd {a} s{sa} -> Nd {b} s{sb}: differ in {bad[:3]}; padding zero {zeros}; losses {got} vs {ref}"
         except Exception as x:
             ok, msg = False, f"loading at Nd {b}: {type(x).__name__}: {x}"
@@ -177,7 +177,7 @@ def _damage(src, dst, how, nd):
     elif how == "layout":
         mf = os.path.join(dst, "manifest.json")
         m = json.load(open(mf))
-        m["layout"]["units"][1]["padded"] += 32 * m["nd"]
+        m["layout"]["units"][1]["padded"] += 32 * m["shards"]
         json.dump(m, open(mf, "w"))
     elif how == "malformed":
         mf = os.path.join(dst, "manifest.json")
@@ -203,7 +203,7 @@ def test_damage_is_caught_before_anything_changes(comm, tmp_path_factory):
             "manifest": "not a checkpoint"}
     for how, word in want.items():
         dst = os.path.join(d, f"damaged-{how}")
-        victim = _damage(src, dst, how, e.nd) if comm.rank == 0 else None   # plain file ops
+        victim = _damage(src, dst, how, e.layout.shards) if comm.rank == 0 else None   # plain file ops
         victim = comm.bcast(victim, root=0)
         try:
             ck.load(fresh, dst)
@@ -405,3 +405,24 @@ def test_precision_change_keeps_master(tmp_path):
     assert np.array_equal(a.full_state("master"), b.full_state("master"))
     assert np.array_equal(b.full_params(), b.full_state("master"))          # fp32 params = master
     assert b.scaler.scale == 1.0 and b.adam.t == 2
+
+
+def test_reads_format_version_1(tmp_path):
+    """A version-1 manifest named the shard count "nd"; it still loads, bitwise."""
+    from mpi4py import MPI
+    from ringzero.runtime import checkpoint as ck
+    a = engine(MPI.COMM_SELF, "2")
+    train(a, batches(0, 1), 0, 2)
+    path = ck.save(a, str(tmp_path), 2)
+    mf = os.path.join(path, "manifest.json")
+    m = json.load(open(mf))
+    assert m["version"] == 2 and m["shards"] == 1 and "nd" not in m
+    m["version"], m["nd"] = 1, m.pop("shards")                 # what a version-1 save wrote
+    json.dump(m, open(mf, "w"))
+    b = engine(MPI.COMM_SELF, "3", seed=77)
+    got = ck.load(b, path)
+    assert got["shards"] == 1 and np.array_equal(a.full_state("master"), b.full_state("master"))
+    m["version"] = 3
+    json.dump(m, open(mf, "w"))
+    with pytest.raises(ck.CheckpointError, match="format version 3, this reader reads versions 1, 2"):
+        ck.load(b, path)

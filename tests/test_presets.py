@@ -74,7 +74,7 @@ def test_model_config():
 @pytest.mark.parametrize("stage", ["0", "1", "2", "3"])
 def test_gpt2_bytes_model_state_at_nd2(stage):
     """Formula on the padded Ψ == the bytes a rank holds, counted from the Layout's shards."""
-    lay = Layout(gpt_units(model_config("gpt2", vocab_for(255, byte_level=True))), nd=2)
+    lay = Layout(gpt_units(model_config("gpt2", vocab_for(255, byte_level=True))), shards=2)
     full, shard = lay.padded, lay.shard_numel
     held = {  # elements per class a stage keeps on each rank (the stage table, read off ZeRO §5)
         "0": dict(p=full, g=full, o=full), "1": dict(p=full, g=full, o=shard),

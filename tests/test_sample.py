@@ -79,7 +79,7 @@ def test_checkpoint_at_n_ranks_and_1_rank_sample_alike(comm, tmp_path_factory):
             outs = {}
             for p in (path_n, path_1):
                 m, P, man, _ = sm.load(p)
-                outs[man["nd"]] = (sm.generate(m, P, TEXT[:4], 24, 0.0),
+                outs[man["shards"]] = (sm.generate(m, P, TEXT[:4], 24, 0.0),
                                    sm.generate(m, P, TEXT[:4], 24, 1.0, 5, np.random.default_rng(7)))
             (gn, sn), (g1, s1) = outs[comm.size], outs[1]
             ok = np.array_equal(gn, ref) and np.array_equal(g1, ref) and np.array_equal(sn, s1)
@@ -107,7 +107,7 @@ def test_greedy_cli_equals_reference(ckpt):
     r = run_cli(os.path.dirname(path), "--prompt", PROMPT, "--tokens", 40, "--temperature", 0)
     assert r.returncode == 0, r.stderr
     assert r.stdout == bytes(ref.astype(np.uint8)).decode("utf-8", errors="replace") + "\n"
-    assert "step 6" in r.stderr and "Nd = 1" in r.stderr
+    assert "step 6" in r.stderr and "1 shard(s)" in r.stderr
 
 
 def test_seed_determinism_and_top_k(ckpt):

@@ -4,208 +4,35 @@ What it is
     A byte-level GPT trained on the standard library's source (or ``--data``)
     by the sharding runtime at any ZeRO stage, with a tqdm bar, held-out
     evaluation, the memory and traffic accounting of the running stage, a
-    JSONL metrics file and a text sample at the end. Only rank 0 prints.
+    JSONL metrics file (ringzero/metrics.py) and a text sample at the end.
+    Only rank 0 prints. ``run`` reads as its four parts::
+
+        start_report   model, data, Ψ, and model state per rank: measured vs formula
+        train_loop     the steps: lr schedule, engine.step, metrics, checkpoints, evals
+        end_report     held-out loss vs the unigram entropy, throughput, traffic
+        summarize      the closing metrics record
 
 What it is not
-    The runtime (zero.py) or the model (nn/gpt.py): this file wires data,
-    schedule, logging and reports around them. Flags are generated from the
-    ``Config`` dataclass below; ``--config file.toml`` sets any of them and
-    flags given on the command line win.
+    The runtime (runtime/) or the model (nn/gpt.py): this file wires data,
+    schedule, logging and reports around them. The settings, their flags and
+    their checks are config.py's.
 
 Bad flags or config values exit with one line and code 2 on every rank,
 before any communication and before any file is written.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import math
 import os
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 
 import numpy as np
 
-
-@dataclass
-class Config:
-    # ---- model (GPT-2 style, byte-level)
-    n_layer: int = 4                 # transformer blocks
-    n_head: int = 4                  # attention heads
-    n_embd: int = 128                # width; Ψ ≈ 12·n_layer·n_embd² + vocab·n_embd
-    seq_len: int = 128               # tokens per sequence (also the position table size)
-    # ---- data
-    data: str = ""                   # text file or nanoGPT uint16 .bin; "" = stdlib source corpus
-    batch: int = 8                   # sequences per rank per step (global batch = batch * ranks)
-    seed: int = 1337                 # weights, batches and sampling all derive from it
-    # ---- schedule
-    steps: int = 400                 # optimizer steps
-    lr: float = 4e-3                 # peak learning rate
-    min_lr_frac: float = 0.1         # cosine decays to lr * min_lr_frac
-    warmup: int = 40                 # linear warm-up steps
-    weight_decay: float = 0.1        # AdamW, not on biases and norms
-    grad_clip: float = 1.0           # global-norm clipping (0 = off)
-    # ---- runtime
-    stage: str = "2"                 # 0|1|2|3|hybrid, or NO_SHARD|SHARD_GRAD_OP|FULL_SHARD|HYBRID_SHARD
-    ranks_per_node: int = 0          # hybrid: ranks per "node" (0 = the MPI shared-memory node)
-    device: str = "cpu"              # cpu | cuda
-    precision: str = "fp16"          # fp16 (fp16 storage, loss scaling) | fp32
-    activation_checkpointing: bool = False   # keep block inputs only; recompute in backward
-    mem_budget: str = ""             # per-rank model-state budget, e.g. 512MiB ("" = none)
-    # ---- reporting
-    eval_interval: int = 100         # steps between held-out evaluations (0 = only at the end)
-    eval_batches: int = 4            # batches per evaluation, per rank
-    metrics: str = ""                # write one JSON object per step here (JSONL)
-    sample_chars: int = 200          # length of the text sample at the end (0 = none)
-    # ---- checkpoints (ringzero.runtime.checkpoint)
-    save_every: int = 0              # save every N steps into --save-dir (0 = never)
-    save_dir: str = "checkpoints"    # one sub-directory per saved step: step-000010, ...
-    keep: int = 0                    # keep only the newest K checkpoints (0 = all)
-    resume: str = ""                 # a step-NNNNNN directory, or "latest" in --save-dir
-    quiet: bool = False              # no progress bar
-
-
-STAGE_HELP = "0|1|2|3|hybrid or NO_SHARD|SHARD_GRAD_OP|FULL_SHARD|HYBRID_SHARD"
-
-
-class ConfigError(ValueError):
-    """A bad flag or config value: reported in one line, exit code 2."""
-
-
-def _comments() -> dict:
-    """Field -> its trailing comment in the dataclass source (the --help text)."""
-    import inspect
-    out = {}
-    for line in inspect.getsource(Config).splitlines():
-        s = line.strip()
-        if ":" in s and "#" in s and not s.startswith("#"):
-            name = s.split(":", 1)[0].strip()
-            out[name] = s.split("#", 1)[1].strip()
-    return out
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):          # one line, not usage + error
-        raise ConfigError(message)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="python -m ringzero.train",
-        description="Train a byte-level GPT with ZeRO sharding over MPI. Launch under mpirun, "
-                    "e.g. `mpirun -n 8 python -m mpi4py -m ringzero.train --stage 3` "
-                    "(./launch/train does this).")
-    p.add_argument("--config", metavar="FILE.toml", help="read any of the settings below from a TOML file")
-    p.add_argument("--check", type=int, metavar="N", default=None,
-                   help="only validate flags, config and data for a run on N ranks, without MPI; "
-                        "exit 2 with one line on a problem (launch/train does this first)")
-    helps = _comments()
-    for f in fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        # default=None marks "not given", so TOML values are only overridden by real flags
-        text = f"{helps.get(f.name, '')} (default: {f.default!r})".replace("%", "%%")
-        if f.type in ("bool", bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
-        else:
-            p.add_argument(flag, default=None, metavar=f.name.upper(), help=text)
-    return p
-
-
-def _coerce(name, typ, value):
-    kind = {"int": int, "float": float, "str": str, "bool": bool}[typ if isinstance(typ, str) else typ.__name__]
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{name} must be true or false, got {value!r}")
-    try:
-        if kind is int and isinstance(value, float) and not value.is_integer():
-            raise ValueError
-        return kind(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name} must be {'an integer' if kind is int else 'a number' if kind is float else 'a string'}, "
-                          f"got {value!r}") from None
-
-
-def parse_config(argv=None):
-    """Flags over TOML over defaults; validated. Returns (cfg, check_world). Raises ConfigError."""
-    ns = build_parser().parse_args(argv)
-    values = {}
-    if ns.config:
-        try:
-            import tomllib
-        except ModuleNotFoundError:      # Python < 3.11
-            import tomli as tomllib
-        try:
-            with open(ns.config, "rb") as fh:
-                toml = tomllib.load(fh)
-        except FileNotFoundError:
-            raise ConfigError(f"--config file {ns.config!r} does not exist") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"--config file {ns.config!r} is not valid TOML: {e}") from None
-        known = {f.name for f in fields(Config)}
-        for k, v in toml.items():
-            key = k.replace("-", "_")
-            if key not in known:
-                raise ConfigError(f"--config file {ns.config!r}: unknown setting {k!r}")
-            values[key] = v
-    for f in fields(Config):
-        v = getattr(ns, f.name)
-        if v is not None:
-            values[f.name] = v
-    kw = {}
-    for f in fields(Config):
-        if f.name in values:
-            kw[f.name] = _coerce("--" + f.name.replace("_", "-"), f.type, values[f.name])
-    cfg = Config(**kw)
-    validate(cfg)
-    if ns.check is not None and ns.check < 1:
-        raise ConfigError(f"--check takes a rank count >= 1, got {ns.check}")
-    return cfg, ns.check
-
-
-def validate(cfg: Config):
-    from ringzero.runtime import accounting
-    def need(cond, msg):
-        if not cond:
-            raise ConfigError(msg)
-    for k in ("n_layer", "n_head", "n_embd", "seq_len", "batch", "steps"):
-        need(getattr(cfg, k) >= 1, f"--{k.replace('_', '-')} must be >= 1, got {getattr(cfg, k)}")
-    need(cfg.n_embd % cfg.n_head == 0,
-         f"--n-embd must be divisible by --n-head: got {cfg.n_embd} % {cfg.n_head} = {cfg.n_embd % cfg.n_head}")
-    need(cfg.lr > 0, f"--lr must be > 0, got {cfg.lr}")
-    need(0 <= cfg.min_lr_frac <= 1, f"--min-lr-frac must be in [0, 1], got {cfg.min_lr_frac}")
-    need(cfg.warmup >= 0 and cfg.eval_interval >= 0 and cfg.eval_batches >= 1 and cfg.sample_chars >= 0,
-         "--warmup, --eval-interval and --sample-chars must be >= 0 and --eval-batches >= 1")
-    need(cfg.device in ("cpu", "cuda"), f"--device must be cpu or cuda, got {cfg.device!r}")
-    need(cfg.precision in ("fp16", "fp32"), f"--precision must be fp16 or fp32, got {cfg.precision!r}")
-    try:
-        cfg.stage = accounting.parse_stage(cfg.stage)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"--stage: {e}") from None
-    if cfg.mem_budget:
-        try:
-            accounting.parse_bytes(cfg.mem_budget)
-        except ValueError as e:
-            raise ConfigError(f"--mem-budget: {e}") from None
-    if cfg.data:
-        need(os.path.isfile(cfg.data), f"--data file {cfg.data!r} does not exist")
-    need(cfg.save_every >= 0 and cfg.keep >= 0, "--save-every and --keep must be >= 0")
-    if cfg.resume and cfg.resume != "latest":
-        need(os.path.isfile(os.path.join(cfg.resume, "manifest.json")),
-             f"--resume {cfg.resume!r} is not a checkpoint directory (no manifest.json)")
-    if cfg.resume == "latest":
-        from ringzero.runtime.checkpoint import latest
-        need(latest(cfg.save_dir) is not None, f"--resume latest: no complete checkpoint in --save-dir {cfg.save_dir!r}")
-
-
-def lr_at(cfg: Config, step: int) -> float:
-    """Linear warm-up to cfg.lr, then cosine decay to cfg.lr * min_lr_frac."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+from ringzero.app.config import (Config, ConfigError, build_parser, lr_at, parse_config,  # noqa: F401
+                                 validate)
+from ringzero.metrics import read_metrics  # noqa: F401  (its old home; tools import ringzero.metrics)
 
 
 def _mib(b) -> str:
@@ -215,10 +42,11 @@ def _mib(b) -> str:
 # ---------------------------------------------------------------------- run
 def prepare(cfg: Config, n: int):
     """Every input check that needs the data or the sizes; no MPI. Raises ConfigError."""
-    from ringzero.runtime import accounting
     from ringzero.app.data import load_corpus
-    from ringzero.runtime.flat import Layout
     from ringzero.nn.gpt import GPT, GPTConfig
+    from ringzero.runtime import accounting
+    from ringzero.runtime.flat import Layout
+    from ringzero.runtime.policy import StagePolicy
     from ringzero.runtime.zero import MemoryBudgetError, check_budget
     try:
         corpus = load_corpus(cfg.data or None, cfg.seq_len)
@@ -226,39 +54,23 @@ def prepare(cfg: Config, n: int):
         raise ConfigError(str(e)) from None
     gcfg = GPTConfig(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.seq_len, corpus.vocab)
     model = GPT(gcfg, checkpoint=cfg.activation_checkpointing)
-    if cfg.stage == "hybrid" and cfg.ranks_per_node and n % cfg.ranks_per_node:
+    hybrid = StagePolicy.of(cfg.stage).hybrid
+    if hybrid and cfg.ranks_per_node and n % cfg.ranks_per_node:
         raise ConfigError(f"--ranks-per-node must divide the rank count: {n} % {cfg.ranks_per_node} != 0")
     budget = accounting.parse_bytes(cfg.mem_budget) if cfg.mem_budget else None
-    group = n if cfg.stage != "hybrid" else (cfg.ranks_per_node or None)
+    group = (cfg.ranks_per_node or None) if hybrid else n    # ranks sharing one copy
     if budget is not None and group is not None:      # else the engine checks once it knows the node
         try:
-            check_budget(Layout(model.units, nd=group), cfg.stage, n, budget,
-                         group if cfg.stage == "hybrid" else None)
+            check_budget(Layout(model.units, shards=group), cfg.stage, n, budget, group if hybrid else None)
         except MemoryBudgetError as e:
             raise ConfigError(f"--mem-budget {cfg.mem_budget}: {e}") from None
     return corpus, model, budget
 
 
-def run(cfg: Config, comm) -> dict:
-    """Train; returns the summary dict (every rank)."""
+def start_report(say, cfg: Config, corpus, engine, H: float) -> dict:
+    """Print what runs and the model state per rank beside the formulas; return the memory report."""
     from ringzero.runtime import accounting
-    from ringzero.app.data import Batches, unigram_entropy
-    from ringzero.runtime.zero import Zero
-
-    rank, n = comm.rank, comm.size
-    say = print if rank == 0 else (lambda *a, **k: None)
-    corpus, model, budget = prepare(cfg, n)
-
-    engine = Zero(model, comm, cfg.stage, precision=cfg.precision, device=cfg.device, seed=cfg.seed,
-                  adam=_adam(cfg), ranks_per_node=cfg.ranks_per_node or None, mem_budget=budget)
-    xp = engine.xp
-    train = Batches(corpus.train, cfg.batch, cfg.seq_len, rank, n, cfg.seed)
-    held = Batches(corpus.val, cfg.batch, cfg.seq_len, rank, n, cfg.seed + 1)
-    H = unigram_entropy(corpus.val, corpus.vocab)
-    L = engine.layout
-
-    # ---- start report
-    mem = engine.memory_report()
+    L, n, mem = engine.layout, engine.topology.world_size, engine.memory_report()
     say(f"ringzero | {corpus.describe()}")
     say(f"ringzero | GPT {cfg.n_layer}L {cfg.n_head}H {cfg.n_embd}C T={cfg.seq_len}, Ψ = {L.numel:,} "
         f"(padded {L.padded:,}), Nd = {n}, stage {cfg.stage} "
@@ -271,30 +83,34 @@ def run(cfg: Config, comm) -> dict:
     say("  workspace (not model state): " + ", ".join(f"{k} {_mib(v).strip()}" for k, v in mem["workspace"].items()))
     others = []
     for st in accounting.STAGES:
-        if st == "hybrid" and cfg.stage != "hybrid":
-            continue
-        rpn = engine.nd if st == "hybrid" else None
+        hybrid = accounting.replicated_across_nodes(st)
+        if hybrid and not engine.policy.hybrid:
+            continue        # hybrid is shown only when it runs: its group is the node's
+        rpn = L.shards if hybrid else None
         others.append(f"{st}: {accounting.model_state_total(st, L.padded, n, rpn) / 2**20:.2f} MiB")
     say("  every stage at this Nd: " + " | ".join(others))
+    return mem
 
-    # ---- metrics file: opened only now, after every check passed
-    mfile = open(cfg.metrics, "w") if (cfg.metrics and rank == 0) else None
 
-    def evaluate():
-        tot = 0.0
-        for k in range(cfg.eval_batches):
-            x, y = held.get(k)
-            tot += engine.eval_loss(xp.asarray(x), xp.asarray(y))
-        return tot / cfg.eval_batches
+@dataclass
+class LoopResult:
+    times: list = field(default_factory=list)      # seconds per step (the slowest rank's)
+    losses: list = field(default_factory=list)     # global mean training loss per step
+    wall: float = 0.0                               # seconds for the whole loop
 
+
+def train_loop(cfg: Config, comm, engine, train, evaluate, writer, say) -> LoopResult:
+    """Steps from the resume point (or 0) to cfg.steps: one engine.step each,
+    a metrics record, a checkpoint every cfg.save_every, a held-out eval every
+    cfg.eval_interval (the final one is the end report's)."""
+    rank, n, xp = comm.rank, comm.size, engine.xp
     bar = None
     if rank == 0 and not cfg.quiet:
         from tqdm import tqdm
         bar = tqdm(total=cfg.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout)
     note = bar.write if bar else say      # one line, above the bar when there is one
     tokens_per_step = cfg.batch * cfg.seq_len * n
-    eval_loss, times, losses = float("nan"), [], []
-    start = 0
+    out, start = LoopResult(), 0
     if cfg.resume:
         from ringzero.runtime import checkpoint as ck
         try:
@@ -313,17 +129,16 @@ def run(cfg: Config, comm) -> dict:
         t0 = time.perf_counter()
         res = engine.step(xp.asarray(x), xp.asarray(y), lr)
         dt = time.perf_counter() - t0
-        times.append(dt)
-        losses.append(res.loss)
+        out.times.append(dt)
+        out.losses.append(res.loss)
         tps = tokens_per_step / dt
         if res.skipped:
             note(f"ringzero | step {step}: overflow in the fp16 gradients; step skipped on every rank, "
-                f"loss scale {res.loss_scale:g} -> {engine.scaler.scale:g}")
-        if mfile:
-            mfile.write(json.dumps({"step": step, "loss": res.loss, "lr": lr, "loss_scale": res.loss_scale,
-                                    "grad_norm": res.grad_norm, "tokens_per_s": tps, "step_time_s": dt,
-                                    "bytes_sent": int(sum(engine.last_step_ledger.values())),
-                                    "skipped": res.skipped}) + "\n")
+                 f"loss scale {res.loss_scale:g} -> {engine.scaler.scale:g}")
+        if writer:
+            writer.step(step=step, loss=res.loss, lr=lr, loss_scale=res.loss_scale,
+                        grad_norm=res.grad_norm, tokens_per_s=tps, step_time_s=dt,
+                        bytes_sent=int(sum(engine.last_step_ledger.values())), skipped=res.skipped)
         if bar:
             bar.set_postfix_str(f"loss {res.loss:.3f} | {tps:,.0f} tok/s | scale {res.loss_scale:g}")
             bar.update(1)
@@ -333,22 +148,24 @@ def run(cfg: Config, comm) -> dict:
                            data_state={"step": step + 1, "seed": cfg.seed}, keep=cfg.keep or None)
             note(f"step {step + 1}: saved {path}")
         if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0 and step + 1 < cfg.steps:
-            eval_loss = evaluate()
-            note(f"step {step + 1}: held-out loss {eval_loss:.4f}")
+            note(f"step {step + 1}: held-out loss {evaluate():.4f}")
     if bar:
         bar.close()
-    wall = time.perf_counter() - t_start
-    traffic = engine.traffic_report()     # the last training step's ledger
-    eval_loss = evaluate()
-    train_loss = float(np.mean(losses[-10:])) if losses else float("nan")
-    steady = times[min(2, len(times) - 1):] or [float("nan")]
-    tput = tokens_per_step / float(np.median(steady))
+    out.wall = time.perf_counter() - t_start
+    return out
 
+
+def end_report(say, cfg: Config, engine, loop: LoopResult, eval_loss: float, H: float) -> dict:
+    """Print the final loss, throughput and traffic; return the figures the summary keeps."""
+    traffic = engine.traffic_report()     # the last training step's ledger
+    train_loss = float(np.mean(loop.losses[-10:])) if loop.losses else float("nan")
+    steady = loop.times[min(2, len(loop.times) - 1):] or [float("nan")]
+    tput = cfg.batch * cfg.seq_len * engine.topology.world_size / float(np.median(steady))
     rel = 100 * (1 - eval_loss / H)
     say(f"ringzero | final held-out loss {eval_loss:.4f} nats vs unigram entropy {H:.4f} "
         f"({abs(rel):.1f}% {'below' if rel >= 0 else 'above'}); train loss (last 10) {train_loss:.4f}")
     say(f"ringzero | throughput {tput:,.0f} tokens/s (median step {np.median(steady) * 1e3:.1f} ms), "
-        f"{cfg.steps} steps in {wall:.1f} s")
+        f"{cfg.steps} steps in {loop.wall:.1f} s")
     say(f"traffic per step per rank  measured {traffic['measured_bytes_per_step']:,} B   formula "
         f"{traffic['formula']} = {traffic['formula_bytes_per_step']:,} B")
     for op, b in traffic["by_op"].items():
@@ -357,51 +174,67 @@ def run(cfg: Config, comm) -> dict:
     if traffic["schedule_bytes_per_step"] != traffic["formula_bytes_per_step"]:
         say(f"  differs by {traffic['formula_bytes_per_step'] - traffic['measured_bytes_per_step']:,} B: the "
             f"last unit's forward and backward are adjacent, so it is gathered once, not twice (as FSDP does)")
-
-    sample = _sample(engine, model, corpus, cfg) if cfg.sample_chars else ""
-    if sample:
-        say("sample ----------------------------------------------------------")
-        say(sample)
-        say("-----------------------------------------------------------------")
-    summary = {"summary": True, "params": L.numel, "params_padded": L.padded, "world_size": n,
-               "stage": cfg.stage, "precision": cfg.precision,
-               "ranks_per_node": engine.nd if cfg.stage == "hybrid" else None,
-               "memory": {c: {"measured_bytes": d["measured_bytes"], "formula_bytes": d["formula_bytes"]}
-                          for c, d in mem["classes"].items()},
-               "traffic": {"measured_bytes_per_step": traffic["measured_bytes_per_step"],
-                           "formula_bytes_per_step": traffic["formula_bytes_per_step"],
-                           "schedule_bytes_per_step": traffic["schedule_bytes_per_step"]},
-               "train_loss": train_loss, "eval_loss": eval_loss, "unigram_entropy": H,
-               "tokens_per_s": tput, "activation_peak_bytes": engine.activation_peak}
-    if mfile:
-        mfile.write(json.dumps(summary) + "\n")
-        mfile.close()
-    return summary
+    return {"traffic": traffic, "train_loss": train_loss, "eval_loss": eval_loss, "tokens_per_s": tput}
 
 
-def read_metrics(path: str) -> tuple:
-    """(step lines, summary or None) of a trainer metrics .jsonl."""
-    steps, summ = [], None
-    with open(path) as fh:
-        for i, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not a JSON line ({e.msg})") from None
-            if d.get("summary"):
-                summ = d
-            elif "step" in d and "loss" in d:
-                steps.append(d)
-    if not steps:
-        raise ValueError(f"{path}: no step lines with 'step' and 'loss'")
-    return steps, summ
+def summarize(cfg: Config, engine, mem: dict, end: dict, H: float) -> dict:
+    """The closing metrics record (metrics.SUMMARY_KEYS), also run's return value."""
+    L, traffic = engine.layout, end["traffic"]
+    return {"summary": True, "params": L.numel, "params_padded": L.padded,
+            "world_size": engine.topology.world_size, "stage": cfg.stage, "precision": cfg.precision,
+            "ranks_per_node": engine.policy.ranks_per_node(L.shards),
+            "memory": {c: {"measured_bytes": d["measured_bytes"], "formula_bytes": d["formula_bytes"]}
+                       for c, d in mem["classes"].items()},
+            "traffic": {"measured_bytes_per_step": traffic["measured_bytes_per_step"],
+                        "formula_bytes_per_step": traffic["formula_bytes_per_step"],
+                        "schedule_bytes_per_step": traffic["schedule_bytes_per_step"]},
+            "train_loss": end["train_loss"], "eval_loss": end["eval_loss"], "unigram_entropy": H,
+            "tokens_per_s": end["tokens_per_s"], "activation_peak_bytes": engine.activation_peak}
 
 
-def _adam(cfg):
+def run(cfg: Config, comm) -> dict:
+    """Train; returns the summary dict (every rank)."""
+    from ringzero.app.data import Batches, unigram_entropy
+    from ringzero.metrics import MetricsWriter
     from ringzero.runtime.optim import AdamConfig
-    return AdamConfig(weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip)
+    from ringzero.runtime.zero import Zero
+
+    rank, n = comm.rank, comm.size
+    say = print if rank == 0 else (lambda *a, **k: None)
+    corpus, model, budget = prepare(cfg, n)
+    engine = Zero(model, comm, cfg.stage, precision=cfg.precision, device=cfg.device, seed=cfg.seed,
+                  adam=AdamConfig(weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip),
+                  ranks_per_node=cfg.ranks_per_node or None, mem_budget=budget)
+    xp = engine.xp
+    train = Batches(corpus.train, cfg.batch, cfg.seq_len, rank, n, cfg.seed)
+    held = Batches(corpus.val, cfg.batch, cfg.seq_len, rank, n, cfg.seed + 1)
+    H = unigram_entropy(corpus.val, corpus.vocab)
+
+    def evaluate():
+        tot = 0.0
+        for k in range(cfg.eval_batches):
+            x, y = held.get(k)
+            tot += engine.eval_loss(xp.asarray(x), xp.asarray(y))
+        return tot / cfg.eval_batches
+
+    mem = start_report(say, cfg, corpus, engine, H)
+    # the metrics file is opened only now, after every check passed
+    writer = MetricsWriter(cfg.metrics) if (cfg.metrics and rank == 0) else None
+    try:
+        loop = train_loop(cfg, comm, engine, train, evaluate, writer, say)
+        end = end_report(say, cfg, engine, loop, evaluate(), H)
+        sample = _sample(engine, model, corpus, cfg) if cfg.sample_chars else ""
+        if sample:
+            say("sample ----------------------------------------------------------")
+            say(sample)
+            say("-----------------------------------------------------------------")
+        summary = summarize(cfg, engine, mem, end, H)
+        if writer:
+            writer.summary(summary)
+    finally:
+        if writer:
+            writer.close()
+    return summary
 
 
 def _sample(engine, model, corpus, cfg) -> str:

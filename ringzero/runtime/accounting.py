@@ -71,14 +71,30 @@ _ALIASES = {
     "ddp": "0", "dp": "0",
 }
 
-# Which classes each stage partitions (divides by the sharding group size).
-_SHARDED = {
-    "0": (),
-    "1": ("master_fp32", "adam_m_fp32", "adam_v_fp32"),
-    "2": ("grads_fp16", "master_fp32", "adam_m_fp32", "adam_v_fp32"),
-    "3": CLASSES,
-    "hybrid": CLASSES,
+# THE stage table, the only place a stage's sharding is written down: which
+# state classes each stage partitions over its sharding group, and whether that
+# group is a node whose shards are replicated across nodes (HYBRID_SHARD).
+# runtime/policy.py builds the engine's StagePolicy from it; the formulas below
+# read it too.
+OPTIMIZER_CLASSES = ("master_fp32", "adam_m_fp32", "adam_v_fp32")
+STAGE_TABLE = {
+    #  stage     partitioned classes                        replicated across nodes
+    "0":      ((),                                          False),
+    "1":      (OPTIMIZER_CLASSES,                           False),
+    "2":      (("grads_fp16",) + OPTIMIZER_CLASSES,         False),
+    "3":      (CLASSES,                                     False),
+    "hybrid": (CLASSES,                                     True),
 }
+
+
+def sharded_classes(stage) -> tuple:
+    """The state classes ``stage`` partitions over its sharding group."""
+    return STAGE_TABLE[parse_stage(stage)][0]
+
+
+def replicated_across_nodes(stage) -> bool:
+    """True if ``stage`` shards inside a node and replicates across nodes (HYBRID)."""
+    return STAGE_TABLE[parse_stage(stage)][1]
 
 
 def parse_stage(stage) -> str:
@@ -103,7 +119,7 @@ def _check(psi, nd, stage, ranks_per_node):
         raise ValueError(f"psi must be an int >= 0, got {psi!r}")
     if not isinstance(nd, numbers.Integral) or isinstance(nd, bool) or nd < 1:
         raise ValueError(f"nd must be an int >= 1, got {nd!r}")
-    if stage != "hybrid":
+    if not STAGE_TABLE[stage][1]:
         return nd
     if ranks_per_node is None:
         raise ValueError("stage hybrid needs ranks_per_node (Ng), got None")
@@ -145,7 +161,8 @@ def class_name(c: str, precision: str = "fp16") -> str:
 
 def _is_sharded(stage: str, c: str) -> bool:
     """Whether a stage divides class c by the sharding group (the accumulator: at 3 and hybrid)."""
-    return c in _SHARDED[stage] or (c == ACCUM_CLASS and stage in ("3", "hybrid"))
+    sharded = STAGE_TABLE[stage][0]
+    return c in sharded or (c == ACCUM_CLASS and "params_fp16" in sharded)
 
 
 def model_state_bytes(stage, psi: int, nd: int, ranks_per_node: int | None = None,
@@ -200,11 +217,12 @@ def traffic_elements(stage, psi: int, nd: int, ranks_per_node: int | None = None
     st = parse_stage(stage)
     group = _check(psi, nd, st, ranks_per_node)
     k = _check_k(grad_accum)
+    sharded, replicated = STAGE_TABLE[st]
     one = _div(psi * (group - 1), group)          # one ring RS or AG over Ψ in the group
-    if st in ("0", "1", "2"):
+    if "params_fp16" not in sharded:               # params held in full: gathered once, after the update
         return {"reduce_scatter": one, "all_gather": one}
     out = {"reduce_scatter": k * one, "all_gather": 2 * k * one}   # gathers for forward and backward
-    if st == "hybrid":
+    if replicated:
         nn = nd // group
         out["all_reduce"] = _div(2 * psi * (nn - 1), nd)  # 2·(Ψ/Ng)·(Nn-1)/Nn
     return out
@@ -241,7 +259,7 @@ def stages_that_fit(budget_bytes, psi: int, nd: int, ranks_per_node: int | None 
     """The stages whose model state (plus ``extra_bytes``) fits ``budget_bytes`` per rank."""
     out = []
     for st in STAGES:
-        if st == "hybrid" and ranks_per_node is None:
+        if STAGE_TABLE[st][1] and ranks_per_node is None:
             continue
         if model_state_total(st, psi, nd, ranks_per_node, precision, grad_accum) + extra_bytes \
                 <= budget_bytes:

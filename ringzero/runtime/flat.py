@@ -4,23 +4,23 @@ flat buffer, named view, padding and shard slice is derived.
 What it is
     A model declares its parameters once, as ``ParamSpec(name, shape, init)``
     grouped into ``Unit``s (embeddings, one per transformer block, the head).
-    ``Layout(units, nd)`` turns that declaration into arithmetic:
+    ``Layout(units, shards)`` turns that declaration into arithmetic:
 
         full flat buffer (one per state class, length ``layout.padded``)
         +-------------- unit 0 --------------+------- unit 1 -------+ ...
         | p0 | p1 | ... | pad                | p0 | p1 | ... | pad  |
         +------+------+------+------+--------+-----+-----+-----+----+
-        | piece 0 | piece 1 | ... | piece nd-1 |  (each unit split in nd equal pieces)
+        | piece 0 | piece 1 | ... | piece S-1 |  (each unit split in S = shards equal pieces)
 
         shard of rank r (length ``layout.shard_numel``)
         [ unit0.piece r | unit1.piece r | unit2.piece r | ... ]
 
-    Each unit is padded to a multiple of ``nd * align`` elements and cut into
-    ``nd`` equal contiguous pieces, as FSDP's FlatParameter does. A rank's
+    Each unit is padded to a multiple of ``shards * align`` elements and cut into
+    ``shards`` equal contiguous pieces, as FSDP's FlatParameter does. A rank's
     shard of a state class is its piece of every unit, concatenated. So every
     collective is a uniform block reduce-scatter / all-gather on one unit, every
     element has the same reduction order at every stage, and resharding to
-    another ``nd`` is slicing by this table.
+    another ``shards`` is slicing by this table.
 
 What it is not
     It allocates nothing but what a caller asks for, and knows nothing of
@@ -86,22 +86,26 @@ def _parse_init(rule: str):
 
 @dataclass
 class Layout:
-    """Offsets, padding and shards for ``units`` partitioned ``nd`` ways."""
+    """Offsets, padding and shards for ``units`` partitioned ``shards`` ways.
+
+    ``shards`` is the size of the sharding group: the world size Nd at stages
+    0-3, the ranks of a node Ng for HYBRID (so Nd only where they coincide).
+    """
     units: tuple
-    nd: int = 1
+    shards: int = 1
     align: int = ALIGN
     # derived, filled by __post_init__
     unit_numel: list = field(init=False)      # real elements per unit
-    unit_padded: list = field(init=False)     # padded elements per unit (multiple of nd*align)
+    unit_padded: list = field(init=False)     # padded elements per unit (multiple of shards*align)
     unit_offset: list = field(init=False)     # start of unit in the full flat buffer
-    piece: list = field(init=False)           # unit_padded // nd
+    piece_numel: list = field(init=False)     # elements of one piece of a unit: unit_padded // shards
     shard_offset: list = field(init=False)    # start of unit's piece in a shard buffer
     slots: dict = field(init=False)           # name -> Slot
 
     def __post_init__(self):
         self.units = tuple(self.units)
-        if self.nd < 1:
-            raise ValueError(f"nd must be >= 1, got {self.nd}")
+        if self.shards < 1:
+            raise ValueError(f"shards must be >= 1, got {self.shards}")
         names = [p.name for u in self.units for p in u.params]
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
@@ -111,9 +115,9 @@ class Layout:
             for need in u.needs:
                 if need not in unit_names:
                     raise ValueError(f"unit {u.name!r} needs unknown unit {need!r}")
-        quantum = self.nd * self.align
+        quantum = self.shards * self.align
         self.unit_numel, self.unit_padded, self.unit_offset = [], [], []
-        self.piece, self.shard_offset, self.slots = [], [], {}
+        self.piece_numel, self.shard_offset, self.slots = [], [], {}
         off = shard_off = 0
         for ui, u in enumerate(self.units):
             n = u.numel
@@ -121,14 +125,14 @@ class Layout:
             self.unit_numel.append(n)
             self.unit_padded.append(padded)
             self.unit_offset.append(off)
-            self.piece.append(padded // self.nd)
+            self.piece_numel.append(padded // self.shards)
             self.shard_offset.append(shard_off)
             in_unit = 0
             for p in u.params:
                 self.slots[p.name] = Slot(p, ui, in_unit, off + in_unit)
                 in_unit += p.numel
             off += padded
-            shard_off += padded // self.nd
+            shard_off += padded // self.shards
 
     # ---- sizes -------------------------------------------------------------
     @property
@@ -138,13 +142,13 @@ class Layout:
 
     @property
     def padded(self) -> int:
-        """Length of a full flat buffer, padding included (= nd * shard_numel)."""
+        """Length of a full flat buffer, padding included (= shards * shard_numel)."""
         return sum(self.unit_padded)
 
     @property
     def shard_numel(self) -> int:
         """Length of one rank's shard buffer."""
-        return self.padded // self.nd
+        return self.padded // self.shards
 
     @property
     def max_unit_padded(self) -> int:
@@ -186,19 +190,32 @@ class Layout:
     def unit_shard(self, shard, ui: int):
         """Unit ``ui``'s piece inside a shard buffer."""
         o = self.shard_offset[ui]
-        return shard[o:o + self.piece[ui]]
+        return shard[o:o + self.piece_numel[ui]]
+
+    def own(self, seg, ui: int, rank: int):
+        """Rank's piece inside unit ``ui``'s padded segment ``seg`` (a unit-sized
+        buffer: a gather slot, a gradient bucket, or ``unit_full``)."""
+        p = self.piece_numel[ui]
+        return seg[rank * p:(rank + 1) * p]
+
+    def piece(self, buf, ui: int, rank: int):
+        """Piece (ui, rank) of a state buffer held in full (length ``padded``) or
+        as rank's shard (length ``shard_numel``; at shards = 1 the two coincide)."""
+        if buf.size == self.padded:
+            return self.own(self.unit_full(buf, ui), ui, rank)
+        return self.unit_shard(buf, ui)
 
     def shard_ranges(self, rank: int):
         """Yield (unit, full_start, full_stop, shard_start) for rank's pieces."""
         for ui in range(len(self.units)):
-            start = self.unit_offset[ui] + rank * self.piece[ui]
-            yield ui, start, start + self.piece[ui], self.shard_offset[ui]
+            start = self.unit_offset[ui] + rank * self.piece_numel[ui]
+            yield ui, start, start + self.piece_numel[ui], self.shard_offset[ui]
 
     # ---- init ---------------------------------------------------------------
     def init_param(self, name: str, seed: int) -> np.ndarray:
         """Float32 initial value of one parameter, a pure function of (seed, name).
 
-        Independent of nd, rank and stage, so every partitioning starts from
+        Independent of shards, rank and stage, so every partitioning starts from
         the same global weights, bit for bit.
         """
         s = self.slots[name].spec
@@ -234,7 +251,7 @@ class Layout:
     # ---- description (checkpoint manifests, reports) -----------------------
     def describe(self) -> dict:
         return {
-            "nd": self.nd, "align": self.align, "numel": self.numel,
+            "shards": self.shards, "align": self.align, "numel": self.numel,
             "padded": self.padded,
             "units": [{"name": u.name, "needs": list(u.needs),
                        "numel": self.unit_numel[i], "padded": self.unit_padded[i],

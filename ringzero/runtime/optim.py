@@ -41,6 +41,11 @@ class AdamW:
         self._tmp = xp.empty(capacity, xp.float32)   # sqrt(v_hat) + eps, then the update
         self.xp = xp
 
+    @property
+    def scratch_nbytes(self) -> int:
+        """Bytes of the preallocated scratch (a memory report's optimizer line)."""
+        return int(self._tmp.nbytes)
+
     def begin_step(self):
         self.t += 1
         c = self.cfg

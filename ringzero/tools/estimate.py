@@ -105,7 +105,7 @@ def smallest_group(stage, psi: int, budget: int, extra: int, precision: str = "f
 
 def padded_psi(cfg: GPTConfig, group: int) -> int:
     """Ψ padded by ringzero's layout for a sharding group of ``group`` ranks (what it allocates)."""
-    return Layout(gpt_units(cfg), nd=group).padded
+    return Layout(gpt_units(cfg), shards=group).padded
 
 
 def estimate(psi: int, nd: int, ranks_per_node=None, cfg: GPTConfig | None = None,

@@ -312,7 +312,7 @@ def traffic_rows(psi: int, nd: int, ranks_per_node=None, units=None, grad_accum:
 
 def read_summary(path: str) -> dict:
     """The ``"summary": true`` line of a trainer metrics file."""
-    from ringzero.app.train import read_metrics
+    from ringzero.metrics import read_metrics
     _, summ = read_metrics(path)
     if summ is None:
         raise ValueError(f"{path}: no line with \"summary\": true (expected the trainer's final line)")

@@ -100,7 +100,7 @@ def plot_busbw(rows: list, out: str, op: str = "all_reduce", title=None) -> str:
 
 
 def plot_loss(path: str, out: str, title=None) -> str:
-    from ringzero.app.train import read_metrics
+    from ringzero.metrics import read_metrics
     steps, summ = read_metrics(path)
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)

@@ -91,9 +91,9 @@ def load(path: str, weights: str = "params"):
     ck.check_layout(m, p)                         # a well-formed manifest before reading it
     cfg = config_from_manifest(m)
     model = GPT(cfg)
-    new = Layout(model.units, nd=1)
+    new = Layout(model.units, shards=1)
     old = ck.check_layout(m, p, new)              # and the rebuilt model matches its table
-    err = ck.verify(p, m, [ck.shard_file(weights, k) for k in range(old.nd)])
+    err = ck.verify(p, m, [ck.shard_file(weights, k) for k in range(old.shards)])
     if err:
         raise ck.CheckpointError(err)
     src = np.dtype(m["classes"][weights])
@@ -104,7 +104,7 @@ def load(path: str, weights: str = "params"):
         for name, s in old.slots.items():
             n, d = s.spec.numel, new.slots[name].offset
             if n:   # unit-local [in_unit, in_unit + n) of unit s.unit, from the files that hold it
-                ck._read_range(fhs, p, weights, old, s.unit, s.in_unit, s.in_unit + n, stage)
+                ck.read_range(fhs, p, weights, old, s.unit, s.in_unit, s.in_unit + n, stage)
                 full[d:d + n] = stage[:n]                  # widen fp16 -> fp32 (exact)
     finally:
         for fh in fhs.values():
@@ -244,11 +244,11 @@ def main(argv=None) -> int:
             ids = encode(a.prompt, model.cfg.vocab)
         c = model.cfg
         print(f"ringzero.sample: {path} step {m['step']}: GPT L={c.n_layer} C={c.n_embd} "
-              f"H={c.n_head} T={c.block_size} V={c.vocab}, Ψ = {m['psi']:,}, saved at Nd = {m['nd']} "
+              f"H={c.n_head} T={c.block_size} V={c.vocab}, Ψ = {m['psi']:,}, saved as {m['shards']} shard(s), "
               f"stage {m['stage']}, {a.weights} ({m['classes'][a.weights]}) read in "
               f"{time.perf_counter() - t0:.2f} s", file=sys.stderr)
     except (SampleError, ck.CheckpointError, OSError) as e:
-        print(f"ringzero.sample: error: {ck._msg(e)}", file=sys.stderr)
+        print(f"ringzero.sample: error: {ck.error_line(e)}", file=sys.stderr)
         return 2
     out = generate(model, P, ids, a.tokens, a.temperature, a.top_k, np.random.default_rng(a.seed))
     print(decode(out, as_bytes))

@@ -1,0 +1,187 @@
+"""The trainer's settings: one typed dataclass, its flags, its TOML file, its checks.
+
+What it is
+    ``Config`` lists every setting once, with its default and its help text
+    (``opt(default, help)`` stores the text in the field's metadata). The
+    argparse flags are generated from it; ``--config file.toml`` sets any of
+    them and flags given on the command line win. ``parse_config`` returns a
+    validated Config or raises ``ConfigError``: one line, exit code 2.
+
+What it is not
+    No MPI, no data, no model: checks that need the data or the sizes are
+    ``ringzero.app.train.prepare``'s.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from dataclasses import dataclass, field, fields
+
+
+def opt(default, help: str):
+    """A Config field: its default, and its --help text."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class Config:
+    # ---- model (GPT-2 style, byte-level)
+    n_layer: int = opt(4, "transformer blocks")
+    n_head: int = opt(4, "attention heads")
+    n_embd: int = opt(128, "width; Ψ ≈ 12·n_layer·n_embd² + vocab·n_embd")
+    seq_len: int = opt(128, "tokens per sequence (also the position table size)")
+    # ---- data
+    data: str = opt("", 'text file or nanoGPT uint16 .bin; "" = stdlib source corpus')
+    batch: int = opt(8, "sequences per rank per step (global batch = batch * ranks)")
+    seed: int = opt(1337, "weights, batches and sampling all derive from it")
+    # ---- schedule
+    steps: int = opt(400, "optimizer steps")
+    lr: float = opt(4e-3, "peak learning rate")
+    min_lr_frac: float = opt(0.1, "cosine decays to lr * min_lr_frac")
+    warmup: int = opt(40, "linear warm-up steps")
+    weight_decay: float = opt(0.1, "AdamW, not on biases and norms")
+    grad_clip: float = opt(1.0, "global-norm clipping (0 = off)")
+    # ---- runtime
+    stage: str = opt("2", "0|1|2|3|hybrid, or NO_SHARD|SHARD_GRAD_OP|FULL_SHARD|HYBRID_SHARD")
+    ranks_per_node: int = opt(0, 'hybrid: ranks per "node" (0 = the MPI shared-memory node)')
+    device: str = opt("cpu", "cpu | cuda")
+    precision: str = opt("fp16", "fp16 (fp16 storage, loss scaling) | fp32")
+    activation_checkpointing: bool = opt(False, "keep block inputs only; recompute in backward")
+    mem_budget: str = opt("", 'per-rank model-state budget, e.g. 512MiB ("" = none)')
+    # ---- reporting
+    eval_interval: int = opt(100, "steps between held-out evaluations (0 = only at the end)")
+    eval_batches: int = opt(4, "batches per evaluation, per rank")
+    metrics: str = opt("", "write one JSON object per step here (JSONL)")
+    sample_chars: int = opt(200, "length of the text sample at the end (0 = none)")
+    # ---- checkpoints (ringzero.runtime.checkpoint)
+    save_every: int = opt(0, "save every N steps into --save-dir (0 = never)")
+    save_dir: str = opt("checkpoints", "one sub-directory per saved step: step-000010, ...")
+    keep: int = opt(0, "keep only the newest K checkpoints (0 = all)")
+    resume: str = opt("", 'a step-NNNNNN directory, or "latest" in --save-dir')
+    quiet: bool = opt(False, "no progress bar")
+
+
+class ConfigError(ValueError):
+    """A bad flag or config value: reported in one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):          # one line, not usage + error
+        raise ConfigError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="python -m ringzero.train",
+        description="Train a byte-level GPT with ZeRO sharding over MPI. Launch under mpirun, "
+                    "e.g. `mpirun -n 8 python -m mpi4py -m ringzero.train --stage 3` "
+                    "(./launch/train does this).")
+    p.add_argument("--config", metavar="FILE.toml", help="read any of the settings below from a TOML file")
+    p.add_argument("--check", type=int, metavar="N", default=None,
+                   help="only validate flags, config and data for a run on N ranks, without MPI; "
+                        "exit 2 with one line on a problem (launch/train does this first)")
+    for f in fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        # default=None marks "not given", so TOML values are only overridden by real flags
+        text = f"{f.metadata.get('help', '')} (default: {f.default!r})".replace("%", "%%")
+        if f.type in ("bool", bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            p.add_argument(flag, default=None, metavar=f.name.upper(), help=text)
+    return p
+
+
+def _coerce(name, typ, value):
+    kind = {"int": int, "float": float, "str": str, "bool": bool}[typ if isinstance(typ, str) else typ.__name__]
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name} must be true or false, got {value!r}")
+    try:
+        if kind is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be {'an integer' if kind is int else 'a number' if kind is float else 'a string'}, "
+                          f"got {value!r}") from None
+
+
+def parse_config(argv=None):
+    """Flags over TOML over defaults; validated. Returns (cfg, check_world). Raises ConfigError."""
+    ns = build_parser().parse_args(argv)
+    values = {}
+    if ns.config:
+        try:
+            import tomllib
+        except ModuleNotFoundError:      # Python < 3.11
+            import tomli as tomllib
+        try:
+            with open(ns.config, "rb") as fh:
+                toml = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"--config file {ns.config!r} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"--config file {ns.config!r} is not valid TOML: {e}") from None
+        known = {f.name for f in fields(Config)}
+        for k, v in toml.items():
+            key = k.replace("-", "_")
+            if key not in known:
+                raise ConfigError(f"--config file {ns.config!r}: unknown setting {k!r}")
+            values[key] = v
+    for f in fields(Config):
+        v = getattr(ns, f.name)
+        if v is not None:
+            values[f.name] = v
+    kw = {}
+    for f in fields(Config):
+        if f.name in values:
+            kw[f.name] = _coerce("--" + f.name.replace("_", "-"), f.type, values[f.name])
+    cfg = Config(**kw)
+    validate(cfg)
+    if ns.check is not None and ns.check < 1:
+        raise ConfigError(f"--check takes a rank count >= 1, got {ns.check}")
+    return cfg, ns.check
+
+
+def validate(cfg: Config):
+    from ringzero.runtime import accounting
+    def need(cond, msg):
+        if not cond:
+            raise ConfigError(msg)
+    for k in ("n_layer", "n_head", "n_embd", "seq_len", "batch", "steps"):
+        need(getattr(cfg, k) >= 1, f"--{k.replace('_', '-')} must be >= 1, got {getattr(cfg, k)}")
+    need(cfg.n_embd % cfg.n_head == 0,
+         f"--n-embd must be divisible by --n-head: got {cfg.n_embd} % {cfg.n_head} = {cfg.n_embd % cfg.n_head}")
+    need(cfg.lr > 0, f"--lr must be > 0, got {cfg.lr}")
+    need(0 <= cfg.min_lr_frac <= 1, f"--min-lr-frac must be in [0, 1], got {cfg.min_lr_frac}")
+    need(cfg.warmup >= 0 and cfg.eval_interval >= 0 and cfg.eval_batches >= 1 and cfg.sample_chars >= 0,
+         "--warmup, --eval-interval and --sample-chars must be >= 0 and --eval-batches >= 1")
+    need(cfg.device in ("cpu", "cuda"), f"--device must be cpu or cuda, got {cfg.device!r}")
+    need(cfg.precision in ("fp16", "fp32"), f"--precision must be fp16 or fp32, got {cfg.precision!r}")
+    try:
+        cfg.stage = accounting.parse_stage(cfg.stage)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"--stage: {e}") from None
+    if cfg.mem_budget:
+        try:
+            accounting.parse_bytes(cfg.mem_budget)
+        except ValueError as e:
+            raise ConfigError(f"--mem-budget: {e}") from None
+    if cfg.data:
+        need(os.path.isfile(cfg.data), f"--data file {cfg.data!r} does not exist")
+    need(cfg.save_every >= 0 and cfg.keep >= 0, "--save-every and --keep must be >= 0")
+    if cfg.resume and cfg.resume != "latest":
+        need(os.path.isfile(os.path.join(cfg.resume, "manifest.json")),
+             f"--resume {cfg.resume!r} is not a checkpoint directory (no manifest.json)")
+    if cfg.resume == "latest":
+        from ringzero.runtime.checkpoint import latest
+        need(latest(cfg.save_dir) is not None, f"--resume latest: no complete checkpoint in --save-dir {cfg.save_dir!r}")
+
+
+def lr_at(cfg: Config, step: int) -> float:
+    """Linear warm-up to cfg.lr, then cosine decay to cfg.lr * min_lr_frac."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))

@@ -1,0 +1,255 @@
+"""The engine: a model's training state sharded at one ZeRO stage, and its step.
+
+What it is
+    ``Zero`` (exported by zero.py, whose docstring teaches the four stages)
+    puts the parts together and runs them:
+
+        policy.py     StagePolicy: what the stage holds in full, gathers, reduces
+        topology.py   the shard group, the replica group, their rings
+        flat.py       the layout table: offsets, padding, pieces
+        state.py      the five flat state buffers, held in full or as a shard
+        plan.py       when each unit is materialized and reduced, in which slot
+        workspace.py  the slots' buffers and views; gather+cast, cast+reduce
+        optim.py      AdamW and the loss scaler, on this rank's pieces
+        reports.py    memory and traffic, measured beside the formulas
+
+    The step is forward and backward through the plan, then the update: the
+    global gradient norm from per-piece partial sums, the overflow check, and
+    AdamW on every piece this rank holds of master.
+
+What it is not
+    It imports no model (nn/contract.py says what a model provides), and
+    knows nothing of data, schedules or printing.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ringzero.comm.backend import select_device, xp_for
+from ringzero.runtime import reports
+from ringzero.runtime.flat import Layout
+from ringzero.runtime.optim import AdamConfig, AdamW, LossScaler, clip_coef
+from ringzero.runtime.plan import build_plan
+from ringzero.runtime.policy import StagePolicy
+from ringzero.runtime.state import ShardedState, aligned_empty, cast_into, check_budget
+from ringzero.runtime.topology import Topology
+from ringzero.runtime.workspace import Workspaces
+
+if TYPE_CHECKING:                      # the contract, for readers and type checkers only
+    from ringzero.nn.contract import ShardableModel
+
+
+@dataclass
+class StepResult:
+    loss: float          # global mean training loss of this step
+    grad_norm: float     # global L2 norm of the unscaled gradient (before clipping)
+    skipped: bool        # True if an overflow made every rank skip the update
+    loss_scale: float    # the scale this step's backward used
+
+
+class Zero:
+    """A model's training state sharded across ``comm`` at one ZeRO stage.
+
+        engine = Zero(model, MPI.COMM_WORLD, stage=2)
+        res = engine.step(x, y, lr=3e-4)      # one optimizer step on this rank's batch
+        engine.memory_report(); engine.traffic_report()
+    """
+
+    def __init__(self, model: "ShardableModel", comm, stage="2", *, precision="fp16", device="cpu", seed=0,
+                 adam: AdamConfig | None = None, ranks_per_node=None, mem_budget=None,
+                 scaler: LossScaler | None = None, timeout=None):
+        self.model, self.comm = model, comm
+        self.policy = P = StagePolicy.of(stage)
+        self.stage = P.stage
+        if precision not in ("fp16", "fp32"):
+            raise ValueError(f"precision must be fp16 or fp32, got {precision!r}")
+        self.precision = precision
+        self.xp = xp = xp_for(device)
+        if device == "cuda":
+            select_device(comm)          # one GPU per rank, by node-local rank
+        self.storage_dtype = np.float16 if precision == "fp16" else np.float32   # params, grads
+        # fp32 compute on CPU (NumPy has no fast fp16 GEMM), the storage dtype on GPU
+        self.compute_dtype = np.float32 if xp is np else self.storage_dtype
+        self.topology = topo = Topology.build(comm, P, ranks_per_node, timeout=timeout)
+        self.ring = topo.ring
+        self.layout = L = Layout(model.units, shards=topo.shard_size)
+        U = len(L.units)
+        if mem_budget is not None:       # refuse before allocating anything
+            check_budget(L, self.stage, topo.world_size, mem_budget, P.ranks_per_node(topo.shard_size))
+        self.state = ShardedState(L, P, topo.shard_rank, self.storage_dtype, xp)
+        self.state.init_master(seed)
+        self.publish_params()
+        self.plan = build_plan([L.needs(u) for u in range(U)],
+                               [bool(model.backward_reads_params(u)) for u in range(U)])
+        self.workspaces = Workspaces(L, P, self.plan, self.state, topo, self.compute_dtype)
+        self.adam = AdamW(adam or AdamConfig(), max(L.piece_numel), xp)
+        self.scaler = scaler or LossScaler(dynamic=(precision == "fp16"),
+                                           init=2.0 ** 16 if precision == "fp16" else 1.0)
+        self._grad_scratch = aligned_empty(xp, max(L.piece_numel), np.float32)  # one unscaled grad piece
+        self._decay = {(u, r): self.state.decay_runs(u, r) for u in range(U) for r in range(L.shards)}
+        self._scalars = np.zeros(2, np.float64)                                  # [loss, sumsq] of this rank
+        self._all_scalars = np.zeros((topo.world_size, 2), np.float64)
+        self.activation_peak = 0
+        self.step_count = 0
+        self.last_step_ledger = {}
+
+    @property
+    def bufs(self) -> dict:
+        """The state buffers by name ("params", "grads", "master", "adam_m", "adam_v")."""
+        return self.state.bufs
+
+    @property
+    def work(self) -> dict:
+        """The workspaces by name, each a list of unit-sized slots."""
+        return self.workspaces.bufs
+
+    # ------------------------------------------------------------------ step
+    def forward_backward(self, x, y) -> float:
+        """Forward and backward over all units; leaves reduced grads. Returns local loss."""
+        m, plan, ws = self.model, self.plan, self.workspaces
+        U = plan.units
+        caches = [None] * U
+        act = peak = 0
+        h = x
+        for i in range(U):
+            for w, s in plan.materialize[i]:
+                ws.materialize(w, s)
+            h, caches[i] = m.forward_unit(i, ws.param_views[i], h, y if i == U - 1 else None)
+            act += m.cache_nbytes(caches[i])
+            peak = max(peak, act)
+        loss = float(h)
+        dy = self.scaler.scale
+        for i in range(U, 2 * U):
+            u = plan.schedule[i][1]
+            for w, s in plan.materialize[i]:
+                ws.materialize(w, s)
+            for w, s in plan.grad_open[i]:
+                ws.zero_grad(w, s)
+            dy = m.backward_unit(u, dy, caches[u], ws.param_views[i], ws.grad_views[i])
+            act -= m.cache_nbytes(caches[u])
+            caches[u] = None
+            for w, s in plan.grad_close[i]:
+                ws.reduce_grad(w, s)
+        self.activation_peak = max(self.activation_peak, peak)
+        return loss
+
+    def _grad_pieces(self):
+        """Yield (u, r, g) for every gradient piece this rank updates, r outer:
+        ``g`` is the piece widened to fp32 in one reused scratch buffer."""
+        L = self.layout
+        for r in self.state.held_ranks("master"):
+            for u in range(len(L.units)):
+                g = self._grad_scratch[:L.piece_numel[u]]
+                cast_into(g, self.state.piece("grads", u, r))
+                yield u, r, g
+
+    def step(self, x, y, lr: float) -> StepResult:
+        """One optimizer step on this rank's micro-batch (x, y): (B, T) ints."""
+        led0 = reports.ledger_totals(self.topology)
+        scale, n = self.scaler.scale, self.topology.world_size
+        loss = self.forward_backward(x, y)
+
+        # global squared norm: partial per piece r, summed over units in order,
+        # the partials then added in rank order -- identical at every stage.
+        partial = {}
+        for u, r, g in self._grad_pieces():
+            partial[r] = partial.get(r, 0.0) + float(self.xp.dot(g, g))
+        sumsq = self._share_scalars(loss, partial)
+        loss = float(self._all_scalars[:, 0].sum() / n) if n > 1 else loss
+        inv = 1.0 / (scale * n)
+        gnorm = math.sqrt(sumsq) * inv if math.isfinite(sumsq) else float("inf")
+        skipped = self.scaler.update(not math.isfinite(sumsq))
+        if not skipped:
+            coef = np.float32(inv * clip_coef(gnorm, self.adam.cfg.grad_clip))
+            self.adam.begin_step()
+            piece = self.state.piece
+            for u, r, g in self._grad_pieces():
+                g *= coef
+                self.adam.update(piece("master", u, r), piece("adam_m", u, r), piece("adam_v", u, r),
+                                 g, lr, self._decay[(u, r)])
+            self.publish_params()
+        self.step_count += 1
+        led1 = reports.ledger_totals(self.topology)
+        self.last_step_ledger = {k: led1[k] - led0.get(k, 0) for k in led1}
+        return StepResult(loss, gnorm, skipped, scale)
+
+    def _share_scalars(self, loss, partial) -> float:
+        """Share [loss, my sumsq partial] across ranks (MPI's own Allgather, a
+        scalar check); return the global squared norm summed in shard-rank order."""
+        mine = 0.0
+        for r in self.state.held_ranks("master"):     # stage 0: every piece, in order
+            mine += partial[r]
+        self._scalars[:] = (loss, mine)
+        if self.topology.world_size > 1:
+            self.comm.Allgather(self._scalars, self._all_scalars)
+        else:
+            self._all_scalars[0] = self._scalars
+        if self.policy.full_optimizer:
+            return mine
+        # the shard group's partials in shard order; hybrid replicas hold the same ones
+        total = 0.0
+        for member in self.topology.shard_members():
+            total += float(self._all_scalars[member, 1])
+        return total
+
+    def publish_params(self):
+        """master -> storage-dtype params (own pieces), all-gathered where params are full."""
+        self.state.publish(self.ring)
+
+    # ------------------------------------------------------------- forward only
+    def eval_loss(self, x, y) -> float:
+        """Global mean loss of a forward pass (no gradients, no update)."""
+        m, plan, ws = self.model, self.plan, self.workspaces
+        U = plan.units
+        h = x
+        for i in range(U):
+            for w, s in plan.forward_materialize[i]:
+                ws.materialize(w, s)
+            h, _ = m.forward_unit(i, ws.forward_views[i], h, y if i == U - 1 else None)
+        buf = np.array([float(h)], np.float64)
+        allb = np.zeros(self.topology.world_size, np.float64)
+        self.comm.Allgather(buf, allb)
+        return float(allb.sum() / self.topology.world_size)
+
+    def full_params(self, dtype=np.float32):
+        """Every storage-dtype parameter, gathered and widened: a host array of
+        ``layout.padded`` elements. Collective: call on all ranks."""
+        return self.full_state("params", dtype)
+
+    def full_state(self, name: str, dtype=np.float32):
+        """One state class ("params", "master", "adam_m", "adam_v") in full, on
+        the host. Collective; for checks, sampling and export, not the hot path."""
+        return self.state.gather(name, self.ring, dtype)
+
+    # --------------------------------------------------- checkpoint and reports
+    def checkpoint_meta(self) -> dict:
+        """What a checkpoint records beside the buffers (runtime/checkpoint.py)."""
+        return {"stage": self.stage, "world": self.topology.world_size, "shards": self.layout.shards,
+                "precision": self.precision, "engine_step_count": int(self.step_count),
+                "adam": {"t": int(self.adam.t), **asdict(self.adam.cfg)},
+                "scaler": self.scaler.state_dict()}
+
+    def restore_meta(self, m: dict):
+        """The inverse of ``checkpoint_meta`` once the buffers are loaded; then
+        re-publish the params from master (collective)."""
+        self.adam.t = int(m["adam"]["t"])
+        if m.get("precision") == self.precision:   # an fp32 engine keeps its static scale of 1
+            self.scaler.load_state_dict(m["scaler"])
+        self.step_count = int(m.get("engine_step_count", m["step"]))
+        self.publish_params()
+
+    @property
+    def optimizer_scratch_nbytes(self) -> int:
+        return self.adam.scratch_nbytes + int(self._grad_scratch.nbytes)
+
+    def memory_report(self) -> dict:
+        """Bytes allocated on this rank per state class, beside the formula (reports.py)."""
+        return reports.memory_report(self)
+
+    def traffic_report(self) -> dict:
+        """Bytes this rank sent in the last step, beside the formula (reports.py)."""
+        return reports.traffic_report(self)

@@ -1,0 +1,155 @@
+"""Export and inspect a checkpoint, serially: the ``python -m ringzero.checkpoint`` command line.
+
+What it is
+    ``export(path, out, dtype)`` streams one parameter at a time from a
+    checkpoint's shard files (any number of shards) into a safetensors file,
+    checked afterwards by safetensors' own parser. ``describe(path)`` prints
+    the manifest; ``main`` is the ``export`` / ``inspect`` command line.
+
+What it is not
+    No MPI and no engine: a checkpoint is read as plain files (manifest.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import struct
+import sys
+import time
+
+import numpy as np
+
+from ringzero.runtime.manifest import (FORMAT, CheckpointError, check_layout, error_line, fsync_dir,
+                                       read_manifest, read_range, resolve, shard_file, verify,
+                                       verify_file)
+
+
+def export(path: str, out: str, dtype: str = "fp32") -> dict:
+    """Consolidate a checkpoint's weights into a safetensors file, one
+    parameter at a time (memory: the largest parameter). Serial."""
+    if dtype not in ("fp32", "fp16"):
+        raise ValueError(f"dtype must be fp32 or fp16, got {dtype!r}")
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise CheckpointError("export needs safetensors: pip install 'ringzero[checkpoint]'") from None
+    p = resolve(path)
+    m = read_manifest(p)
+    old = check_layout(m, p)
+    # fp16 straight from the fp16 params files when the run stored fp16, else from master
+    cls = "params" if dtype == "fp16" and np.dtype(m["classes"]["params"]) == np.float16 else "master"
+    err = verify(p, m, [shard_file(cls, k) for k in range(old.shards)])
+    if err:
+        raise CheckpointError(err)
+    src_dt, out_dt = np.dtype(m["classes"][cls]), np.dtype(np.float32 if dtype == "fp32" else np.float16)
+    tag = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}[out_dt]
+    header, off = {}, 0
+    for name, s in old.slots.items():
+        n = s.spec.numel * out_dt.itemsize
+        header[name] = {"dtype": tag, "shape": list(s.spec.shape), "data_offsets": [off, off + n]}
+        off += n
+    header["__metadata__"] = {"format": "np", "source": FORMAT, "step": str(m["step"]),
+                              "config": json.dumps(m.get("config", {}))}
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    biggest = max((s.spec.numel for s in old.slots.values()), default=0)
+    buf = np.empty(biggest, src_dt)
+    cast = np.empty(biggest, out_dt) if out_dt != src_dt else None
+    tmp = f"{out}.tmp-{secrets.token_hex(4)}"
+    fhs = {}
+    try:
+        with open(tmp, "wb") as fo:
+            fo.write(struct.pack("<Q", len(hb)))
+            fo.write(hb)
+            for name, s in old.slots.items():
+                n = s.spec.numel
+                if n:
+                    read_range(fhs, p, cls, old, s.unit, s.in_unit, s.in_unit + n, buf)
+                v = buf[:n]
+                if cast is not None:
+                    np.copyto(cast[:n], v, casting="same_kind")   # round to nearest even
+                    v = cast[:n]
+                fo.write(memoryview(v.view(np.uint8)))
+            fo.flush()
+            os.fsync(fo.fileno())
+        with safe_open(tmp, framework="numpy") as st:      # the reference parser accepts it
+            if sorted(st.keys()) != sorted(old.slots):
+                raise CheckpointError(f"{tmp}: safetensors keys do not match the layout")
+        os.replace(tmp, out)
+        fsync_dir(os.path.dirname(os.path.abspath(out)))
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    finally:
+        for fh in fhs.values():
+            fh.close()
+    return {"path": out, "source": p, "tensors": len(old.slots), "dtype": dtype, "class": cls,
+            "bytes": os.path.getsize(out), "psi": old.numel}
+
+
+# ---------------------------------------------------------------- inspect
+def describe(path: str, check: bool = False) -> str:
+    """The manifest of a checkpoint, readably (and the files verified if ``check``)."""
+    p = resolve(path)
+    m = read_manifest(p)
+    old = check_layout(m, p)
+    lines = [f"checkpoint {p}",
+             f"  format      {m['format']} v{m['version']}, saved {m.get('saved_at', '?')}",
+             f"  step        {m['step']} (engine steps {m.get('engine_step_count')}, Adam t {m['adam']['t']})",
+             f"  data        {json.dumps(m.get('data'))}",
+             f"  rng         {json.dumps(m.get('rng'))}",
+             f"  stage       {m['stage']}, {m['shards']} shards (world {m['world']}), {m['precision']}",
+             f"  Ψ           {m['psi']:,} params, padded {m['padded']:,} (+{m['padding']:,} padding, "
+             f"align {old.align})",
+             f"  loss scale  {json.dumps(m['scaler'])}",
+             "  adam        " + ", ".join(f"{k}={v}" for k, v in m["adam"].items()),
+             "  config      " + (", ".join(f"{k}={v}" for k, v in m.get("config", {}).items()) or "{}"),
+             f"  units       {'name':<12} {'numel':>12} {'padded':>12} {'piece':>10}  params"]
+    for i, u in enumerate(old.units):
+        lines.append(f"              {u.name:<12} {old.unit_numel[i]:>12,} {old.unit_padded[i]:>12,} "
+                     f"{old.piece_numel[i]:>10,}  {len(u.params)}")
+    total = sum(f["bytes"] for f in m["files"].values())
+    lines.append(f"  files       {len(m['files'])} files, {total:,} bytes")
+    for name, f in m["files"].items():
+        status = ""
+        if check:
+            e = verify_file(p, name, f)
+            status = "  ok" if e is None else f"  BAD: {e}"
+        lines.append(f"              {name:<22} {f['dtype']:<8} {f['bytes']:>12,}  sha256 {f['sha256'][:16]}{status}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ringzero.checkpoint",
+                                 description="Export or inspect a ringzero checkpoint (serial, no MPI).")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export", help="consolidate the weights into one safetensors file")
+    e.add_argument("dir", help="a step-NNNNNN directory, or a save directory (its latest)")
+    e.add_argument("out", help="output .safetensors path (written atomically)")
+    e.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32")
+    i = sub.add_parser("inspect", help="print the manifest")
+    i.add_argument("dir")
+    i.add_argument("--verify", action="store_true", help="also check every file's size and sha256")
+    a = ap.parse_args(argv)
+    try:
+        if a.cmd == "export":
+            t0 = time.perf_counter()
+            r = export(a.dir, a.out, a.dtype)
+            print(f"exported {r['tensors']} tensors ({r['psi']:,} params, {a.dtype}, from {r['class']}) "
+                  f"of {r['source']} to {r['path']}: {r['bytes']:,} bytes in {time.perf_counter() - t0:.2f} s")
+        else:
+            text = describe(a.dir, a.verify)
+            print(text)
+            if "  BAD: " in text:
+                return 1
+    except (CheckpointError, OSError) as err:
+        print(f"ringzero.checkpoint: error: {error_line(err)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""The step's static plan: when each unit is materialized and reduced, and in which slot.
+
+What it is
+    A pure function of the model's unit graph, made once at start-up:
+
+        build_plan(needs, backward_reads_params) -> Plan
+
+    ``needs[u]`` lists the units whose parameters unit u reads (itself first;
+    a head tied to the token embedding also needs unit 0), and
+    ``backward_reads_params[u]`` says whether u's backward reads them again.
+    A step visits the *schedule*: forward 0..U-1, then backward U-1..0::
+
+        position   0    1    2    3  |  4    5    6    7        (U = 4: emb, b1, b2, head)
+        schedule   F0   F1   F2   F3 |  B3   B2   B1   B0
+
+    - A unit's params are *materialized* (gathered at stage 3, cast to the
+      compute dtype) once per maximal run of consecutive positions that read
+      them. A block is materialized for its forward and again for its
+      backward; the last unit's forward and backward are adjacent, so it is
+      materialized once (as FSDP does).
+    - A unit's gradient is *open* (zeroed) from its first write to its last;
+      then it is closed (cast, reduced). A tied gradient stays open from the
+      head's backward (position U) to the embedding's (position 2U-1).
+    - Runs get unit-sized slots greedily, reusing freed ones, so the number of
+      slots is the peak number of units alive at once.
+
+What it is not
+    No MPI, no arrays, no dtypes: indices only. The engine turns slots into
+    workspaces and views (workspace.py); tests/test_plan.py checks the plan
+    serially.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FORWARD, BACKWARD = "F", "B"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything the step loop needs to know, per schedule position.
+
+    Runs are (unit, first position, last position), ordered by first position.
+    Per-position tables are tuples of (unit, slot) pairs.
+    """
+    schedule: tuple             # ((phase, unit), ...): forward 0..U-1, then backward U-1..0
+    param_runs: tuple           # maximal runs of positions reading a unit's params
+    forward_runs: tuple         # the same for a forward pass alone (evaluation)
+    grad_runs: tuple            # (unit, first write, last write): one per unit
+    param_slots: int            # param workspaces a training step needs
+    forward_slots: int          # param workspaces a forward-only pass needs
+    grad_slots: int             # gradient workspaces
+    materialize: tuple          # position -> units to materialize there, and their slot
+    param_reads: tuple          # position -> materialized units its unit reads, and their slot
+    forward_materialize: tuple  # the same two for a forward-only pass (positions 0..U-1)
+    forward_reads: tuple
+    grad_open: tuple            # position -> gradients opened (zeroed) before it runs
+    grad_close: tuple           # position -> gradients closed (cast, reduced) after it runs
+    grad_writes: tuple          # position -> the open gradients its backward adds into
+
+    @property
+    def units(self) -> int:
+        return len(self.schedule) // 2
+
+
+def runs(sets, units: int) -> list:
+    """[(unit, first, last)]: maximal runs of consecutive positions i with
+    ``unit in sets[i]``, ordered by (first, unit)."""
+    out = []
+    for w in range(units):
+        start = prev = None
+        for i in (i for i, s in enumerate(sets) if w in s):
+            if start is None or i != prev + 1:
+                if start is not None:
+                    out.append((w, start, prev))
+                start = i
+            prev = i
+        if start is not None:
+            out.append((w, start, prev))
+    return sorted(out, key=lambda r: (r[1], r[0]))
+
+
+def assign_slots(rs) -> tuple:
+    """Greedy slot assignment of runs ordered by first position: a slot is
+    free again after its run's last position. Returns ({(unit, first): slot}, slots)."""
+    free, live, slot_of, n = [], [], {}, 0
+    for w, a, b in rs:
+        for item in [x for x in live if x[0] < a]:
+            live.remove(item)
+            free.append(item[1])
+        s = free.pop() if free else n
+        n = max(n, s + 1)
+        live.append((b, s))
+        slot_of[(w, a)] = s
+    return slot_of, n
+
+
+def _tables(rs, slots, schedule, needs, positions):
+    """Per position: (units materialized there, materialized units its unit reads)."""
+    at = [[] for _ in range(positions)]
+    for w, a, _ in rs:
+        at[a].append((w, slots[(w, a)]))
+    ends = {(w, a): b for w, a, b in rs}
+    live, reads = {}, []
+    for i in range(positions):
+        for w, s in at[i]:
+            live[w] = (s, ends[(w, i)])
+        u = schedule[i][1]
+        reads.append(tuple((w, live[w][0]) for w in needs[u] if w in live and live[w][1] >= i))
+    return tuple(tuple(x) for x in at), tuple(reads)
+
+
+def build_plan(needs, backward_reads_params) -> Plan:
+    """The plan of a model with ``len(needs)`` units (see the module docstring)."""
+    U = len(needs)
+    if len(backward_reads_params) != U:
+        raise ValueError(f"expected one backward_reads_params flag per unit ({U}), "
+                         f"got {len(backward_reads_params)}")
+    schedule = tuple([(FORWARD, u) for u in range(U)] + [(BACKWARD, u) for u in reversed(range(U))])
+    reads = [set(needs[u]) if (ph == FORWARD or backward_reads_params[u]) else set() for ph, u in schedule]
+    writes = [set(needs[u]) if ph == BACKWARD else set() for ph, u in schedule]
+
+    param_runs = runs(reads, U)
+    forward_runs = runs(reads[:U], U)
+    # a gradient accumulates from its first write to its last (the tied
+    # embedding is written by the head's backward and again by its own)
+    grad_runs = sorted(((w, min(i for i, ws in enumerate(writes) if w in ws),
+                         max(i for i, ws in enumerate(writes) if w in ws)) for w in range(U)),
+                       key=lambda r: (r[1], r[0]))
+    pslot, n_param = assign_slots(param_runs)
+    fslot, n_forward = assign_slots(forward_runs)
+    gslot, n_grad = assign_slots(grad_runs)
+    materialize, param_reads = _tables(param_runs, pslot, schedule, needs, len(schedule))
+    forward_materialize, forward_reads = _tables(forward_runs, fslot, schedule, needs, U)
+
+    P = len(schedule)
+    grad_open, grad_close = [[] for _ in range(P)], [[] for _ in range(P)]
+    for w, a, b in grad_runs:
+        grad_open[a].append((w, gslot[(w, a)]))
+        grad_close[b].append((w, gslot[(w, a)]))
+    live, grad_writes = {}, []
+    for i, (ph, u) in enumerate(schedule):
+        for w, s in grad_open[i]:
+            live[w] = s
+        grad_writes.append(tuple((w, live[w]) for w in needs[u]) if ph == BACKWARD else ())
+    return Plan(schedule=schedule, param_runs=tuple(param_runs), forward_runs=tuple(forward_runs),
+                grad_runs=tuple(grad_runs), param_slots=n_param, forward_slots=n_forward,
+                grad_slots=n_grad, materialize=materialize, param_reads=param_reads,
+                forward_materialize=forward_materialize, forward_reads=forward_reads,
+                grad_open=tuple(map(tuple, grad_open)), grad_close=tuple(map(tuple, grad_close)),
+                grad_writes=tuple(grad_writes))

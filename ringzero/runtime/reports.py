@@ -1,0 +1,86 @@
+"""What an engine measured, beside what the ZeRO formulas predict.
+
+What it is
+    ``memory_report(engine)``: bytes allocated on this rank per state class
+    (the buffers' own ``nbytes``) beside the stage formula, plus workspaces,
+    optimizer scratch and the activation peak. ``traffic_report(engine)``:
+    bytes this rank sent in the last step, from the rings' ledgers, beside
+    the formula and the exact figure of this schedule. ``ledger_totals`` sums
+    the ledgers the engine snapshots around each step.
+
+    Vocabulary, as in accounting.py: Nd is the world size (data-parallel
+    ranks); the sharding group is Nd ranks, or Ng for hybrid.
+
+What it is not
+    No formula of its own (accounting.py has them) and no communication.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ringzero.runtime import accounting
+
+
+def ledger_totals(topology) -> dict:
+    """{op: bytes sent so far}; replica-ring ops as "op@replica"."""
+    out = {}
+    for name, ring in topology.rings():
+        for op, rec in ring.ledger.as_dict().items():
+            key = op if name == "shard" else f"{op}@replica"
+            out[key] = out.get(key, 0) + rec["bytes_sent"]
+    return out
+
+
+def _formula_state(engine, psi):
+    topo = engine.topology
+    f = accounting.model_state_bytes(engine.stage, psi, topo.world_size,
+                                     engine.policy.ranks_per_node(topo.shard_size))
+    if np.dtype(engine.storage_dtype).itemsize == 4:   # fp32 params and grads take 4 bytes, not 2
+        f["params_fp16"] *= 2
+        f["grads_fp16"] *= 2
+    return f
+
+
+def memory_report(engine) -> dict:
+    """Bytes allocated on this rank, per state class, beside the formula.
+
+    'formula_bytes' uses the padded Ψ (what the formula predicts for the
+    buffers this layout allocates); 'textbook_bytes' uses the real Ψ.
+    """
+    L, st = engine.layout, engine.state
+    meas = {"params_fp16": st.params.nbytes, "grads_fp16": st.grads.nbytes,
+            "master_fp32": st.master.nbytes, "adam_m_fp32": st.adam_m.nbytes,
+            "adam_v_fp32": st.adam_v.nbytes}
+    form, text = _formula_state(engine, L.padded), _formula_state(engine, L.numel)
+    classes = {c: {"measured_bytes": int(meas[c]), "formula_bytes": form[c],
+                   "textbook_bytes": text[c]} for c in meas}
+    return {"stage": engine.stage, "psi": L.numel, "psi_padded": L.padded,
+            "nd": engine.topology.world_size, "shard_group": engine.topology.shard_size,
+            "classes": classes,
+            "model_state_measured": sum(int(meas[c]) for c in meas),
+            "model_state_formula": sum(form.values()),
+            "workspace": engine.workspaces.nbytes(),
+            "optimizer_scratch": int(engine.optimizer_scratch_nbytes),
+            "activation_peak": int(engine.activation_peak)}
+
+
+def traffic_report(engine) -> dict:
+    """Bytes this rank sent in the last step, by collective, beside the formula."""
+    L, topo, policy = engine.layout, engine.topology, engine.policy
+    n = topo.shard_size
+    elements = accounting.traffic_elements(engine.stage, L.padded, topo.world_size, policy.ranks_per_node(n))
+    itemsize = np.dtype(engine.storage_dtype).itemsize
+    formula = sum(elements.values()) * itemsize
+    # the exact figure for this schedule: units gathered once per run of
+    # consecutive uses (the last unit once), every unit reduce-scattered once
+    exact = formula
+    if policy.gather_params:
+        gathered = sum(L.unit_padded[w] for w, a, b in engine.plan.param_runs)
+        exact = formula - (2 * L.padded - gathered) * (n - 1) // n * itemsize
+    measured = sum(engine.last_step_ledger.values())
+    return {"stage": engine.stage, "by_op": dict(engine.last_step_ledger),
+            "measured_bytes_per_step": int(measured),
+            "formula_bytes_per_step": int(formula),
+            "schedule_bytes_per_step": int(exact),
+            "formula": accounting.traffic_formula(engine.stage),
+            "formula_elements": elements}

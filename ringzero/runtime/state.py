@@ -1,0 +1,164 @@
+"""The model state of one rank: five flat buffers, held in full or as a shard.
+
+What it is
+    ``ShardedState(layout, policy, shard_rank, storage_dtype, xp)`` allocates
+    the only model-state buffers the engine ever has, once:
+
+        buffer   dtype      held in full when            else this rank's shard
+        params   storage    policy.full_params (0,1,2)   stage 3, hybrid
+        grads    storage    policy.full_grads (0,1)      stages 2, 3, hybrid
+        master   fp32       policy.full_optimizer (0)    stages 1-3, hybrid
+        adam_m   fp32       as master
+        adam_v   fp32       as master
+
+    A full buffer has ``layout.padded`` elements, a shard ``layout.shard_numel``.
+    ``piece(name, u, r)`` is piece (u, r) of a buffer whichever way it is held,
+    and ``held_ranks(name)`` the pieces this rank holds of it: that is the whole
+    API the optimizer pass and the checkpoint use. ``publish`` casts master
+    into params (and all-gathers them where they are held in full);
+    ``gather`` assembles one class in full on the host.
+
+    Also here: ``cast_into`` (the one dtype-changing copy) and
+    ``check_budget`` (refuse a stage before anything is allocated).
+
+What it is not
+    No schedule and no workspaces (workspace.py), no optimizer (optim.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ringzero.comm import kernels
+from ringzero.comm.backend import get_array_module, to_host
+from ringzero.runtime import accounting
+from ringzero.runtime.flat import Layout
+
+BUFFERS = ("params", "grads", "master", "adam_m", "adam_v")
+
+
+class MemoryBudgetError(ValueError):
+    """The requested stage's model state does not fit the per-rank budget."""
+
+
+class ShardedState:
+    """The five state buffers of one rank, and piece-wise access to them."""
+
+    def __init__(self, layout: Layout, policy, shard_rank: int, storage_dtype, xp):
+        self.layout, self.policy, self.shard_rank, self.xp = layout, policy, shard_rank, xp
+        dtypes = {"params": storage_dtype, "grads": storage_dtype, "master": np.float32,
+                  "adam_m": np.float32, "adam_v": np.float32}
+        self.bufs = {name: xp.zeros(layout.padded if policy.is_full(name) else layout.shard_numel,
+                                    dtypes[name]) for name in BUFFERS}
+        self.params, self.grads = self.bufs["params"], self.bufs["grads"]
+        self.master, self.adam_m, self.adam_v = self.bufs["master"], self.bufs["adam_m"], self.bufs["adam_v"]
+
+    @property
+    def on_host(self) -> bool:
+        return self.xp is np
+
+    def init_master(self, seed: int):
+        """master = the initial weights: a pure function of (seed, name), the
+        same at any number of shards and any stage."""
+        L = self.layout
+        host = (L.init_full(np.empty(L.padded, np.float32), seed) if self.policy.is_full("master")
+                else L.init_shard(np.empty(L.shard_numel, np.float32), seed, self.shard_rank))
+        self.master[...] = self.xp.asarray(host)
+
+    def piece(self, name: str, u: int, r: int):
+        """Piece (u, r) of buffer ``name``: a view, whether held in full or as the shard."""
+        return self.layout.piece(self.bufs[name], u, r)
+
+    def held_ranks(self, name: str):
+        """The piece indices r this rank holds of buffer ``name`` (all, or its own)."""
+        return range(self.layout.shards) if self.policy.is_full(name) else (self.shard_rank,)
+
+    def publish(self, ring):
+        """params = cast(master) on the pieces this rank owns; then, where params
+        are held in full but master is a shard (stages 1, 2), all-gather them.
+        Collective on the shard group."""
+        L, P = self.layout, self.policy
+        for u in range(len(L.units)):
+            if P.full_optimizer:
+                cast_into(L.unit_full(self.params, u), L.unit_full(self.master, u))
+            elif not P.full_params:
+                cast_into(L.unit_shard(self.params, u), L.unit_shard(self.master, u))
+            else:
+                seg = L.unit_full(self.params, u)
+                own = L.own(seg, u, self.shard_rank)
+                cast_into(own, L.unit_shard(self.master, u))
+                ring.all_gather(own, seg)
+
+    def gather(self, name: str, ring, dtype=np.float32):
+        """Buffer ``name`` in full, as a host array of ``layout.padded`` elements.
+        Collective on the shard group; holds one unit in flight beside the result."""
+        L, buf = self.layout, self.bufs[name]
+        out = np.empty(L.padded, dtype)
+        for u in range(len(L.units)):
+            if buf.size == L.padded:
+                seg = L.unit_full(buf, u)
+            else:
+                seg = self.xp.empty(L.unit_padded[u], buf.dtype)
+                own = L.own(seg, u, self.shard_rank)
+                own[...] = L.unit_shard(buf, u)
+                ring.all_gather(own, seg)
+            out[L.unit_offset[u]:L.unit_offset[u] + L.unit_padded[u]] = to_host(seg)
+        return out
+
+    def decay_runs(self, u: int, r: int) -> list:
+        """(start, stop) runs of weight-decayed params inside piece (u, r), piece-relative."""
+        L = self.layout
+        a0 = L.unit_offset[u] + r * L.piece_numel[u]
+        b0 = a0 + L.piece_numel[u]
+        out = []
+        for p in L.units[u].params:
+            if not p.decay:
+                continue
+            s = L.slots[p.name]
+            lo, hi = max(s.offset, a0), min(s.offset + p.numel, b0)
+            if lo < hi:
+                out.append((lo - a0, hi - a0))
+        return out
+
+
+def aligned_empty(xp, n, dtype, align_bytes=64):
+    """An n-element buffer whose start is ``align_bytes``-aligned (NumPy), so
+    BLAS reductions over it take the same path in every run."""
+    if xp is not np:
+        return xp.empty(n, dtype)
+    item = np.dtype(dtype).itemsize
+    raw = np.empty(n + align_bytes // item, dtype)
+    off = (-raw.ctypes.data % align_bytes) // item
+    return raw[off:off + n]
+
+
+def check_budget(layout: Layout, stage: str, world: int, budget: int, ranks_per_node=None):
+    """Refuse, before anything is allocated, a stage whose model state per rank
+    (the stage formula on the padded Ψ) exceeds ``budget`` bytes."""
+    need = accounting.model_state_total(stage, layout.padded, world, ranks_per_node)
+    if need <= budget:
+        return
+    fits = accounting.stages_that_fit(budget, layout.padded, world, ranks_per_node)
+    if not fits:
+        least = accounting.model_state_total("3", layout.padded, world)
+        raise MemoryBudgetError(
+            f"budget {budget / 2**20:.1f} MiB per rank is below the smallest stage's need: stage 3 "
+            f"needs {least / 2**20:.1f} MiB at Nd={world} (Ψ={layout.numel:,}); add ranks or shrink the model")
+    raise MemoryBudgetError(
+        f"stage {stage} needs {need / 2**20:.1f} MiB of model state per rank (Ψ={layout.numel:,}, "
+        f"Nd={world}), budget is {budget / 2**20:.1f} MiB; stages that fit: {', '.join(fits)}")
+
+
+def cast_into(dst, src):
+    """dst[...] = src with a dtype change, through the F16C kernel where it applies.
+
+    fp16 <-> fp32 on the host goes through ringzero.comm.kernels (bitwise equal to
+    NumPy's round-to-nearest-even); everything else is the array module's copy.
+    """
+    if dst.dtype == src.dtype:
+        dst[...] = src
+    elif isinstance(dst, np.ndarray) and dst.dtype == np.float32 and src.dtype == np.float16:
+        kernels.f16_to_f32(src, dst)
+    elif isinstance(dst, np.ndarray) and dst.dtype == np.float16 and src.dtype == np.float32:
+        kernels.f32_to_f16(src, dst)
+    else:
+        get_array_module(dst).copyto(dst, src, casting="unsafe")

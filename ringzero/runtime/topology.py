@@ -1,0 +1,77 @@
+"""Who shards with whom: the shard group, the replica group, and their rings.
+
+What it is
+    A small explicit object passed to whoever needs it (never a global):
+
+        world            every rank of the job (size ``world_size``, this rank ``rank``)
+        shard group      the ranks that split a unit into pieces: the world, or (HYBRID)
+                         the ranks of one node; this rank holds piece ``shard_rank`` of
+                         ``shard_size``
+        replica group    HYBRID only: the ranks of other nodes holding the same piece
+                         (one per node, ``replicas`` of them); their gradient shards
+                         are all-reduced
+
+    ``Topology.build(comm, policy, ranks_per_node)`` makes the sub-communicators
+    with ``Split`` and a ``Ring`` over each.
+
+What it is not
+    No state and no schedule; it only says who talks to whom.
+"""
+from __future__ import annotations
+
+from ringzero.comm.ring import Ring
+
+
+class Topology:
+    """The communicators and rings of one engine."""
+
+    def __init__(self, world, shard, replica=None, *, timeout=None):
+        self.world, self.shard, self.replica = world, shard, replica
+        self.rank, self.world_size = world.rank, world.size
+        self.shard_rank, self.shard_size = shard.rank, shard.size
+        self.replicas = replica.size if replica is not None else 1
+        self.replica_rank = replica.rank if replica is not None else 0
+        self.replica_ring = Ring(replica, timeout=timeout) if replica is not None else None
+        self.ring = Ring(shard, timeout=timeout)
+        self._members = None
+
+    @classmethod
+    def build(cls, comm, policy, ranks_per_node=None, *, timeout=None) -> "Topology":
+        """The shard group is the world, or (hybrid) ``ranks_per_node`` consecutive
+        ranks, or (hybrid, ranks_per_node None) the MPI shared-memory node."""
+        if not policy.hybrid:
+            return cls(comm, comm, None, timeout=timeout)
+        if ranks_per_node:
+            g = int(ranks_per_node)
+            if g < 1 or comm.size % g:
+                raise ValueError(f"ranks_per_node must divide the world size: expected "
+                                 f"{comm.size} % Ng == 0, got Ng={g}")
+            shard = comm.Split(comm.rank // g, comm.rank)
+        else:
+            from mpi4py import MPI
+            shard = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+        replica = comm.Split(shard.rank, comm.rank)
+        return cls(comm, shard, replica, timeout=timeout)
+
+    @property
+    def writes_checkpoint(self) -> bool:
+        """One copy of each shard is written: the first replica's."""
+        return self.replica_rank == 0
+
+    def shard_members(self) -> list:
+        """World ranks of my shard group, ordered by shard rank."""
+        if self._members is None:
+            if self.shard is self.world:
+                self._members = list(range(self.world_size))
+            else:
+                from mpi4py import MPI
+                wg, sg = self.world.Get_group(), self.shard.Get_group()
+                self._members = MPI.Group.Translate_ranks(sg, list(range(self.shard_size)), wg)
+        return self._members
+
+    def rings(self):
+        """(label, ring) of every ring this engine sends on: the ledger's sources."""
+        out = [("shard", self.ring)]
+        if self.replica_ring is not None:
+            out.append(("replica", self.replica_ring))
+        return out

@@ -1,0 +1,116 @@
+"""The step plan (runtime/plan.py), serially: no MPI, no arrays.
+
+Each property is checked against a brute-force reading of the schedule
+written here, not against the plan's own helpers:
+- slots: the number of workspaces equals the peak number of units alive at
+  one position (read there), and no two units alive together share a slot;
+- the last unit is materialized once per step, every other reading unit twice
+  (an embedding whose backward reads no weights: once);
+- a tied gradient stays open from the head's backward to the embedding's;
+- the per-position tables name exactly the units each position reads/writes.
+"""
+import pytest
+
+from ringzero.runtime.plan import build_plan
+
+
+def gpt_like(blocks, tied=True):
+    """needs[u] of emb, blocks, head: the head reads the embedding when tied."""
+    U = blocks + 2
+    needs = [(u,) for u in range(U)]
+    if tied:
+        needs[-1] = (U - 1, 0)
+    return needs
+
+
+def schedule(U):
+    return [("F", u) for u in range(U)] + [("B", u) for u in reversed(range(U))]
+
+
+def reading(needs, bwd_reads):
+    """Brute force: the set of units whose params each position reads."""
+    return [set(needs[u]) if ph == "F" or bwd_reads[u] else set() for ph, u in schedule(len(needs))]
+
+
+CASES = [(blocks, tied, emb_bwd) for blocks in (0, 1, 2, 5) for tied in (True, False) for emb_bwd in (True, False)]
+
+
+@pytest.mark.parametrize("blocks, tied, emb_bwd", CASES)
+def test_slots_equal_peak_alive(blocks, tied, emb_bwd):
+    needs = gpt_like(blocks, tied)
+    U = len(needs)
+    bwd = [emb_bwd] + [True] * (U - 1)
+    plan = build_plan(needs, bwd)
+    sets = reading(needs, bwd)
+    # a unit is alive (materialized) exactly where it is read: a run of
+    # consecutive reads holds one materialization, a gap frees it
+    assert plan.param_slots == max(len(r) for r in sets), (plan.param_slots, sets)
+    assert plan.forward_slots == max(len(r) for r in sets[:U])
+    # no two materializations alive at one position share a slot
+    slot_of = {(w, i): s for i, pairs in enumerate(plan.materialize) for w, s in pairs}
+    for i in range(2 * U):
+        now = [slot_of[(w, a)] for w, a, b in plan.param_runs if a <= i <= b]
+        assert len(now) == len(set(now)) == len(sets[i]), (i, now)
+
+
+@pytest.mark.parametrize("blocks, tied, emb_bwd", CASES)
+def test_gathers_per_unit(blocks, tied, emb_bwd):
+    needs = gpt_like(blocks, tied)
+    U = len(needs)
+    plan = build_plan(needs, [emb_bwd] + [True] * (U - 1))
+    count = [sum(w == u for pairs in plan.materialize for w, _ in pairs) for u in range(U)]
+    assert count[U - 1] == 1, count                        # the last unit: forward and backward adjacent
+    for u in range(1, U - 1):
+        assert count[u] == 2, count                        # a block: forward, then again for backward
+    if U > 2:
+        # the embedding: forward, then backward if it reads weights; a tied head
+        # reads it at positions U-1 and U, adjacent to neither (with a block between)
+        want = 1 + (1 if emb_bwd else 0) + (1 if tied else 0)
+        assert count[0] == want, (count, want)
+
+
+@pytest.mark.parametrize("blocks", [0, 1, 3])
+def test_tied_gradient_open_from_head_to_embedding(blocks):
+    needs = gpt_like(blocks, tied=True)
+    U = len(needs)
+    plan = build_plan(needs, [False] + [True] * (U - 1))
+    opened = {w: i for i, pairs in enumerate(plan.grad_open) for w, _ in pairs}
+    closed = {w: i for i, pairs in enumerate(plan.grad_close) for w, _ in pairs}
+    assert opened[0] == U and closed[0] == 2 * U - 1        # head's backward .. embedding's backward
+    for u in range(1, U):
+        b = 2 * U - 1 - u                                  # position of u's backward
+        assert opened[u] == b and closed[u] == b
+    # the embedding's gradient slot is never shared while it is open
+    slot0 = dict(plan.grad_open[U])[0]
+    for i in range(U + 1, 2 * U - 1):
+        assert all(s != slot0 for w, s in plan.grad_open[i]), (i, plan.grad_open[i])
+    # peak open gradients: the embedding's plus one block's (plus the head's at position U)
+    assert plan.grad_slots == (2 if U > 1 else 1)
+
+
+@pytest.mark.parametrize("blocks, tied", [(2, True), (2, False), (0, True)])
+def test_tables_name_what_each_position_reads_and_writes(blocks, tied):
+    needs = gpt_like(blocks, tied)
+    U = len(needs)
+    plan = build_plan(needs, [False] + [True] * (U - 1))
+    for i, (ph, u) in enumerate(schedule(U)):
+        reads = {w for w, _ in plan.param_reads[i]}
+        if ph == "F" or u != 0:
+            assert reads == set(needs[u]), (i, reads)
+        else:
+            assert reads == set(), (i, reads)                # the embedding's backward reads no weights
+        writes = {w for w, _ in plan.grad_writes[i]}
+        assert writes == (set(needs[u]) if ph == "B" else set()), (i, writes)
+    assert list(plan.schedule) == schedule(U)
+
+
+def test_embedding_and_tied_head_alone_gather_once():
+    """Two units, tied: the embedding is read at every position, so it is one run."""
+    plan = build_plan(gpt_like(0, tied=True), [True, True])
+    assert [w for pairs in plan.materialize for w, _ in pairs] == [0, 1]
+    assert plan.param_slots == 2
+
+
+def test_bad_flags():
+    with pytest.raises(ValueError, match="expected one backward_reads_params flag per unit"):
+        build_plan([(0,), (1,)], [True])
