@@ -1,4 +1,4 @@
-"""``python -m ringzero.explain precision|traffic``: the two lessons behind ZeRO's accounting.
+"""``python -m ringzero.explain precision|traffic|fragmentation``: the two lessons behind ZeRO's accounting.
 
 What it is
     precision  Why the 12 bytes of fp32 state per parameter cannot be dropped, shown
@@ -11,6 +11,8 @@ What it is
     traffic    Who sends what in each stage, per rank and per step, from
                ringzero.runtime.accounting; per unit when a GPT shape is given; measured
                beside formula when a training run's ``--metrics`` file is given.
+    fragmentation  A caching allocator's OOM with memory free, by replaying a
+               training step's allocations (ringzero.tools.fragmentation).
 
 What it is not
     No thresholds are typed in: each is searched for by experiment; the seed
@@ -340,7 +342,13 @@ def main(argv=None):
     tp.add_argument("--nd", type=int, default=64, help="data-parallel ranks (default 64)")
     tp.add_argument("--ranks-per-node", type=int, help="Ng: adds HYBRID_SHARD")
     tp.add_argument("--metrics", help="a trainer metrics .jsonl: measured beside formula")
+    from ringzero.tools import fragmentation
+    fragmentation.add_args(sub.add_parser(
+        "fragmentation", help="a caching allocator OOMs with 30 %% free; ringzero's flat plan does not",
+        description=fragmentation.__doc__.split("\n\n")[0]))
     a = ap.parse_args(argv)
+    if a.what == "fragmentation":
+        return fragmentation.run(a)
     if a.what == "precision":
         print_precision()
         return 0

@@ -1,0 +1,429 @@
+"""``python -m ringzero.explain fragmentation``: "OOM with 30 % free", by experiment.
+
+What it is
+    Two allocation traces of the same training run, replayed through the
+    caching-allocator model of ringzero.tools.allocator:
+
+    conventional  what an eager framework does (PyTorch DDP + mixed-precision
+                  Adam): one tensor per parameter (fp16 weight, fp32 master),
+                  Adam's m and v made lazily at the first step, one fp16
+                  gradient per parameter made during backward and freed by
+                  zero_grad(set_to_none=True); per block the activations the
+                  model's forward keeps (the list ``unit_activations`` gives,
+                  checked against the real GPT's caches in tests), freed in
+                  reverse; transients (attention scores, logits, gradients of
+                  activations, the fp32 unscaled gradient in the step) and a
+                  temporary fp16 all-reduce bucket every ``bucket`` bytes of
+                  ready gradients. The micro-batch shape changes from step to
+                  step (sequence-length warm-up, varying batch shapes).
+    ringzero      the runtime's plan: the flat state buffers and workspaces
+                  ``ringzero.runtime.zero.Zero`` allocates at start-up
+                  (``plan_buffers`` mirrors its sizes from the layout table;
+                  checked against a real engine in tests), plus one activation
+                  arena sized for the largest shape of the run. Allocated once,
+                  never freed: every later step allocates nothing.
+
+    It reports peak allocated against peak reserved, the largest free block,
+    the smallest memory cap at which each trace runs (bisection), and at a
+    smaller cap the first OOM: the request, and the share of memory free.
+
+What it is not
+    A measurement of PyTorch: the trace is written from the model's shapes,
+    not recorded from torch. With a GPU and CuPy present, ``replay_cupy``
+    replays the same trace through CuPy's real MemoryPool under a limit.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+from ringzero.nn.gpt import GPTConfig, gpt_units
+from ringzero.runtime.flat import Layout
+from ringzero.tools import allocator as al
+
+MIB, GIB, GB = 1 << 20, 1 << 30, 10**9
+
+
+# ---- the model's own activation sizes ---------------------------------------------
+def unit_activations(cfg: GPTConfig, B: int, T: int, itemsize: int = 2, stat_bytes: int = 4,
+                     id_bytes: int = 8) -> list:
+    """Bytes of each activation array the GPT's forward keeps, per unit: [[nbytes, ...], ...].
+
+    The same arrays ``GPT.forward_unit`` puts in its caches (tests compare
+    them with a real forward): per block ln1 (x̂, rstd, output), attention
+    (qkv, probabilities (B, H, T, T), pre-projection output), ln2 (x̂, rstd,
+    output), fc's output, GELU's two (B, T, 4C) arrays; the head keeps
+    lnf's x̂/rstd/output, the softmax (B·T, V) and the targets.
+    """
+    C, H, V = cfg.n_embd, cfg.n_head, cfg.vocab
+    bt, e = B * T, itemsize
+    ln = [bt * C * e, bt * stat_bytes, bt * C * e]
+    block = ln + [bt * 3 * C * e, B * H * T * T * e, bt * C * e] + ln + [bt * 4 * C * e] * 3
+    head = ln + [bt * V * e, bt * id_bytes]
+    return [[bt * id_bytes]] + [list(block) for _ in range(cfg.n_layer)] + [head]
+
+
+def _transients_fwd(cfg, B, T, e):
+    return {"scores": B * cfg.n_head * T * T * e, "logits32": B * T * cfg.vocab * 4}
+
+
+def _transients_bwd(cfg, B, T, e):
+    """Gradients of activations in one block's backward, in the order they live."""
+    C, bt = cfg.n_embd, B * T
+    return [bt * C * e, bt * 4 * C * e, bt * 4 * C * e, bt * C * e,
+            B * cfg.n_head * T * T * e, B * cfg.n_head * T * T * e, bt * 3 * C * e, bt * C * e]
+
+
+# ---- the conventional trace ---------------------------------------------------------
+def _block_ops(cfg, B, T, e):
+    """A block's forward outputs in the order eager code makes them, when
+    nothing is kept for backward (checkpointing): h1, qkv, scores, probs, y,
+    proj, x2, h2, fc, gelu, mlp, out. Each is dropped once two later ones
+    exist, except x2 (read by the last add) and out (the block's output)."""
+    C, bt, att = cfg.n_embd, B * T, B * cfg.n_head * T * T * e
+    return [bt * C * e, bt * 3 * C * e, att, att, bt * C * e, bt * C * e, bt * C * e,
+            bt * C * e, bt * 4 * C * e, bt * 4 * C * e, bt * C * e, bt * C * e]
+
+
+def conventional_trace(cfg: GPTConfig, shapes, bucket: int = 25 * MIB, act_bytes: int = 2,
+                       checkpoint: bool = False) -> list:
+    """("alloc", id, nbytes, tag) / ("free", id) events of len(shapes) training steps.
+
+    shapes: [(B, T), ...], one micro-batch shape per step. checkpoint=True:
+    each block keeps only its input (a long-lived fp16 (B, T, C) checkpoint
+    made between short-lived intermediates) and recomputes its activations
+    in backward, as activation checkpointing does.
+    """
+    L = Layout(gpt_units(cfg))
+    ev, n = [], [0]
+
+    def alloc(nbytes, tag):
+        n[0] += 1
+        ev.append(("alloc", n[0], int(nbytes), tag))
+        return n[0]
+
+    def free(i):
+        ev.append(("free", i))
+
+    params = [(u, p.name, p.numel) for u, unit in enumerate(L.units) for p in unit.params]
+    for _, _, k in params:                       # model construction, .half(), master copy
+        alloc(2 * k, "param16")
+        alloc(4 * k, "master32")
+    adam = False
+    for B, T in shapes:
+        acts = []
+        for u, sizes in enumerate(unit_activations(cfg, B, T, act_bytes)):
+            tr = _transients_fwd(cfg, B, T, act_bytes)
+            if 1 <= u <= cfg.n_layer:            # scores, softmaxed into the kept probabilities
+                s = alloc(tr["scores"], "transient")
+            if checkpoint and 1 <= u <= cfg.n_layer:
+                ops, win, x2 = _block_ops(cfg, B, T, act_bytes), [], None
+                for k, x in enumerate(ops):
+                    i = ck = alloc(x, "checkpoint" if k == len(ops) - 1 else "transient")
+                    if k == 6:
+                        x2 = i
+                    elif k < len(ops) - 1:
+                        win.append(i)
+                    if len(win) > 2:
+                        free(win.pop(0))
+                for i in win + [x2]:
+                    free(i)
+                acts.append([ck])
+            else:
+                acts.append([alloc(x, "activation") for x in sizes])
+            if 1 <= u <= cfg.n_layer:
+                free(s)
+            if u == len(L.units) - 1:            # the fp32 loss over the logits
+                lg = alloc(tr["logits32"], "transient")
+                free(lg)
+        grads, ready = {}, []
+        for u in reversed(range(len(L.units))):
+            live = []
+            if checkpoint and 1 <= u <= cfg.n_layer:   # recompute the block's activations
+                live_re = [alloc(x, "recompute") for x in unit_activations(cfg, B, T, act_bytes)[u]]
+            else:
+                live_re = []
+            for x in (_transients_bwd(cfg, B, T, act_bytes) if 1 <= u <= cfg.n_layer else []):
+                live.append(alloc(x, "transient"))
+                if len(live) > 2:
+                    free(live.pop(0))
+            for uu, name, k in params:           # this unit's weight gradients
+                if uu == u:
+                    grads[name] = alloc(2 * k, "grad16")
+                    ready.append(2 * k)
+            for i in live + live_re[::-1]:
+                free(i)
+            for i in reversed(acts[u]):          # the unit's activations, freed in reverse
+                free(i)
+            if sum(ready) >= bucket or u == 0:   # a full bucket: flatten, all-reduce, unflatten
+                b = alloc(sum(ready), "bucket")
+                free(b)
+                ready = []
+        if not adam:                             # Adam's state, made at the first step
+            for _, name, k in params:
+                alloc(4 * k, "adam_m")
+                alloc(4 * k, "adam_v")
+            adam = True
+        for _, name, k in params:                # unscale in fp32, update, drop the copy
+            t = alloc(4 * k, "transient")
+            free(t)
+        for name in list(grads):                 # zero_grad(set_to_none=True)
+            free(grads.pop(name))
+    return ev
+
+
+# ---- ringzero's plan -------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _slot_counts(n_layer: int) -> tuple:
+    """(parameter slots, gradient slots) of the engine's plan for a GPT of n_layer
+    blocks, read off a real Zero engine on a tiny GPT of the same depth (the
+    counts depend only on the units' order and needs, not on their sizes)."""
+    from mpi4py import MPI
+    from ringzero.nn.gpt import GPT
+    from ringzero.runtime.zero import Zero
+    eng = Zero(GPT(GPTConfig(n_layer, 1, 8, 4, 8)), MPI.COMM_SELF, "3", device="cpu")
+    return len(eng.work["param_compute"]), len(eng.work["grad_compute"])
+
+
+def plan_buffers(cfg: GPTConfig, stage: str = "0", nd: int = 1, device: str = "cuda",
+                 precision: str = "fp16") -> dict:
+    """{name: bytes} of the buffers ``Zero`` allocates at start-up for this GPT.
+
+    Mirrors zero.py: five state buffers (full or shard by stage), the unit-sized
+    workspaces of its plan, the optimizer's scratch. On the GPU the compute
+    dtype is the storage dtype, so no cast workspaces.
+    """
+    L = Layout(gpt_units(cfg), nd=nd)
+    sb = 2 if precision == "fp16" else 4
+    cb = sb if device == "cuda" else 4
+    full, shard, cap = L.padded, L.shard_numel, L.max_unit_padded
+    st = stage
+    out = {"params": sb * (shard if st in ("3", "hybrid") else full),
+           "grads": sb * (full if st in ("0", "1") else shard)}
+    for k in ("master", "adam_m", "adam_v"):
+        out[k] = 4 * (full if st == "0" else shard)
+    n_param_slots, n_grad_slots = _slot_counts(cfg.n_layer)
+    cast = cb != sb
+    gathers = st in ("3", "hybrid")
+    for i in range(n_param_slots if cast else 0):
+        out[f"param_compute{i}"] = cb * cap
+    for i in range(n_grad_slots if cast else 0):
+        out[f"grad_compute{i}"] = cb * cap
+    for i in range((1 if cast else n_param_slots) if gathers else 0):
+        out[f"gather{i}"] = sb * cap
+    for i in range((1 if cast else n_grad_slots) if st not in ("0", "1") else 0):
+        out[f"grad_bucket{i}"] = sb * cap
+    out["adam_tmp"] = 4 * max(L.piece)
+    out["grad_scratch"] = 4 * max(L.piece)
+    return out
+
+
+def activation_arena(cfg: GPTConfig, shapes, act_bytes: int = 2, checkpoint: bool = False) -> int:
+    """Bytes of one activation arena with fixed offsets, at the run's largest shape.
+
+    Two regions. The first holds what lives across the step: the token ids
+    and every block's kept activations (with checkpointing, one (B, T, C)
+    input per block). The second is reused by whatever lives for one phase:
+    the head's arrays and the fp32 loss in forward and the head's backward;
+    one block's forward scratch; one block's recomputed activations and its
+    backward's gradients of activations (three alive at a time).
+    """
+    def need(B, T):
+        e, units = act_bytes, unit_activations(cfg, B, T, act_bytes)
+        tr, bwd = _transients_fwd(cfg, B, T, e), sorted(_transients_bwd(cfg, B, T, e))[-3:]
+        head = sum(units[-1]) + tr["logits32"]
+        if checkpoint:
+            first = sum(units[0]) + cfg.n_layer * B * T * cfg.n_embd * e
+            ops = sorted(_block_ops(cfg, B, T, e))[-4:]
+            second = max(head, sum(ops) + tr["scores"], sum(units[1]) + sum(bwd))
+        else:
+            first = sum(sum(u) for u in units[:-1])
+            second = max(head, tr["scores"], sum(bwd))
+        return first + second
+    return max(need(B, T) for B, T in shapes)
+
+
+def ringzero_trace(cfg: GPTConfig, shapes, stage: str = "0", nd: int = 1, act_bytes: int = 2,
+                   checkpoint: bool = False) -> list:
+    """The plan as a trace: every buffer allocated once at start-up, nothing after."""
+    bufs = dict(plan_buffers(cfg, stage, nd))
+    bufs["activations"] = activation_arena(cfg, shapes, act_bytes, checkpoint)
+    return [("alloc", i + 1, b, k) for i, (k, b) in enumerate(bufs.items())]
+
+
+# ---- the experiment ---------------------------------------------------------------------
+def analyse(trace, policy=al.PYTORCH, scan: int = 24) -> dict:
+    """Peaks at an ample cap, the smallest cap that runs, and the first OOM at
+    ``scan`` caps from the peak of live bytes (where a perfect allocator runs)
+    up to the smallest cap: the one with the most memory free is the headline."""
+    live = al.peak_live(trace, policy)
+    q = 512 if policy.exact_segments else 2 * MIB
+    ample = al.replay(trace, 1 << 60, policy)
+    need = al.smallest_cap(trace, policy, quantum=q)
+    ooms = []
+    for k in range(scan):
+        cap = -(-(live + (need - live) * k // scan) // q) * q
+        if cap < need:
+            o = al.replay(trace, cap, policy)["oom"]
+            if o:
+                ooms.append({"cap": cap, **o})
+    worst = max(ooms, key=lambda o: o["free_share"], default=None)
+    return {"policy": policy.name, "peak_live": live, "peak_allocated": ample["peak_allocated"],
+            "peak_reserved": ample["peak_reserved"], "largest_free_block": ample["largest_free_block"],
+            "smallest_cap": need, "runs_at_smallest": al.replay(trace, need, policy)["oom"] is None,
+            "fails_below": al.replay(trace, need - q, policy)["oom"] is not None,
+            "ooms": ooms, "worst_oom": worst}
+
+
+# GPT-2 medium with activation checkpointing, sequence-length warm-up 128 -> 1024
+# at 8 sequences per micro-batch (DeepSpeed's curriculum "seqlen" schedule).
+DEMO_CFG = GPTConfig(n_layer=24, n_head=16, n_embd=1024, block_size=1024, vocab=50257)
+DEMO_SHAPES = [(8, t) for t in range(128, 1025, 128)]
+
+
+def demo(cfg: GPTConfig = DEMO_CFG, shapes=DEMO_SHAPES, checkpoint: bool = True,
+         policies=("pytorch", "cupy")) -> dict:
+    conv = conventional_trace(cfg, shapes, checkpoint=checkpoint)
+    rz = ringzero_trace(cfg, shapes, checkpoint=checkpoint)
+    out = {"cfg": cfg, "shapes": list(shapes), "checkpoint": checkpoint,
+           "psi": Layout(gpt_units(cfg)).numel, "plan": {e[3]: e[2] for e in rz},
+           "planned_bytes": sum(e[2] for e in rz), "events": len(conv), "by_policy": {}}
+    for name in policies:
+        pol = al.POLICIES[name]
+        c, r = analyse(conv, pol), analyse(rz, pol, scan=0)
+        w = c["worst_oom"]
+        r["at_worst_cap"] = al.replay(rz, w["cap"], pol)["oom"] is None if w else None
+        r["segment_bytes"] = sum(pol.segment_size(pol.round(e[2])) for e in rz)
+        out["by_policy"][name] = {"conventional": c, "ringzero": r}
+    cap = None
+    if out["by_policy"].get("cupy", {}).get("conventional", {}).get("worst_oom"):
+        cap = out["by_policy"]["cupy"]["conventional"]["worst_oom"]["cap"]
+    out["cupy_device"] = replay_cupy(conv, cap) if cap else None
+    return out
+
+
+def replay_cupy(trace, cap: int) -> dict | None:
+    """The trace through CuPy's real MemoryPool limited to ``cap``; None without a GPU."""
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return None
+    except Exception:
+        return None
+    pool = cupy.cuda.MemoryPool()
+    pool.set_limit(size=cap)
+    live, oom = {}, None
+    with cupy.cuda.using_allocator(pool.malloc):
+        for i, ev in enumerate(trace):
+            if ev[0] == "alloc":
+                try:
+                    live[ev[1]] = cupy.empty(ev[2], cupy.uint8)
+                except cupy.cuda.memory.OutOfMemoryError:
+                    oom = {"event": i, "request": ev[2], "used": pool.used_bytes(),
+                           "total": pool.total_bytes(), "free_share": (cap - pool.used_bytes()) / cap}
+                    break
+            else:
+                del live[ev[1]]
+    out = {"cap": cap, "oom": oom, "total_bytes": pool.total_bytes()}
+    live.clear()
+    pool.free_all_blocks()
+    return out
+
+
+def _b(x) -> str:
+    return f"{x / GIB:.3f} GiB"
+
+
+def print_fragmentation(r: dict, f=None):
+    import sys
+    p = lambda *a: print(*a, file=f or sys.stdout)  # noqa: E731
+    c = r["cfg"]
+    p(f"GPT {c.n_layer}L C={c.n_embd} H={c.n_head} V={c.vocab} (Ψ = {r['psi']:,}), one rank, "
+      f"fp16 weights/grads/activations, fp32 master and Adam"
+      + (", activation checkpointing" if r["checkpoint"] else ""))
+    p("micro-batch (B, T) per step: " + ", ".join(f"({b}, {t})" for b, t in r["shapes"]))
+    p(f"conventional: {r['events']:,} alloc/free events (a tensor per parameter, gradient and "
+      "Adam state; activations freed in reverse; 25 MiB fp16 all-reduce buckets)")
+    p("ringzero: " + ", ".join(f"{k} {v / MIB:,.1f}" for k, v in r["plan"].items())
+      + f" MiB, allocated once = {r['planned_bytes']:,} B ({_b(r['planned_bytes'])})")
+    for name, d in r["by_policy"].items():
+        cv, rz = d["conventional"], d["ringzero"]
+        p(f"\nallocator model: {name}")
+        p(f"  {'schedule':<13}{'peak live':>12}{'peak alloc':>12}{'peak reserved':>15}"
+          f"{'largest free':>14}{'smallest cap':>14}{'cap / live':>11}")
+        for k, x in (("conventional", cv), ("ringzero", rz)):
+            p(f"  {k:<13}{_b(x['peak_live']):>12}{_b(x['peak_allocated']):>12}"
+              f"{_b(x['peak_reserved']):>15}{_b(x['largest_free_block']):>14}{_b(x['smallest_cap']):>14}"
+              f"{x['smallest_cap'] / x['peak_live']:>10.4f}x")
+        p(f"  smallest caps found by bisection: each runs, one {'512 B' if name == 'cupy' else '2 MiB'}"
+          f" less does not ({'yes' if cv['fails_below'] and rz['fails_below'] else 'NO'})")
+        p(f"  ringzero's smallest cap = its {len(r['plan'])} buffers, each rounded to the allocator's "
+          f"segment: {rz['segment_bytes']:,} B ({'equal' if rz['segment_bytes'] == rz['smallest_cap'] else 'DIFFERENT'})")
+        p(f"  first OOM of the conventional step at caps between its peak of live bytes and its smallest cap:")
+        p(f"    {'cap':>11}{'event':>8}  {'request':<26}{'allocated':>11}{'reserved':>11}"
+          f"{'largest free':>13}{'free':>7}")
+        for o in cv["ooms"]:
+            req = f"{o['request'] / MIB:.1f} MiB {o['tag']}"
+            p(f"    {_b(o['cap']):>11}{o['event']:>8}  {req:<26}{_b(o['allocated']):>11}"
+              f"{_b(o['reserved']):>11}{o['largest_free_block'] / MIB:>9.1f} MiB{100 * o['free_share']:>6.1f}%")
+        w = cv["worst_oom"]
+        if w:
+            p(f"  => at {_b(w['cap'])} (>= its {_b(cv['peak_live'])} of live bytes) the conventional step "
+              f"OOMs with {100 * w['free_share']:.1f} % of memory free: no cached block fits the "
+              f"{w['request'] / MIB:.0f} MiB request (largest {w['largest_free_block'] / MIB:.0f} MiB) and "
+              f"the device's unreserved {w['device_free'] / MIB:.0f} MiB cannot hold its segment; "
+              f"ringzero's plan at that cap: {'runs' if rz['at_worst_cap'] else 'does NOT fit'}")
+    if r.get("cupy_device"):
+        d = r["cupy_device"]
+        p(f"\nCuPy's real MemoryPool at {_b(d['cap'])}: "
+          + (f"OOM at event {d['oom']['event']} with {100 * d['oom']['free_share']:.1f} % free"
+             if d["oom"] else "runs"))
+    else:
+        p("\n(CuPy's real MemoryPool: skipped, needs cupy and a GPU)")
+
+
+# ---- CLI (``python -m ringzero.explain fragmentation``) ---------------------------------
+def parse_shapes(text: str) -> list:
+    """'8x128,8x256' -> [(8, 128), (8, 256)]."""
+    out = []
+    for part in str(text).split(","):
+        b, _, t = part.strip().lower().partition("x")
+        if not (b.isdigit() and t.isdigit() and int(b) > 0 and int(t) > 0):
+            raise ValueError(f"cannot read shape {part.strip()!r}: expected BxT with B, T >= 1, "
+                             f"e.g. 8x128,8x256")
+        out.append((int(b), int(t)))
+    return out
+
+
+def add_args(ap):
+    from ringzero.nn.gpt import PRESETS
+    ap.add_argument("--model", choices=sorted(PRESETS), default="gpt2-medium",
+                    help="GPT shape whose layout is traced (default gpt2-medium)")
+    ap.add_argument("--shapes", default=",".join(f"{b}x{t}" for b, t in DEMO_SHAPES),
+                    help="micro-batch BxT of each step (default: seq-length warm-up 8x128 .. 8x1024)")
+    ap.add_argument("--no-checkpoint", action="store_true", help="keep every activation (no recompute)")
+    ap.add_argument("--policy", choices=("pytorch", "cupy", "both"), default="both")
+    ap.add_argument("--json", action="store_true", help="one JSON object instead of the report")
+
+
+def run(a) -> int:
+    import json
+    import sys
+    from ringzero.nn.gpt import PRESETS
+    cfg = PRESETS[a.model]
+    try:
+        shapes = parse_shapes(a.shapes)
+        bad = [t for _, t in shapes if t > cfg.block_size]
+        if bad:
+            raise ValueError(f"sequence length must be <= block_size={cfg.block_size}, got {bad[0]}")
+    except ValueError as e:
+        print(f"python -m ringzero.explain fragmentation: error: {e}", file=sys.stderr)
+        return 2
+    pols = ("pytorch", "cupy") if a.policy == "both" else (a.policy,)
+    r = demo(cfg, shapes, checkpoint=not a.no_checkpoint, policies=pols)
+    if a.json:
+        r = {**r, "cfg": dict(cfg.__dict__)}
+        print(json.dumps(r, indent=1))
+    else:
+        print_fragmentation(r)
+    return 0
