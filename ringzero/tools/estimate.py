@@ -36,7 +36,7 @@ PAPER_PRESETS = {
                   "the ZeRO paper (Rajbhandari et al. 2020, §3.2, as the seed quotes it): a 100B "
                   "model still needs ~60 GB of activations with checkpointing. Assumed here: batch 32 "
                   "and seq 1K as for the paper's GPT-2 figure, 125 layers, hidden 8192 (12·L·h² = "
-                  "100.7B), GPT-2 vocabulary; "heads (64) do not enter the ZeRO count."),
+                  "100.7B), GPT-2 vocabulary; heads (64) do not enter the ZeRO count."),
 }
 ALL_MODELS = {**PRESETS, **{k: v[0] for k, v in PAPER_PRESETS.items()}}
 
