@@ -134,7 +134,7 @@ def conventional_trace(cfg: GPTConfig, shapes, bucket: int = 25 * MIB, act_bytes
             if 1 <= u <= cfg.n_layer:
                 free(s)
             if u == len(L.units) - 1:            # the fp32 loss over the logits
-                lg = alloc(tr["logits32"], "transient")
+                lg = alloc(tr["logits32"], "fp32 logits")
                 free(lg)
         grads, ready = {}, []
         for u in reversed(range(len(L.units))):

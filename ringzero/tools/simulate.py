@@ -506,43 +506,59 @@ def _t(s):
 
 def plot_bandwidth(cfg, nd, comp, alpha, out, stages=("0", "1", "2", "3"), title=None,
                    bws=None) -> dict:
-    """Step time against link bandwidth per stage, with and without overlap; PNG at ``out``."""
+    """Step time against link bandwidth per stage, with and without overlap (left),
+    and each stage's step over stage 2's (right); PNG at ``out``.
+
+    A stage's "knee" is the lowest bandwidth at which its step stays within 5 %
+    of its compute-bound step (the step at infinite bandwidth).
+    """
     from ringzero.tools.plot import _plt
     from ringzero.nn.gpt import gpt_units
     L = Layout(gpt_units(cfg))
-    bws = list(np.logspace(8, 12, 41)) if bws is None else bws   # 0.1 GB/s .. 1 TB/s
-    curves = {}
+    bws = list(np.logspace(8, 12, 81)) if bws is None else bws   # 0.1 GB/s .. 1 TB/s
+    curves, knee = {}, {}
     for st in stages:
         for ov in (False, True):
-            curves[(st, ov)] = [step_time(L, st, nd, comp, Links.given(alpha, bw), ov)["step_s"] for bw in bws]
-    # the bandwidth below which each stage's exposed communication passes 5 % of its compute
-    knee = {}
-    floor = {st: curves[(st, True)][-1] for st in stages}
-    for st in stages:
-        ok = [bw for bw, t in zip(bws, curves[(st, True)]) if t <= 1.05 * floor[st]]
-        knee[st] = min(ok) if ok else None
+            c = [step_time(L, st, nd, comp, Links.given(alpha, bw), ov)["step_s"] for bw in bws]
+            floor = step_time(L, st, nd, comp, Links.given(alpha, math.inf), ov)["step_s"]
+            curves[(st, ov)] = c
+            ok = [bw for bw, t in zip(bws, c) if t <= 1.05 * floor]
+            knee[(st, ov)] = min(ok) if ok else None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7.5, 4.6), dpi=110)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.4), dpi=110)
     colors = {"0": "tab:blue", "1": "tab:orange", "2": "tab:green", "3": "tab:red"}
+    x = np.array(bws) / 1e9
     for st in stages:
-        ax.plot(np.array(bws) / 1e9, curves[(st, False)], "--", color=colors.get(st), lw=1.2,
-                label=f"stage {st}, no overlap")
-        ax.plot(np.array(bws) / 1e9, curves[(st, True)], "-", color=colors.get(st), lw=2,
-                label=f"stage {st}, overlap")
-        if knee[st]:
-            ax.axvline(knee[st] / 1e9, color=colors.get(st), lw=0.8, ls=":")
+        for ov, ls, lw in ((False, "--", 1.2), (True, "-", 2.0)):
+            ax.plot(x, curves[(st, ov)], ls, color=colors.get(st), lw=lw,
+                    label=f"stage {st}" + (", overlap" if ov else ", no overlap"))
+        if knee[(st, True)]:
+            ax.axvline(knee[(st, True)] / 1e9, color=colors.get(st), lw=0.8, ls=":")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("link bandwidth per rank (GB/s)")
     ax.set_ylabel("step time (s)")
-    ax.set_title(title or f"GPT {cfg.n_layer}L C={cfg.n_embd}, Nd = {nd}, α = {alpha * 1e6:g} us")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
+    ax.set_title("step time (dotted: overlap knee, 5 % over compute-bound)", fontsize=9)
+    ref = "2" if "2" in stages else stages[0]
+    for st in stages:
+        for ov, ls in ((False, "--"), (True, "-")):
+            ax2.plot(x, np.array(curves[(st, ov)]) / np.array(curves[(ref, ov)]), ls,
+                     color=colors.get(st), label=f"stage {st}" + (", overlap" if ov else ""))
+    ax2.set_xscale("log")
+    ax2.set_xlabel("link bandwidth per rank (GB/s)")
+    ax2.set_ylabel(f"step time / stage {ref}'s")
+    ax2.grid(True, which="both", alpha=0.3)
+    ax2.legend(fontsize=7, ncol=2)
+    ax2.set_title("stage 3's extra Ψ: 1.5x the wire; costs where the link is slow", fontsize=9)
+    fig.suptitle(title or f"GPT {cfg.n_layer}L C={cfg.n_embd} (Ψ = {L.numel / 1e9:.2f}B), "
+                          f"Nd = {nd}, α = {alpha * 1e6:g} us; compute: {comp.source}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
-    return {"bandwidths": bws, "curves": {f"{k[0]}{'+overlap' if k[1] else ''}": v for k, v in curves.items()},
-            "knee_Bps": knee, "out": out}
+    return {"bandwidths": bws, "knee_Bps": {f"{k[0]}{'+overlap' if k[1] else ''}": v for k, v in knee.items()},
+            "curves": {f"{k[0]}{'+overlap' if k[1] else ''}": v for k, v in curves.items()}, "out": out}
 
 
 def main(argv=None):
@@ -576,9 +592,11 @@ def main(argv=None):
         alpha = links.fixed[0] if links.fixed else links.ab("all_gather", a.nd[0])[0]
         pr = plot_bandwidth(cfg, a.nd[0], comp, alpha, a.plot, [s for s in stages if s != "hybrid"])
         print(f"\nwrote {a.plot}: step time against bandwidth at Nd = {a.nd[0]}, α = {alpha * 1e6:g} us")
-        for st, k in pr["knee_Bps"].items():
-            print(f"  stage {st}: with overlap within 5 % of its compute-bound step above "
-                  + (f"{k / 1e9:.3g} GB/s" if k else "no bandwidth plotted"))
+        kn = pr["knee_Bps"]
+        for st in [s for s in stages if s != "hybrid"]:
+            f = lambda k: f"{k / 1e9:.3g} GB/s" if k else "none plotted"  # noqa: E731
+            print(f"  stage {st}: within 5 % of its compute-bound step above {f(kn[st])} without "
+                  f"overlap, {f(kn[st + '+overlap'])} with")
         out["plot"] = {k: v for k, v in pr.items() if k != "curves"}
     if a.json:
         with open(a.json, "w") as fh:
