@@ -63,6 +63,23 @@ def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def print_fit_held_out(rows):
+    """The α–β fit alone: each (op, n) fitted on every other size, the rest predicted."""
+    from ringzero.tools import fit
+    from ringzero.tools import simulate as sm
+    fit_rows, held = fit.split_alternate(rows)
+    links = sm.Links.from_rows(fit_rows)
+    errs = {}
+    for r in held:
+        op, n = fit.norm_op(r["op"]), int(r["n"])
+        t = float(r["time_us"]) * 1e-6
+        errs.setdefault(n, []).append(abs(links.time(op, n, float(r["bytes"])) - t) / t)
+    print("\nthe α–β fit itself, per (op, n) with the Ring's step counts, on held-out sizes:")
+    for n, e in sorted(errs.items()):
+        print(f"  n = {n}: median |error| {100 * np.median(e):.1f} %, max {100 * max(e):.1f} % "
+              f"({len(e)} sizes)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ns", default="2,4,8", help="world sizes")
@@ -143,6 +160,7 @@ def main():
     for n in ns:
         e = np.abs([r["rel_err"] for r in table if r["n"] == n])
         print(f"  n = {n}: median {100 * np.median(e):.1f} %, max {100 * e.max():.1f} %")
+    print_fit_held_out(rows)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"table": table, "fits": {f"{k[0]}@{k[1]}": v for k, v in links.fits.items()},
