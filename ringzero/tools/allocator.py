@@ -216,17 +216,20 @@ class Allocator:
         return out
 
 
-def replay(trace, cap: int, policy: Policy = PYTORCH) -> dict:
+def replay(trace, cap: int, policy: Policy = PYTORCH, record: bool = False) -> dict:
     """Run a trace of ("alloc", id, nbytes[, tag]) and ("free", id) events.
 
-    Returns peaks, and at an OOM the state of the pool at that moment: the
+    Returns peaks (record=True: the usage after every event), and at an OOM the state of the pool at that moment: the
     request, bytes allocated and reserved, the largest cached free block, the
     device's unreserved rest, and the share of ``cap`` not held by live blocks.
     """
     a = Allocator(cap, policy)
     live = {}
     out = {"cap": cap, "policy": policy.name, "events": len(trace), "oom": None}
+    usage = out["usage"] = [] if record else None     # (allocated, reserved, largest free) per event
     for i, ev in enumerate(trace):
+        if usage is not None and i:
+            usage.append((a.allocated, a.reserved, a.largest_free_block()))
         if ev[0] == "alloc":
             try:
                 live[ev[1]] = a.alloc(ev[2])

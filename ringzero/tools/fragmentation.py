@@ -37,6 +37,8 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
+
 from ringzero.nn.gpt import GPTConfig, gpt_units
 from ringzero.runtime.flat import Layout
 from ringzero.tools import allocator as al
@@ -382,6 +384,39 @@ def print_fragmentation(r: dict, f=None):
         p("\n(CuPy's real MemoryPool: skipped, needs cupy and a GPU)")
 
 
+def plot_usage(cfg, shapes, out: str, checkpoint: bool = True, policy=al.PYTORCH) -> str:
+    """PNG: allocated, reserved and the largest free block over the trace (no cap), for
+    the conventional step and ringzero's plan, with the conventional trace's worst OOM cap."""
+    from ringzero.tools.plot import _plt
+    conv = conventional_trace(cfg, shapes, checkpoint=checkpoint)
+    rz = ringzero_trace(cfg, shapes, checkpoint=checkpoint)
+    u = al.replay(conv, 1 << 60, policy, record=True)["usage"]
+    worst = analyse(conv, policy)["worst_oom"]
+    plan = al.replay(rz, 1 << 60, policy)["peak_reserved"]
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 4.2), dpi=110)
+    x = np.arange(len(u))
+    for k, (name, color) in enumerate((("allocated (live tensors)", "tab:blue"),
+                                       ("reserved (segments held)", "tab:orange"),
+                                       ("largest free block", "tab:gray"))):
+        ax.plot(x, [e[k] / GIB for e in u], color=color, lw=1, label="conventional: " + name)
+    ax.axhline(plan / GIB, color="tab:green", lw=2, label=f"ringzero's plan: {plan / GIB:.3f} GiB, every step")
+    if worst:
+        ax.axhline(worst["cap"] / GIB, color="tab:red", ls="--", lw=1,
+                   label=f"cap {worst['cap'] / GIB:.3f} GiB: conventional OOMs with "
+                         f"{100 * worst['free_share']:.1f} % free")
+        ax.plot([worst["event"]], [worst["allocated"] / GIB], "rx", ms=9)
+    ax.set_xlabel("allocator event (8 steps, T = 128 .. 1024)" if shapes == DEMO_SHAPES else "allocator event")
+    ax.set_ylabel("GiB")
+    ax.set_title(f"GPT {cfg.n_layer}L C={cfg.n_embd}, {policy.name} allocator model, no cap", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
 # ---- CLI (``python -m ringzero.explain fragmentation``) ---------------------------------
 def parse_shapes(text: str) -> list:
     """'8x128,8x256' -> [(8, 128), (8, 256)]."""
@@ -404,6 +439,7 @@ def add_args(ap):
     ap.add_argument("--no-checkpoint", action="store_true", help="keep every activation (no recompute)")
     ap.add_argument("--policy", choices=("pytorch", "cupy", "both"), default="both")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of the report")
+    ap.add_argument("--plot", help="PNG: memory over the trace (pytorch policy), with the OOM cap")
 
 
 def run(a) -> int:
@@ -426,4 +462,7 @@ def run(a) -> int:
         print(json.dumps(r, indent=1))
     else:
         print_fragmentation(r)
+    if a.plot:
+        plot_usage(cfg, shapes, a.plot, checkpoint=not a.no_checkpoint)
+        print(f"wrote {a.plot}")
     return 0
