@@ -13,6 +13,7 @@ from ringzero.nn.gpt import GPT, PRESETS, GPTConfig
 from ringzero.runtime.flat import Layout
 from ringzero.tools import allocator as al
 from ringzero.tools import fragmentation as fr
+from ringzero.tools import traces as tr
 
 
 def _cache_arrays(c, out):
@@ -35,7 +36,7 @@ def test_unit_activations_match_the_real_forward(B, T):
     P = L.views(L.init_full(np.empty(L.padded, np.float32), 0))
     rng = np.random.default_rng(0)
     x, y = rng.integers(0, 96, (B, T)), rng.integers(0, 96, (B, T))
-    want = fr.unit_activations(cfg, B, T, itemsize=4, stat_bytes=4, id_bytes=8)
+    want = tr.unit_activations(cfg, B, T, itemsize=4, stat_bytes=4, id_bytes=8)
     h = x
     for u in range(len(m.units)):
         h, c = m.forward_unit(u, P, h, y if u == len(m.units) - 1 else None)
@@ -51,7 +52,7 @@ def test_plan_matches_a_real_engine(stage):
     from ringzero.runtime.zero import Zero
     cfg = GPTConfig(3, 2, 32, 16, 64)
     eng = Zero(GPT(cfg), MPI.COMM_SELF, stage, device="cpu")
-    plan = fr.plan_buffers(cfg, stage, 1, device="cpu")
+    plan = tr.plan_buffers(cfg, stage, 1, device="cpu")
     for k in ("params", "grads", "master", "adam_m", "adam_v"):
         assert plan[k] == eng.bufs[k].nbytes, k
     for k, bufs in eng.work.items():
@@ -64,9 +65,9 @@ def test_conventional_trace_is_well_formed_and_keeps_14_bytes_per_param():
     cfg = GPTConfig(2, 2, 64, 32, 100)
     psi = 12 * 2 * 64 * 64 + 13 * 2 * 64 + (100 + 32) * 64 + 2 * 64   # GPT-2 closed form
     for ckpt in (False, True):
-        tr = fr.conventional_trace(cfg, [(2, 16), (1, 32)], checkpoint=ckpt)
+        trace = tr.conventional_trace(cfg, [(2, 16), (1, 32)], checkpoint=ckpt)
         live = {}
-        for e in tr:
+        for e in trace:
             if e[0] == "alloc":
                 assert e[1] not in live
                 live[e[1]] = e[2]

@@ -136,3 +136,17 @@ def test_schedule_gathers_what_the_engine_plans():
         assert got == want
     rs = [u for k, u in sm.schedule(eng.layout, "3") if k == "rs"]
     assert sorted(rs) == list(range(len(eng.layout.units)))      # every unit reduced once
+
+
+def test_hybrid_wire_bytes_match_the_accounting():
+    """HYBRID_SHARD at Nd = 4, Ng = 2: stage 3 inside a node plus the shard's all-reduce
+    across the Nn = 2 nodes, 3Ψ(Ng-1)/Ng + 2(Ψ/Ng)(Nn-1)/Nn elements."""
+    cfg = GPTConfig(3, 2, 64, 32, 100)
+    nd, ng = 4, 2
+    L = Layout(gpt_units(cfg), nd=ng)
+    zero = sm.Compute([0.0] * len(L.units), [0.0] * len(L.units), 0.0, 0.0)
+    got = sm.step_time(Layout(gpt_units(cfg)), "hybrid", nd, zero, sm.Links.given(0.0, 1.0),
+                       ranks_per_node=ng)
+    want = sum(acc.traffic_bytes("hybrid", L.padded, nd, ng).values())
+    want -= 2 * L.unit_padded[-1] * (ng - 1) // ng          # the head: gathered once
+    assert got["comm"] == pytest.approx(want)
