@@ -163,9 +163,7 @@ def print_predictions(rows, cfg, comp, links, psi, f=None):
                                   f": α = {links.fixed[0] * 1e6:g} us, {1 / links.fixed[1] / 1e9:g} GB/s"))
     p(f"\n{'stage':>6}{'Nd':>6}{'no overlap':>14}{'overlap':>12}{'compute':>12}{'comm':>12}"
       f"{'update':>12}{'exposed (ov)':>14}{'vs stage 0':>11}")
-    base = {}
-    for r0, r1 in rows:
-        base.setdefault(r0["nd"], r0["step_s"]) if r0["stage"] == "0" else None
+    base = {r0["nd"]: r0["step_s"] for r0, _ in rows if r0["stage"] == "0"}   # no-overlap stage 0
     for r0, r1 in rows:
         b = base.get(r0["nd"])
         p(f"{r0['stage']:>6}{r0['nd']:>6}{_t(r0['step_s']):>14}{_t(r1['step_s']):>12}"
