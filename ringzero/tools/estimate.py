@@ -35,6 +35,17 @@ FSDP_NAME = {"0": "NO_SHARD", "1": "-", "2": "SHARD_GRAD_OP", "3": "FULL_SHARD",
              "hybrid": "HYBRID_SHARD"}
 
 
+# Paper shapes the estimator knows beside the GPT-2 presets: (config, default batch, note).
+PAPER_PRESETS = {
+    "zero-100b": (GPTConfig(125, 64, 8192, 1024, 50257), 32,
+                  "the ZeRO paper (Rajbhandari et al. 2020, §3.2, as the seed quotes it): a 100B "
+                  "model still needs ~60 GB of activations with checkpointing. Assumed here: batch 32 "
+                  "and seq 1K as for the paper's GPT-2 figure, 125 layers, hidden 8192 (12·L·h² = "
+                  "100.7B), GPT-2 vocabulary; heads (64) do not enter the ZeRO count."),
+}
+ALL_MODELS = {**PRESETS, **{k: v[0] for k, v in PAPER_PRESETS.items()}}
+
+
 def gpt_psi(cfg: GPTConfig) -> int:
     """Ψ of a GPT config, from the layout table (tied head: no separate lm_head)."""
     return Layout(gpt_units(cfg)).numel
@@ -237,6 +248,15 @@ def print_report(r: dict, cfg, f=None):
                          ("korthikanti_ckpt", "Korthikanti et al., full recompute"),
                          ("logits", "fp16 logits (in neither count)")):
             p(f"  {label:<36}{a['formulas'][k]:<38}{_g(ab[k]):>12} GB")
+        b_, s_, h_, L_ = a["batch"], a["seq"], cfg.n_embd, cfg.n_layer
+        p(f"  checkpoints alone, numbers in: 2 B x {b_}·{s_}·{h_}·{L_} = {ab['ckpt_inputs']:,} B = "
+          f"{ab['ckpt_inputs'] / GB:.1f} GB = {ab['ckpt_inputs'] / GIB:.1f} GiB")
+        for name, (pc, _, note) in PAPER_PRESETS.items():
+            if pc == cfg:
+                p(f"  {name}: {note}")
+                p(f"  the paper's ~60 GB is this count: {ab['ckpt_inputs'] / GB:.1f} GB "
+                  f"({ab['ckpt_inputs'] / GIB:.1f} GiB) of fp16 layer inputs; with one layer "
+                  f"recomputed, {ab['zero_ckpt'] / GB:.1f} GB")
         p("  recompute cost of checkpointing: one more forward; backward is ~2 forwards, so "
           "+1/(1+2) = 33 % of a step's compute.")
         p("  used below: the ZeRO paper's count (the seed's ~60 GB / ~8 GB for GPT-2 1.5B, seq 1K,"
@@ -281,7 +301,8 @@ def add_model_args(ap):
     """--params / --model / --n-layer ...: shared with ``python -m ringzero.explain traffic``."""
     src = ap.add_argument_group("model size (one of)")
     src.add_argument("--params", help="parameter count with K/M/B/T suffix, e.g. 7.5B")
-    src.add_argument("--model", choices=sorted(PRESETS), help="a GPT-2 preset; Ψ from its layout")
+    src.add_argument("--model", choices=sorted(ALL_MODELS),
+                     help="a GPT-2 preset, or zero-100b (the ZeRO paper's 100B shape); Ψ from its layout")
     for k, h in (("n_layer", "blocks"), ("n_embd", "width"), ("n_head", "heads"),
                  ("vocab", "vocabulary"), ("block_size", "context length")):
         src.add_argument("--" + k.replace("_", "-"), type=int, help=f"GPT {h} (overrides --model)")
@@ -295,7 +316,7 @@ def model_from_args(a):
     if a.params:
         return acc.parse_count(a.params), None
     if a.model or dims:
-        base = PRESETS[a.model] if a.model else GPTConfig()
+        base = ALL_MODELS[a.model] if a.model else GPTConfig()
         cfg = GPTConfig(**{**base.__dict__, **dims})
         return gpt_psi(cfg), cfg
     raise ValueError("no model size: give --params 7.5B or --model gpt2-xl or --n-layer ...")
@@ -310,7 +331,8 @@ def build_parser():
                     "rank sends per step; then temporary buffers, activations (with --batch), "
                     "whether it fits (with --gpu-mem), and other published accountings.",
         epilog="Examples: --params 7.5B --nd 64 (the seed's 120/31.4/16.6/1.88 GB);  "
-               "--model gpt2-xl --nd 1 --batch 32 --seq 1024 --gpu-mem 32GB")
+               "--model gpt2-xl --nd 1 --batch 32 --seq 1024 --gpu-mem 32GB;  "
+               "--model zero-100b --nd 1 (the ~60 GB of checkpoints, batch 32 by default)")
     add_model_args(ap)
     ap.add_argument("--nd", type=int, default=64, help="data-parallel ranks Nd (default 64)")
     ap.add_argument("--ranks-per-node", type=int, help="Ng: adds the HYBRID_SHARD row")
@@ -349,6 +371,8 @@ def main(argv=None):
         if a.batch is not None and a.batch < 1:
             raise ValueError(f"--batch must be >= 1, got {a.batch}")
         seq = a.seq
+        if a.model in PAPER_PRESETS and a.batch is None:
+            a.batch = PAPER_PRESETS[a.model][1]       # the paper's batch for its figure
         if a.batch and cfg is None:
             raise ValueError("--batch needs a GPT shape (--model or --n-layer ...) for activations")
         if cfg is not None:

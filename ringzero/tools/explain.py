@@ -1,4 +1,4 @@
-"""``python -m ringzero.explain precision|traffic``: the two lessons behind ZeRO's accounting.
+"""``python -m ringzero.explain precision|traffic|fragmentation``: the two lessons behind ZeRO's accounting.
 
 What it is
     precision  Why the 12 bytes of fp32 state per parameter cannot be dropped, shown
@@ -17,6 +17,8 @@ What it is
                beside formula when a training run's ``--metrics`` file is given.
                ``--grad-accum K``: per micro-batch and per step (stages 0-2 reduce
                once per step, stage 3 gathers and reduce-scatters every micro-batch).
+    fragmentation  A caching allocator's OOM with memory free, by replaying a
+               training step's allocations (ringzero.tools.fragmentation).
 
 What it is not
     No thresholds are typed in: each is searched for by experiment; the seed
@@ -424,7 +426,13 @@ def main(argv=None):
     tp.add_argument("--ranks-per-node", type=int, help="Ng: adds HYBRID_SHARD")
     tp.add_argument("--metrics", help="a trainer metrics .jsonl: measured beside formula")
     add_step_args(tp)
+    from ringzero.tools import fragmentation
+    fragmentation.add_args(sub.add_parser(
+        "fragmentation", help="a caching allocator OOMs with 30 %% free; ringzero's flat plan does not",
+        description=fragmentation.__doc__.split("\n\n")[0]))
     a = ap.parse_args(argv)
+    if a.what == "fragmentation":
+        return fragmentation.run(a)
     if a.what == "precision":
         print_precision()
         return 0

@@ -1,0 +1,173 @@
+"""Check ``python -m ringzero.simulate`` against real step times it was never fitted on.
+
+    python benchmarks/check_simulate.py                    # n = 2, 4, 8; two GPT sizes; a few minutes
+    python benchmarks/check_simulate.py --ns 2 --json out.json
+
+1. The collectives bench (``python -m ringzero.bench``, float16, ring only,
+   reduce-scatter and all-gather, 1 KiB .. 4 MiB) at each n: the only thing
+   the α, β of each (op, n) are fitted on.
+2. ``benchmarks/bench_stages.py`` at each n for each model size: the median
+   step time of stages 0-3, interleaved in one run.
+3. Compute per unit: ``python -m ringzero.simulate measure`` under the same
+   mpirun size, just before and just after bench_stages (all ranks time the
+   model's own forward_unit/backward_unit at once, so core sharing is in the
+   figure; the mean of the two is used, their ratio printed as "drift": the
+   machine's load moving under the run).
+4. The simulator predicts each stage's step (no overlap, as the engine
+   runs); the table prints predicted against measured.
+
+Every mpirun sits inside a timeout. Ranks get one BLAS thread each. The load
+average is printed before and after: on a shared machine, errors that move
+with it are the machine's, not the model's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+# one BLAS thread, in this process (the compute measurement) as in every rank
+for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_v] = "1"
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+MODELS = {   # name: (n_layer, n_head, n_embd, seq_len, batch per rank)
+    "4L-256C": (4, 4, 256, 128, 8),
+    "2L-128C": (2, 4, 128, 128, 8),
+}
+
+
+def mpirun(n: int, args: list, timeout: int) -> str:
+    flags = os.environ.get("MPIRUN_FLAGS", "--oversubscribe --bind-to none"
+                           + (" --allow-run-as-root" if os.geteuid() == 0 else "")).split()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    mpi = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    cmd = [mpi if os.path.exists(mpi) else "mpirun", *flags, "-n", str(n),
+           sys.executable, "-m", "mpi4py", *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    if res.returncode:
+        raise SystemExit(f"check_simulate: {' '.join(args[:3])} at n={n} failed: "
+                         f"{(res.stderr.strip().splitlines() or ['?'])[-1]}")
+    return res.stdout
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def print_fit_held_out(rows):
+    """The α–β fit alone: each (op, n) fitted on every other size, the rest predicted."""
+    from ringzero.tools import fit
+    from ringzero.tools import simulate as sm
+    fit_rows, held = fit.split_alternate(rows)
+    links = sm.Links.from_rows(fit_rows)
+    errs = {}
+    for r in held:
+        op, n = fit.norm_op(r["op"]), int(r["n"])
+        t = float(r["time_us"]) * 1e-6
+        errs.setdefault(n, []).append(abs(links.time(op, n, float(r["bytes"])) - t) / t)
+    print("\nthe α–β fit itself, per (op, n) with the Ring's step counts, on held-out sizes:")
+    for n, e in sorted(errs.items()):
+        print(f"  n = {n}: median |error| {100 * np.median(e):.1f} %, max {100 * max(e):.1f} % "
+              f"({len(e)} sizes)")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ns", default="2,4,8", help="world sizes")
+    ap.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)}")
+    ap.add_argument("--iters", type=int, default=5, help="timed steps per stage in bench_stages")
+    ap.add_argument("--json", help="write every row here")
+    a = ap.parse_args()
+    from ringzero.nn.gpt import GPTConfig, gpt_units
+    from ringzero.runtime.flat import Layout
+    from ringzero.tools import simulate as sm
+    ns = [int(x) for x in a.ns.split(",")]
+    models = a.models.split(",")
+    t_start = time.time()
+    print(f"load average at start: {load()} ({os.cpu_count()} cores)", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in [n for n in ns if n > 1]:   # 1. the collectives: what α, β are fitted on
+            for op in ("reduce_scatter", "all_gather"):
+                f = os.path.join(tmp, f"bench-{op}-{n}.json")
+                mpirun(n, ["-m", "ringzero.bench", "-b", "1K", "-e", "4M", "-f", "2", "-o", op,
+                           "-d", "float16", "-c", "0", "--no-mpi", "-n", "10", "-w", "2",
+                           "--max-seconds", "0.5", "--json", f], 600)
+                with open(f) as fh:
+                    rows += json.load(fh)["rows"]
+        # n = 1 sends nothing: any link will do
+        links = sm.Links.from_rows(rows) if rows else sm.Links.given(0.0, float("inf"), "none (n = 1)")
+        print(f"α–β fitted on {len(rows)} collective rows ({time.time() - t_start:.0f} s)", flush=True)
+        meas, comps, drift = {}, {}, {}
+        for m in models:                  # 2. the real steps
+            nl, nh, ne, T, B = MODELS[m]
+            for n in ns:
+                f = os.path.join(tmp, f"stages-{m}-{n}.json")
+                dims = ["--n-layer", str(nl), "--n-head", str(nh), "--n-embd", str(ne),
+                        "--block-size", str(T), "--vocab", "256", "--seq", str(T), "--batch", str(B)]
+                cj = [os.path.join(tmp, f"compute-{m}-{n}-{k}.json") for k in (0, 1)]
+                mpirun(n, ["-m", "ringzero.simulate", "measure", *dims, "--json", cj[0]], 600)
+                mpirun(n, [os.path.join("benchmarks", "bench_stages.py"), "--n-layer", str(nl),
+                           "--n-head", str(nh), "--n-embd", str(ne), "--seq-len", str(T),
+                           "--batch", str(B), "--iters", str(a.iters), "--warmup", "1",
+                           "--json", f], 600)
+                mpirun(n, ["-m", "ringzero.simulate", "measure", *dims, "--json", cj[1]], 600)
+                with open(f) as fh:
+                    meas[(m, n)] = {r["stage"]: r["median_step_s"] for r in json.load(fh)["rows"]}
+                c0, c1 = (json.load(open(c)) for c in cj)   # before and after: their mean
+                comps[(m, n)] = sm.Compute(*[list((np.array(c0[k]) + np.array(c1[k])) / 2)
+                                             for k in ("fwd", "bwd")],
+                                           (c0["cast_s"] + c1["cast_s"]) / 2,
+                                           (c0["update_s"] + c1["update_s"]) / 2, None,
+                                           f"{n} ranks at once, before and after the bench")
+                drift[(m, n)] = (sum(c1["fwd"]) + sum(c1["bwd"])) / (sum(c0["fwd"]) + sum(c0["bwd"]))
+                print(f"bench_stages {m} n={n} done ({time.time() - t_start:.0f} s, load {load()})",
+                      flush=True)
+    # 3. the model, compute measured on one process here
+    table = []
+    for m in models:
+        nl, nh, ne, T, B = MODELS[m]
+        cfg = GPTConfig(nl, nh, ne, T, 256)
+        L = Layout(gpt_units(cfg))
+        for n in ns:
+            for st in ("0", "1", "2", "3"):
+                p = sm.step_time(L, st, n, comps[(m, n)], links)
+                got = meas[(m, n)][st]
+                table.append({"model": m, "n": n, "stage": st, "measured_s": got,
+                              "predicted_s": p["step_s"], "compute_s": p["compute"],
+                              "comm_s": p["comm"], "update_s": p["update"],
+                              "rel_err": (p["step_s"] - got) / got,
+                              "compute_drift": drift[(m, n)]})
+    print(f"\nload average at end: {load()}; total {time.time() - t_start:.0f} s")
+    print(f"\n{'model':<9}{'n':>3}{'stage':>6}{'measured':>11}{'predicted':>11}{'error':>8}"
+          f"{'compute':>10}{'comm':>9}{'update':>9}{'drift':>7}")
+    for r in table:
+        print(f"{r['model']:<9}{r['n']:>3}{r['stage']:>6}{r['measured_s'] * 1e3:>9.1f}ms"
+              f"{r['predicted_s'] * 1e3:>9.1f}ms{100 * r['rel_err']:>+7.1f}%"
+              f"{r['compute_s'] * 1e3:>8.1f}ms{r['comm_s'] * 1e3:>7.1f}ms{r['update_s'] * 1e3:>7.1f}ms"
+              f"{r['compute_drift']:>7.2f}")
+    err = np.abs([r["rel_err"] for r in table])
+    print(f"\n|error|: median {100 * np.median(err):.1f} %, max {100 * err.max():.1f} %, "
+          f"{int((err <= 0.2).sum())} of {len(err)} within 20 %")
+    for n in ns:
+        e = np.abs([r["rel_err"] for r in table if r["n"] == n])
+        print(f"  n = {n}: median {100 * np.median(e):.1f} %, max {100 * e.max():.1f} %")
+    if rows:
+        print_fit_held_out(rows)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"table": table, "fits": {f"{k[0]}@{k[1]}": v for k, v in links.fits.items()},
+                       "bench_rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,358 @@
+"""``python -m ringzero.simulate``: a step-time model of ZeRO stages 0-3 and hybrid.
+
+What it is
+    The step of ringzero's engine (runtime/zero.py), written as a list of
+    operations per schedule position, then timed:
+
+        forward   for u = 0..U-1:  [gather u (stage 3)]  cast u  F(u)
+        backward  for u = U-1..0:  [gather u again]  cast u  B(u)  cast grad  RS u  [AG u (stage 0)]
+                                   [all-reduce the shard across nodes (hybrid)]
+        update    AdamW on the rank's elements (Ψ at stage 0, Ψ/Nd otherwise)  [AG every unit (1, 2)]
+
+    A unit is gathered once per run of consecutive schedule positions that
+    read it (the engine's plan): a block twice, the last unit once, the tied
+    embedding twice. Each collective costs, for S bytes over n ranks,
+
+        T = steps · α(op, n) + (n-1)/n · S · β(op, n)      (all-reduce: twice the wire)
+        steps = log2 n   when n is a power of two and S <= tree_bytes (halving/doubling)
+                n - 1    otherwise (the ring)
+
+    with α, β fitted per (op, n) on ``python -m ringzero.bench`` rows (the fitting
+    routine of ringzero.fit), or given for a link (NVLink, InfiniBand figures).
+    Compute per unit is measured on this machine from the model's own
+    forward_unit/backward_unit, or derived from a FLOP rate (6·tokens·Ψ_u plus
+    attention); casts and the update are timed on the runtime's own kernels.
+    Where ranks outnumber cores, compute is slowed by ranks/cores (they share
+    the cores; the per-n α, β already include it for communication).
+
+    no overlap  every operation in program order (what ringzero runs today).
+    overlap     two streams, compute and communication: a unit's gather may
+                start once the previous unit's compute has started (one-ahead
+                prefetch, as FSDP does), a reduce-scatter as soon as its
+                backward is done; the update waits for both streams. Stage
+                1-2's all-gather of the new parameters is taken in the steady
+                state: in front of each unit's next forward, like a gather.
+
+What it is not
+    A measurement. ``benchmarks/check_simulate.py`` runs the collectives
+    bench, ``benchmarks/bench_stages.py`` and this model side by side and
+    prints the error on step times the model was never fitted on.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ringzero.runtime import accounting as acc
+from ringzero.runtime.flat import Layout
+
+TREE_BYTES = 16 << 20      # ringzero.comm.ring.TREE_BYTES
+SMALL_BYTES = 256 << 10    # ringzero.comm.ring.SMALL_BYTES (all-reduce by recursive doubling)
+OPS = ("reduce_scatter", "all_gather", "all_reduce")
+
+# Links given, not fitted (α in s, bandwidth in bytes/s per rank on the wire).
+LINKS = {
+    "nvlink": (10e-6, 150e9),   # NVLink/NVSwitch class (DGX-2 V100: ~150 GB/s per GPU)
+    "ib": (5e-6, 12.5e9),       # InfiniBand EDR, 100 Gb/s per rank
+    "ib-hdr": (5e-6, 25e9),     # InfiniBand HDR, 200 Gb/s per rank
+}
+
+
+def steps_wire(op: str, n: int, S: float, tree_bytes: int = TREE_BYTES,
+               small_bytes: int = SMALL_BYTES) -> tuple:
+    """(latency steps, bytes sent per rank) of one ringzero Ring call on S bytes."""
+    if n < 2:
+        return 0, 0.0
+    pow2 = n & (n - 1) == 0
+    lg = int(math.log2(n)) if pow2 else 0
+    if op in ("reduce_scatter", "all_gather"):
+        return (lg if pow2 and S <= tree_bytes else n - 1), S * (n - 1) / n
+    if op != "all_reduce":
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    if pow2 and S <= small_bytes:
+        return lg, S * lg
+    return (2 * lg if pow2 and S <= tree_bytes else 2 * (n - 1)), 2 * S * (n - 1) / n
+
+
+# ---- links -----------------------------------------------------------------------
+@dataclass
+class Links:
+    """α, β per (op, n); ``fixed`` serves every (op, n) with one (α, β)."""
+    fits: dict = field(default_factory=dict)    # (op, n) -> (alpha, beta)
+    fixed: tuple | None = None
+    source: str = ""
+
+    @classmethod
+    def given(cls, alpha: float, bandwidth: float, name: str = "given"):
+        return cls(fixed=(float(alpha), 1.0 / float(bandwidth)), source=name)
+
+    @classmethod
+    def from_rows(cls, rows, impl: str = "ring", tree_bytes: int = TREE_BYTES):
+        """One robust fit (ringzero.fit's least |log error|) per (op, n) on bench rows."""
+        from ringzero.tools import fit
+        fits = {}
+        for op in OPS:
+            for n in sorted({int(r["n"]) for r in rows}):
+                sel = [r for r in fit.select(rows, op, impl) if int(r["n"]) == n]
+                if len(sel) < 2:
+                    continue
+                X = np.array([steps_wire(op, n, float(r["bytes"]), tree_bytes) for r in sel], np.float64)
+                t = np.array([float(r["time_us"]) * 1e-6 for r in sel])
+                a, b = fit._l1log(X, t)
+                fits[(op, n)] = (float(a), float(b))
+        if not fits:
+            raise ValueError(f"no bench rows of impl {impl!r} with n >= 2 and >= 2 sizes per op")
+        return cls(fits=fits, source=f"fitted per (op, n) on {len(rows)} bench rows")
+
+    def ab(self, op: str, n: int) -> tuple:
+        if self.fixed is not None:
+            return self.fixed
+        if (op, n) in self.fits:
+            return self.fits[(op, n)]
+        have = sorted(k for k in self.fits if k[0] == op) or sorted(self.fits)
+        k = min(have, key=lambda k: (abs(math.log(k[1] / n)), k[1]))   # nearest n measured
+        return self.fits[k]
+
+    def time(self, op: str, n: int, S: float) -> float:
+        st, w = steps_wire(op, n, S)
+        a, b = self.ab(op, n)
+        return st * a + w * b
+
+
+# ---- compute ---------------------------------------------------------------------
+@dataclass
+class Compute:
+    """Per-unit forward/backward seconds, and per-element costs of casts and update."""
+    fwd: list
+    bwd: list
+    cast_s: float = 0.0       # seconds per element of one fp16<->fp32 cast
+    update_s: float = 0.0     # seconds per element of the update path (norm, unscale, AdamW, cast)
+    cores: int | None = None  # ranks beyond this many share cores (None: never)
+    source: str = ""
+
+    def slow(self, n: int) -> float:
+        return max(1.0, n / self.cores) if self.cores else 1.0
+
+
+def _median_time(fn, reps: int) -> float:
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def measure_compute(cfg, batch: int, seq: int, reps: int = 5, cores: int | None = None,
+                    seed: int = 0) -> Compute:
+    """Time the GPT's own forward_unit/backward_unit per unit (fp32 compute, as the
+    engine runs on CPU), and the runtime's casts and update per element."""
+    from ringzero.comm import kernels
+    from ringzero.nn.gpt import GPT
+    from ringzero.runtime.optim import AdamConfig, AdamW
+    m = GPT(cfg)
+    L = Layout(m.units)
+    U = len(L.units)
+    p = L.init_full(np.empty(L.padded, np.float32), seed)
+    g = np.zeros(L.padded, np.float32)
+    P, G = L.views(p), L.views(g)
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, cfg.vocab, (batch, seq))
+    y = rng.integers(0, cfg.vocab, (batch, seq))
+    fwd, bwd = [[] for _ in range(U)], [[] for _ in range(U)]
+    for _ in range(reps + 1):                 # the first round warms the pool's buffers
+        h, caches = x, [None] * U
+        for u in range(U):
+            t0 = time.perf_counter()
+            h, caches[u] = m.forward_unit(u, P, h, y if u == U - 1 else None)
+            fwd[u].append(time.perf_counter() - t0)
+        d = 1.0
+        for u in reversed(range(U)):
+            t0 = time.perf_counter()
+            d = m.backward_unit(u, d, caches[u], P, G)
+            bwd[u].append(time.perf_counter() - t0)
+    fwd = [float(np.median(t[1:])) for t in fwd]
+    bwd = [float(np.median(t[1:])) for t in bwd]
+    # casts: one unit-sized fp16 -> fp32 and back
+    n = L.max_unit_padded
+    a16, a32 = np.zeros(n, np.float16), np.zeros(n, np.float32)
+    cast = (_median_time(lambda: kernels.f16_to_f32(a16, a32), reps)
+            + _median_time(lambda: kernels.f32_to_f16(a32, a16), reps)) / (2 * n)
+    # the update path of Zero.step per element: widen grad + dot, widen + scale + AdamW, narrow
+    k = L.padded
+    gr16, gw = np.zeros(k, np.float16), np.empty(k, np.float32)
+    mst, mm, vv = np.zeros(k, np.float32), np.zeros(k, np.float32), np.zeros(k, np.float32)
+    out16 = np.zeros(k, np.float16)
+    opt = AdamW(AdamConfig(), k, np)
+
+    def upd():
+        kernels.f16_to_f32(gr16, gw)
+        float(np.dot(gw, gw))
+        kernels.f16_to_f32(gr16, gw)
+        np.multiply(gw, np.float32(0.5), out=gw)
+        opt.begin_step()
+        opt.update(mst, mm, vv, gw, 1e-4, ((0, k),))
+        kernels.f32_to_f16(mst, out16)
+    update = _median_time(upd, reps) / k
+    return Compute(fwd, bwd, cast, update, cores,
+                   f"measured here: GPT {cfg.n_layer}L C={cfg.n_embd} batch {batch} x seq {seq}")
+
+
+def flops_compute(cfg, batch: int, seq: int, flops: float, mem_bw: float = 900e9) -> Compute:
+    """Compute from a FLOP rate: forward of unit u = 2·tokens·Ψ_u (+ attention
+    4·B·T²·C per block), backward twice that; casts and the update move bytes
+    at ``mem_bw`` (6 B per cast element, 36 B per updated element)."""
+    L = Layout(_units(cfg))
+    tok = batch * seq
+    fwd = []
+    for u in range(len(L.units)):
+        f = 2 * tok * L.unit_numel[u]
+        if 1 <= u <= cfg.n_layer:
+            f += 4 * batch * seq * seq * cfg.n_embd
+        if u == len(L.units) - 1:
+            f += 2 * tok * cfg.vocab * cfg.n_embd    # the tied head's matmul
+        fwd.append(f / flops)
+    return Compute(fwd, [2 * t for t in fwd], 6 / mem_bw, 36 / mem_bw, None,
+                   f"{flops / 1e12:g} TFLOP/s, {mem_bw / 1e9:g} GB/s memory")
+
+
+def _units(cfg):
+    from ringzero.nn.gpt import gpt_units
+    return gpt_units(cfg)
+
+
+# ---- the schedule --------------------------------------------------------------------
+def schedule(layout: Layout, stage: str, bwd_reads=lambda u: u != 0, overlap: bool = False) -> list:
+    """[(kind, unit)] in program order for one step of the engine at ``stage``.
+
+    kinds: gather, cast, F, B, gcast, rs, ag, ar (compute kinds: cast, F, B, gcast).
+    ``bwd_reads(u)``: does unit u's backward read its parameters (GPT: not the embedding).
+    overlap=True: stage 1-2's all-gather of the updated parameters is taken in
+    the steady state, as a gather in front of each unit's first forward (it
+    feeds the next step's forward, and can hide behind it), not after the update.
+    """
+    st = acc.parse_stage(stage)
+    U = len(layout.units)
+    sched = [("F", u) for u in range(U)] + [("B", u) for u in reversed(range(U))]
+    reads = [set(layout.needs(u)) if (ph == "F" or bwd_reads(u)) else set() for ph, u in sched]
+    writes = [set(layout.needs(u)) if ph == "B" else set() for ph, u in sched]
+    close = {w: max(i for i, s in enumerate(writes) if w in s) for w in range(U)}
+    ops = []
+    for i, (ph, u) in enumerate(sched):
+        for w in sorted(reads[i]):
+            if i == 0 or w not in reads[i - 1]:          # a new run: materialize
+                first = not any(w in r for r in reads[:i])
+                if st in ("3", "hybrid") or (overlap and st in ("1", "2") and first):
+                    ops.append(("gather", w))
+                ops.append(("cast", w))
+        ops.append((ph, u))
+        for w in range(U):
+            if close[w] == i:
+                ops.append(("gcast", w))
+                ops.append(("rs", w))
+                if st == "0":
+                    ops.append(("ag", w))
+                if st == "hybrid":
+                    ops.append(("ar", w))
+    if overlap:     # issue each gather when the compute before it starts (FSDP's prefetch,
+        out = []    # ahead of the reduce-scatter still queued: BACKWARD_PRE)
+        for op in ops:
+            if op[0] == "gather":
+                j = max((k for k, o in enumerate(out) if o[0] in ("F", "B")), default=len(out))
+                out.insert(j, op)
+            else:
+                out.append(op)
+        ops = out
+    ops.append(("update", -1))
+    if st in ("1", "2") and not overlap:
+        ops += [("ag", w) for w in range(U)]
+    return ops
+
+
+COMM_KINDS = ("gather", "rs", "ag", "ar")
+
+
+def durations(layout_full: Layout, stage, nd: int, comp: Compute, links: Links,
+              ranks_per_node: int | None = None, inter: Links | None = None,
+              elem_bytes: int = 2, overlap: bool = False) -> list:
+    """[(kind, unit, seconds)] of one step in program order, for one rank."""
+    st = acc.parse_stage(stage)
+    if st == "hybrid" and not ranks_per_node:
+        raise ValueError("stage hybrid needs ranks_per_node (Ng), got None")
+    group = ranks_per_node if st == "hybrid" else nd
+    L = Layout(layout_full.units, shards=group)
+    nn = nd // group
+    slow = comp.slow(nd)
+    out = []
+    for kind, u in schedule(L, st, overlap=overlap):
+        if kind in COMM_KINDS:
+            S = L.unit_padded[u] * elem_bytes
+            if kind == "ar":                           # the shard, across the Nn nodes
+                d = (inter or links).time("all_reduce", nn, S // group)
+            else:
+                op = "reduce_scatter" if kind == "rs" else "all_gather"
+                d = links.time(op, group, S)
+        elif kind == "update":
+            d = comp.update_s * (L.padded if st == "0" else L.shard_numel) * slow
+        elif kind in ("cast", "gcast"):
+            d = comp.cast_s * L.unit_padded[u] * slow
+        else:
+            d = (comp.fwd if kind == "F" else comp.bwd)[u] * slow
+        out.append((kind, u, d))
+    return out
+
+
+def step_time(layout_full: Layout, stage, nd: int, comp: Compute, links: Links, overlap=False,
+              ranks_per_node: int | None = None, inter: Links | None = None,
+              elem_bytes: int = 2) -> dict:
+    """Predicted seconds of one step per rank, and its parts (compute, comm, update).
+
+    No overlap: the sum of every operation. Overlap: two streams; a gather
+    may start when the compute before it in program order starts; a
+    unit's reduce-scatter waits for its gradient cast; a materializing cast
+    waits for its gather; the update waits for every collective; stage 1-2's
+    all-gathers wait for the update.
+    """
+    st = acc.parse_stage(stage)
+    ops = durations(layout_full, st, nd, comp, links, ranks_per_node, inter, elem_bytes, overlap)
+    parts = {"compute": 0.0, "comm": 0.0, "update": 0.0}
+    for kind, _, d in ops:
+        parts["comm" if kind in COMM_KINDS else "update" if kind == "update" else "compute"] += d
+    if not overlap:
+        total = sum(d for _, _, d in ops)
+    else:
+        t_comp = t_comm = last_start = 0.0
+        fin = {}
+        for kind, u, d in ops:
+            if kind in COMM_KINDS:
+                ready = {"gather": last_start, "rs": fin.get(("gcast", u), 0.0),
+                         "ar": fin.get(("rs", u), 0.0),
+                         "ag": fin.get(("update", -1), fin.get(("rs", u), 0.0))}[kind]
+                t_comm = max(t_comm, ready) + d
+                fin[(kind, u)] = t_comm
+            else:
+                ready = t_comp
+                if kind == "cast" and ("gather", u) in fin:
+                    ready = max(ready, fin[("gather", u)])
+                if kind == "update":
+                    ready = max(ready, t_comm)
+                last_start = ready
+                t_comp = ready + d
+                fin[(kind, u)] = t_comp
+        total = max(t_comp, t_comm)
+    return {"stage": st, "nd": nd, "overlap": bool(overlap), "step_s": total, **parts,
+            "exposed_comm_s": total - parts["compute"] - parts["update"]}
+
+
+def main(argv=None):
+    """``python -m ringzero.simulate``: the CLI lives in ringzero.tools.simulate_cli."""
+    from ringzero.tools.simulate_cli import main as cli_main
+    return cli_main(argv)
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main())

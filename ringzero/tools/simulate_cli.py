@@ -1,0 +1,277 @@
+"""The command line of ``python -m ringzero.simulate``: parse, predict, print, plot.
+
+What it is
+    Arguments to a GPT shape, a Compute (measured here, read from a
+    ``measure`` JSON, or from a FLOP rate) and Links (fitted on bench files or
+    given), then ringzero.tools.simulate.step_time for every stage and Nd,
+    with and without overlap; ``--plot`` draws step time against link
+    bandwidth. ``measure`` (under mpirun) times the model's units on N ranks at once.
+
+What it is not
+    The model: every number comes from ringzero.tools.simulate.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ringzero.runtime import accounting as acc
+from ringzero.runtime.flat import Layout
+from ringzero.tools.simulate import (LINKS, Compute, Links, flops_compute, measure_compute,
+                                     step_time)
+
+
+# ---- CLI ------------------------------------------------------------------------------
+def _shapes():
+    from ringzero.nn.gpt import GPTConfig
+    from ringzero.tools.estimate import ALL_MODELS
+    # the ZeRO paper's 7.5B example as a GPT shape: 36 blocks of width 4096 (Ψ = 7.46B)
+    return {**ALL_MODELS, "gpt-7.5b": GPTConfig(36, 32, 4096, 1024, 50257)}
+
+
+def _num(text, what, units):
+    import re
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z/]*)\s*", str(text))
+    if not m or m.group(2).lower() not in units:
+        raise ValueError(f"cannot read {what} {text!r}: expected a number with one of "
+                         f"{', '.join(u for u in units if u) or 'no'} suffix")
+    return float(m.group(1)) * units[m.group(2).lower()]
+
+
+TIME_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+BW_UNITS = {"": 1.0, "b/s": 1.0, "gb/s": 1e9, "gbps": 1e9, "gb": 1e9, "mb/s": 1e6, "tb/s": 1e12}
+FLOP_UNITS = {"": 1.0, "g": 1e9, "t": 1e12, "tflops": 1e12, "p": 1e15}
+
+
+def build_parser():
+    import argparse
+    ap = argparse.ArgumentParser(
+        prog="python -m ringzero.simulate",
+        description="Predict the step time of ZeRO stages 0-3 and hybrid at any Nd and Ψ, with and "
+                    "without compute-communication overlap, from compute (measured here, or a FLOP "
+                    "rate) and the α-β of each link (fitted on bench files, or given).",
+        epilog="Examples: --model gpt-7.5b --nd 64 --flops 40T --link nvlink --plot docs/img/x.png;  "
+               "--n-layer 4 --n-embd 256 --n-head 4 --block-size 128 --vocab 256 --batch 8 --measure "
+               "--bench b2.json b4.json --nd 4.   'measure' (under mpirun) writes compute per unit.")
+    ap.add_argument("what", nargs="?", default="predict", choices=("predict", "measure"),
+                    help="predict (default) or measure: time the model's units here (run it under "
+                         "mpirun -n N to measure N ranks sharing the machine) and write --json")
+    ap.add_argument("--model", choices=sorted(_shapes()), help="a GPT shape")
+    for k in ("n_layer", "n_embd", "n_head", "vocab", "block_size"):
+        ap.add_argument("--" + k.replace("_", "-"), type=int, help=f"GPT {k} (overrides --model)")
+    ap.add_argument("--batch", type=int, default=8, help="micro-batch per rank (default 8)")
+    ap.add_argument("--seq", type=int, help="sequence length (default: block size)")
+    ap.add_argument("--nd", type=int, nargs="+", default=[64], help="data-parallel ranks (several allowed)")
+    ap.add_argument("--stages", default="0,1,2,3", help="comma-separated; hybrid needs --ranks-per-node")
+    ap.add_argument("--ranks-per-node", type=int, help="Ng for hybrid")
+    c = ap.add_argument_group("compute (one of)")
+    c.add_argument("--flops", help="sustained FLOP/s per rank, e.g. 40T")
+    c.add_argument("--mem-bw", default="900GB/s", help="memory bandwidth with --flops (update, casts)")
+    c.add_argument("--measure", action="store_true", help="time the model's forward/backward here")
+    c.add_argument("--compute", help="a JSON written by 'measure'")
+    c.add_argument("--cores", type=int, help="with --measure: ranks beyond this many share cores")
+    lk = ap.add_argument_group("links (one of)")
+    lk.add_argument("--link", choices=sorted(LINKS), help="given α and bandwidth: " + ", ".join(
+        f"{k} {a * 1e6:g} us {b / 1e9:g} GB/s" for k, (a, b) in LINKS.items()))
+    lk.add_argument("--alpha", help="latency per step, e.g. 10us (with --bandwidth)")
+    lk.add_argument("--bandwidth", help="bytes/s per rank, e.g. 100GB/s")
+    lk.add_argument("--bench", nargs="+", help="python -m ringzero.bench JSON files: α, β fitted per (op, n)")
+    lk.add_argument("--inter-link", choices=sorted(LINKS), help="hybrid: the link between nodes")
+    ap.add_argument("--plot", help="PNG: step time against link bandwidth per stage (matplotlib)")
+    ap.add_argument("--json", help="write the predictions (or, for measure, the compute) here")
+    return ap
+
+
+def _config(a):
+    from ringzero.nn.gpt import GPTConfig
+    dims = {k: getattr(a, k) for k in ("n_layer", "n_embd", "n_head", "vocab", "block_size")
+            if getattr(a, k) is not None}
+    if not (a.model or dims):
+        raise ValueError("no model: give --model gpt-7.5b (or another) or --n-layer/--n-embd/...")
+    base = _shapes()[a.model] if a.model else GPTConfig()
+    return GPTConfig(**{**base.__dict__, **dims})
+
+
+def _compute(a, cfg, seq):
+    import json
+    given = [x for x in ("flops", "measure", "compute") if getattr(a, x)]
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of --flops, --measure, --compute; got {given or 'none'}")
+    if a.flops:
+        return flops_compute(cfg, a.batch, seq, _num(a.flops, "--flops", FLOP_UNITS),
+                             _num(a.mem_bw, "--mem-bw", BW_UNITS))
+    if a.measure:
+        return measure_compute(cfg, a.batch, seq, cores=a.cores)
+    with open(a.compute) as fh:
+        d = json.load(fh)
+    return Compute(d["fwd"], d["bwd"], d["cast_s"], d["update_s"], None, d.get("source", a.compute))
+
+
+def _links(a):
+    from ringzero.tools import fit
+    given = [x for x in ("link", "bandwidth", "bench") if getattr(a, x)]
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of --link, --alpha/--bandwidth, --bench; got {given or 'none'}")
+    if a.link:
+        return Links.given(*LINKS[a.link], name=a.link)
+    if a.bandwidth:
+        return Links.given(_num(a.alpha or "0", "--alpha", TIME_UNITS),
+                           _num(a.bandwidth, "--bandwidth", BW_UNITS), "given")
+    return Links.from_rows([r for f in a.bench for r in fit.load_rows(f)])
+
+
+def run_measure(a, cfg, seq) -> int:
+    """Every rank times the units at once (ranks share the machine as in training); the
+    slowest rank's time per unit is kept, as a step waits for it."""
+    import json
+    try:
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+    except ImportError:
+        comm = None
+    if comm is not None:
+        comm.Barrier()
+    c = measure_compute(cfg, a.batch, seq, seed=comm.rank if comm else 0)
+    vals = np.array(c.fwd + c.bwd + [c.cast_s, c.update_s])
+    if comm is not None and comm.size > 1:
+        comm.Allreduce(MPI.IN_PLACE, vals, op=MPI.MAX)
+    U = len(c.fwd)
+    n = comm.size if comm else 1
+    if (comm is None or comm.rank == 0):
+        d = {"fwd": list(vals[:U]), "bwd": list(vals[U:2 * U]), "cast_s": float(vals[-2]),
+             "update_s": float(vals[-1]), "ranks": n,
+             "source": f"measured: {n} ranks at once, GPT {cfg.n_layer}L C={cfg.n_embd} "
+                       f"batch {a.batch} x seq {seq}"}
+        if a.json:
+            with open(a.json, "w") as fh:
+                json.dump(d, fh, indent=1)
+        print(f"{d['source']}: forward {sum(d['fwd']) * 1e3:.1f} ms, backward "
+              f"{sum(d['bwd']) * 1e3:.1f} ms, cast {d['cast_s'] * 1e9:.2f} ns/elem, "
+              f"update {d['update_s'] * 1e9:.2f} ns/elem")
+    return 0
+
+
+def print_predictions(rows, cfg, comp, links, psi, f=None):
+    import sys
+    p = lambda *x: print(*x, file=f or sys.stdout)  # noqa: E731
+    p(f"GPT {cfg.n_layer}L C={cfg.n_embd} H={cfg.n_head} V={cfg.vocab}: Ψ = {psi:,}")
+    p(f"compute: {comp.source}; forward {sum(comp.fwd) * 1e3:.2f} ms + backward "
+      f"{sum(comp.bwd) * 1e3:.2f} ms per rank" + (f", slowed by n/{comp.cores} past {comp.cores} ranks"
+                                                     if comp.cores else ""))
+    p(f"links: {links.source}" + ("" if links.fixed is None else
+                                  f": α = {links.fixed[0] * 1e6:g} us, {1 / links.fixed[1] / 1e9:g} GB/s"))
+    p(f"\n{'stage':>6}{'Nd':>6}{'no overlap':>14}{'overlap':>12}{'compute':>12}{'comm':>12}"
+      f"{'update':>12}{'exposed (ov)':>14}{'vs stage 0':>11}")
+    base = {r0["nd"]: r0["step_s"] for r0, _ in rows if r0["stage"] == "0"}   # no-overlap stage 0
+    for r0, r1 in rows:
+        b = base.get(r0["nd"])
+        p(f"{r0['stage']:>6}{r0['nd']:>6}{_t(r0['step_s']):>14}{_t(r1['step_s']):>12}"
+          f"{_t(r0['compute']):>12}{_t(r0['comm']):>12}{_t(r0['update']):>12}"
+          f"{_t(r1['exposed_comm_s']):>14}" + (f"{r0['step_s'] / b:>10.3f}x" if b else ""))
+    p("no overlap: every operation in program order, as ringzero runs; overlap: collectives on a "
+      "second stream (one-ahead gathers, reduce-scatters behind the backward).")
+
+
+def _t(s):
+    return f"{s * 1e6:.0f} us" if s < 1e-3 else f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.3f} s"
+
+
+def plot_bandwidth(cfg, nd, comp, alpha, out, stages=("0", "1", "2", "3"), title=None,
+                   bws=None) -> dict:
+    """Step time against link bandwidth per stage, with and without overlap (left),
+    and each stage's step over stage 2's (right); PNG at ``out``.
+
+    A stage's "knee" is the lowest bandwidth at which its step stays within 5 %
+    of its compute-bound step (the step at infinite bandwidth).
+    """
+    from ringzero.tools.plot import _plt
+    from ringzero.nn.gpt import gpt_units
+    L = Layout(gpt_units(cfg))
+    bws = list(np.logspace(8, 12, 81)) if bws is None else bws   # 0.1 GB/s .. 1 TB/s
+    curves, knee = {}, {}
+    for st in stages:
+        for ov in (False, True):
+            c = [step_time(L, st, nd, comp, Links.given(alpha, bw), ov)["step_s"] for bw in bws]
+            floor = step_time(L, st, nd, comp, Links.given(alpha, math.inf), ov)["step_s"]
+            curves[(st, ov)] = c
+            ok = [bw for bw, t in zip(bws, c) if t <= 1.05 * floor]
+            knee[(st, ov)] = min(ok) if ok else None
+    plt = _plt()
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.4), dpi=110)
+    colors = {"0": "tab:blue", "1": "tab:orange", "2": "tab:green", "3": "tab:red"}
+    x = np.array(bws) / 1e9
+    for st in stages:
+        for ov, ls, lw in ((False, "--", 1.2), (True, "-", 2.0)):
+            ax.plot(x, curves[(st, ov)], ls, color=colors.get(st), lw=lw,
+                    label=f"stage {st}" + (", overlap" if ov else ", no overlap"))
+        if knee[(st, True)]:
+            ax.axvline(knee[(st, True)] / 1e9, color=colors.get(st), lw=0.8, ls=":")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("link bandwidth per rank (GB/s)")
+    ax.set_ylabel("step time (s)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title("step time (dotted: overlap knee, 5 % over compute-bound)", fontsize=9)
+    ref = "2" if "2" in stages else stages[0]
+    for st in stages:
+        for ov, ls in ((False, "--"), (True, "-")):
+            ax2.plot(x, np.array(curves[(st, ov)]) / np.array(curves[(ref, ov)]), ls,
+                     color=colors.get(st), label=f"stage {st}" + (", overlap" if ov else ""))
+    ax2.set_xscale("log")
+    ax2.set_xlabel("link bandwidth per rank (GB/s)")
+    ax2.set_ylabel(f"step time / stage {ref}'s")
+    ax2.grid(True, which="both", alpha=0.3)
+    ax2.legend(fontsize=7, ncol=2)
+    ax2.set_title("stage 3's extra Ψ: 1.5x the wire; costs where the link is slow", fontsize=9)
+    fig.suptitle(title or f"GPT {cfg.n_layer}L C={cfg.n_embd} (Ψ = {L.numel / 1e9:.2f}B), "
+                          f"Nd = {nd}, α = {alpha * 1e6:g} us; compute: {comp.source}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return {"bandwidths": bws, "knee_Bps": {f"{k[0]}{'+overlap' if k[1] else ''}": v for k, v in knee.items()},
+            "curves": {f"{k[0]}{'+overlap' if k[1] else ''}": v for k, v in curves.items()}, "out": out}
+
+
+def main(argv=None):
+    import json
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    try:
+        cfg = _config(a)
+        seq = a.seq or cfg.block_size
+        if not 1 <= seq <= cfg.block_size or a.batch < 1:
+            raise ValueError(f"--seq must be in 1..{cfg.block_size} and --batch >= 1, got seq={seq}, "
+                             f"batch={a.batch}")
+        if a.what == "measure":
+            return run_measure(a, cfg, seq)
+        stages = [acc.parse_stage(s) for s in a.stages.split(",")]
+        if "hybrid" in stages and not a.ranks_per_node:
+            raise ValueError("stage hybrid needs --ranks-per-node (Ng)")
+        if any(n < 1 or (a.ranks_per_node and n % a.ranks_per_node) for n in a.nd):
+            raise ValueError(f"--nd must be >= 1 and a multiple of --ranks-per-node, got {a.nd}")
+        comp, links = _compute(a, cfg, seq), _links(a)
+        inter = Links.given(*LINKS[a.inter_link], name=a.inter_link) if a.inter_link else None
+    except (ValueError, OSError) as e:
+        ap.error(str(e))
+    from ringzero.nn.gpt import gpt_units
+    L = Layout(gpt_units(cfg))
+    rows = [tuple(step_time(L, st, n, comp, links, ov, a.ranks_per_node, inter) for ov in (False, True))
+            for n in a.nd for st in stages]
+    print_predictions(rows, cfg, comp, links, L.numel)
+    out = {"psi": L.numel, "rows": [r for pair in rows for r in pair]}
+    if a.plot:
+        alpha = links.fixed[0] if links.fixed else links.ab("all_gather", a.nd[0])[0]
+        pr = plot_bandwidth(cfg, a.nd[0], comp, alpha, a.plot, [s for s in stages if s != "hybrid"])
+        print(f"\nwrote {a.plot}: step time against bandwidth at Nd = {a.nd[0]}, α = {alpha * 1e6:g} us")
+        kn = pr["knee_Bps"]
+        for st in [s for s in stages if s != "hybrid"]:
+            f = lambda k: f"{k / 1e9:.3g} GB/s" if k else "none plotted"  # noqa: E731
+            print(f"  stage {st}: within 5 % of its compute-bound step above {f(kn[st])} without "
+                  f"overlap, {f(kn[st + '+overlap'])} with")
+        out["plot"] = {k: v for k, v in pr.items() if k != "curves"}
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(out, fh, indent=1, default=float)
+    return 0

@@ -1,0 +1,152 @@
+"""The step-time model (ringzero.tools.simulate) against the α–β formulas, written out here.
+
+References: T = steps·α + wire·β with the ring's step counts worked by hand,
+the stage traffic of ringzero.runtime.accounting (Ψ(n-1)/n per pass), and a
+two-unit timeline with and without overlap worked out on paper.
+"""
+import math
+
+import pytest
+
+from ringzero.nn.gpt import GPTConfig, gpt_units
+from ringzero.runtime import accounting as acc
+from ringzero.runtime.flat import Layout, ParamSpec, Unit
+from ringzero.tools import simulate as sm
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize("op,n,S,want", [
+    ("reduce_scatter", 3, 3000, (2, 2000)),            # ring: n-1 steps, (n-1)/n of S
+    ("all_gather", 4, 4 * MIB, (2, 3 * MIB)),          # power of two, <= 16 MiB: log2 n steps
+    ("all_gather", 4, 32 * MIB, (3, 24 * MIB)),        # above the tree cutoff: the ring
+    ("all_reduce", 4, 1024, (2, 2048)),                # recursive doubling: log2 n, S·log2 n
+    ("all_reduce", 4, 1 * MIB, (4, 1.5 * MIB)),        # Rabenseifner: 2 log2 n, 2S(n-1)/n
+    ("all_reduce", 3, 1 * MIB, (4, 2 * MIB * 2 / 3)),  # ring: 2(n-1)
+    ("reduce_scatter", 1, 100, (0, 0.0)),
+])
+def test_steps_wire(op, n, S, want):
+    st, w = sm.steps_wire(op, n, S)
+    assert st == want[0] and w == pytest.approx(want[1])
+
+
+def test_link_time_is_alpha_beta():
+    lk = sm.Links.given(7e-6, 2e9)
+    S, n = 6 * MIB, 3
+    assert lk.time("all_gather", n, S) == pytest.approx(2 * 7e-6 + (2 / 3) * S / 2e9)
+    fitted = sm.Links(fits={("all_gather", 2): (1e-6, 1e-9), ("all_gather", 8): (5e-6, 2e-9)})
+    assert fitted.ab("all_gather", 8) == (5e-6, 2e-9)
+    assert fitted.ab("all_gather", 4) == (1e-6, 1e-9)     # nearest n (log distance, then smaller)
+
+
+@pytest.mark.parametrize("stage", ["0", "1", "2", "3"])
+def test_wire_bytes_match_the_stage_traffic(stage):
+    """α = 0, β = 1 s/B, no compute: the step is the bytes each rank sends."""
+    cfg = GPTConfig(3, 2, 64, 32, 100)
+    L1 = Layout(gpt_units(cfg))
+    n = 4
+    L = Layout(gpt_units(cfg), shards=n)
+    zero = sm.Compute([0.0] * len(L.units), [0.0] * len(L.units), 0.0, 0.0)
+    got = sm.step_time(L1, stage, n, zero, sm.Links.given(0.0, 1.0))
+    want = sum(acc.traffic_bytes(stage, L.padded, n).values())
+    if stage == "3":   # the head is gathered once (forward and backward adjacent), not twice
+        want -= 2 * L.unit_padded[-1] * (n - 1) // n
+    assert got["comm"] == pytest.approx(want) and got["step_s"] == pytest.approx(want)
+
+
+def test_no_overlap_is_the_sum_of_every_operation():
+    cfg = GPTConfig(2, 2, 64, 32, 100)
+    L = Layout(gpt_units(cfg), shards=2)
+    U = len(L.units)
+    comp = sm.Compute([1e-3 * (u + 1) for u in range(U)], [2e-3 * (u + 1) for u in range(U)],
+                      1e-9, 3e-9)
+    a, b = 5e-6, 1e-9
+    r = sm.step_time(Layout(gpt_units(cfg)), "3", 2, comp, sm.Links.given(a, 1 / b))
+    P = L.unit_padded
+    # materializations: embed twice (its forward, the tied head's run), blocks twice, head once
+    mats = [2] + [2] * cfg.n_layer + [1]
+    one = lambda S: 1 * a + S / 2 * b                         # n = 2: one step, half the bytes  # noqa: E731
+    comm = sum(m * one(2 * p) for m, p in zip(mats, P)) + sum(one(2 * p) for p in P)
+    compute = (sum(comp.fwd) + sum(comp.bwd)
+               + 1e-9 * (sum(m * p for m, p in zip(mats, P)) + sum(P)))   # casts + grad casts
+    update = 3e-9 * L.shard_numel
+    assert r["comm"] == pytest.approx(comm)
+    assert r["compute"] == pytest.approx(compute)
+    assert r["update"] == pytest.approx(update)
+    assert r["step_s"] == pytest.approx(comm + compute + update)
+
+
+def test_overlap_timeline_worked_by_hand():
+    """Two units, stage 0, n = 2, every collective α = 0.5 s, forward 1 s, backward 2 s.
+
+    no overlap: F0 F1 B1 rs1 ag1 B0 rs0 ag0 = 1+1+2+.5+.5+2+.5+.5 = 8 s.
+    overlap: B1 ends at 4; rs1 4-4.5, ag1 4.5-5 behind B0 (4-6); rs0 6-6.5, ag0 6.5-7 -> 7 s.
+    """
+    L = Layout((Unit("a", (ParamSpec("a.w", (8,)),)), Unit("b", (ParamSpec("b.w", (8,)),))))
+    comp = sm.Compute([1.0, 1.0], [2.0, 2.0], 0.0, 0.0)
+    lk = sm.Links.given(0.5, math.inf)
+    assert sm.step_time(L, "0", 2, comp, lk)["step_s"] == pytest.approx(8.0)
+    ov = sm.step_time(L, "0", 2, comp, lk, overlap=True)
+    assert ov["step_s"] == pytest.approx(7.0) and ov["exposed_comm_s"] == pytest.approx(1.0)
+
+
+def test_contention_scales_compute_past_the_cores():
+    comp = sm.Compute([1.0], [2.0], 0.0, 0.0, cores=2)
+    assert comp.slow(2) == 1.0 and comp.slow(8) == 4.0
+
+
+def test_flops_compute_is_six_tokens_psi_plus_attention():
+    cfg = GPTConfig(2, 2, 64, 32, 100)
+    c = sm.flops_compute(cfg, 4, 32, 1e12)
+    L = Layout(gpt_units(cfg))
+    tok = 4 * 32
+    want = 3 * (2 * tok * L.numel + 2 * 4 * 4 * 32 * 32 * 64 + 2 * tok * 100 * 64) / 1e12
+    assert sum(c.fwd) + sum(c.bwd) == pytest.approx(want)
+
+
+def test_cli_given_link_and_bad_input(capsys):
+    assert sm.main(["--model", "gpt-7.5b", "--nd", "64", "--flops", "40T", "--link", "nvlink"]) == 0
+    out = capsys.readouterr().out
+    assert "Ψ = 7,459,729,408" in out and "no overlap" in out
+    with pytest.raises(SystemExit) as e:
+        sm.main(["--model", "gpt-7.5b", "--flops", "lots", "--link", "ib"])
+    assert e.value.code == 2
+    assert "cannot read --flops" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        sm.main(["--model", "gpt-7.5b", "--flops", "40T"])
+    assert e.value.code == 2
+
+
+def test_measure_compute_runs_the_model():
+    c = sm.measure_compute(GPTConfig(1, 2, 32, 16, 64), 2, 16, reps=1)
+    assert len(c.fwd) == len(c.bwd) == 3
+    assert all(t > 0 for t in c.fwd + c.bwd) and c.cast_s > 0 and c.update_s > 0
+
+
+def test_schedule_gathers_what_the_engine_plans():
+    """Stage 3: one gather per run of the real engine's plan (Zero.plan.param_runs)."""
+    from mpi4py import MPI
+    from ringzero.nn.gpt import GPT
+    from ringzero.runtime.zero import Zero
+    cfg = GPTConfig(3, 2, 32, 16, 64)
+    eng = Zero(GPT(cfg), MPI.COMM_SELF, "3", device="cpu")
+    want = sorted(w for w, _, _ in eng.plan.param_runs)
+    for ov in (False, True):
+        got = sorted(u for k, u in sm.schedule(eng.layout, "3", overlap=ov) if k == "gather")
+        assert got == want
+    rs = [u for k, u in sm.schedule(eng.layout, "3") if k == "rs"]
+    assert sorted(rs) == list(range(len(eng.layout.units)))      # every unit reduced once
+
+
+def test_hybrid_wire_bytes_match_the_accounting():
+    """HYBRID_SHARD at Nd = 4, Ng = 2: stage 3 inside a node plus the shard's all-reduce
+    across the Nn = 2 nodes, 3Ψ(Ng-1)/Ng + 2(Ψ/Ng)(Nn-1)/Nn elements."""
+    cfg = GPTConfig(3, 2, 64, 32, 100)
+    nd, ng = 4, 2
+    L = Layout(gpt_units(cfg), shards=ng)
+    zero = sm.Compute([0.0] * len(L.units), [0.0] * len(L.units), 0.0, 0.0)
+    got = sm.step_time(Layout(gpt_units(cfg)), "hybrid", nd, zero, sm.Links.given(0.0, 1.0),
+                       ranks_per_node=ng)
+    want = sum(acc.traffic_bytes("hybrid", L.padded, nd, ng).values())
+    want -= 2 * L.unit_padded[-1] * (ng - 1) // ng          # the head: gathered once
+    assert got["comm"] == pytest.approx(want)
