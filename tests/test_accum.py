@@ -186,3 +186,30 @@ def test_batch_must_split_into_k(comm):
     except ValueError as e:
         msg = str(e)
     assert_all(comm, "B % 3 == 0, got B = 4" in msg, f"got {msg!r}")
+
+
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_accumulator_allocated_once(comm, stage):
+    """The accumulator is made at start-up: no buffer moves and traced memory
+    does not grow over steps of K micro-batches."""
+    import gc
+    import tracemalloc
+    eng = engine(comm, stage, grad_accum=K)
+    data = step_data(comm)
+    train(eng, data, 2)
+    ptrs = lambda: {**{k: v.ctypes.data for k, v in eng.bufs.items()},          # noqa: E731
+                    **{f"{k}{i}": b.ctypes.data for k, v in eng.work.items() for i, b in enumerate(v)}}
+    before = ptrs()
+    tracemalloc.start()
+    x, y = data.get(2)
+    eng.step(x, y, 1e-3)
+    gc.collect()            # cyclic garbage (a recursive closure per cache walk) is not growth
+    base = tracemalloc.get_traced_memory()[0]
+    for s in range(3, 6):
+        x, y = data.get(s)
+        eng.step(x, y, 1e-3)
+    gc.collect()
+    grown = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    ok = "grad_accum" in eng.bufs and ptrs() == before and grown < 64 * 1024
+    assert_all(comm, ok, f"buffers moved: {ptrs() != before}; traced memory grew {grown} B")
