@@ -24,7 +24,7 @@ import json
 
 STEP_KEYS = ("step", "loss", "lr", "loss_scale", "grad_norm", "tokens_per_s", "step_time_s",
              "bytes_sent", "skipped")
-SUMMARY_KEYS = ("summary", "params", "params_padded", "world_size", "stage", "precision",
+SUMMARY_KEYS = ("summary", "params", "params_padded", "world_size", "stage", "precision", "grad_accum",
                 "ranks_per_node", "memory", "traffic", "train_loss", "eval_loss",
                 "unigram_entropy", "tokens_per_s", "activation_peak_bytes")
 

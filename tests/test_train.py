@@ -101,6 +101,13 @@ def _check(args, tmp_path):
     (["--steps", "ten"], "--steps must be an integer"),
     (["--n-embd", "30", "--n-head", "4"], "divisible"),
     (["--no-such-flag"], "unrecognized arguments"),
+    (["--grad-accum", "3"], "batch % K == 0, got 8 % 3 = 2"),
+    (["--grad-accum", "0"], "--grad-accum must be >= 1"),
+    (["--precision", "bf16", "--device", "cuda"], "CuPy has no bfloat16"),
+    (["--precision", "int8"], "fp16, bf16 or fp32"),
+    (["--model", "gpt3"], "--model must be one of gpt2"),
+    (["--model", "gpt2", "--seq-len", "2048"], "expected <= 1024 (gpt2), got 2048"),
+    (["--model", "gpt2", "--n-head", "5"], "768 % 5"),
 ])
 def test_bad_input_one_line_exit_2(tmp_path, args, needle):
     small = tmp_path / "small.txt"
@@ -117,6 +124,55 @@ def test_bad_input_one_line_exit_2(tmp_path, args, needle):
 def test_good_input_passes_check(tmp_path):
     rc, err, new = _check(["--steps", "3"], tmp_path)
     assert rc == 0 and not err and not new, err
+
+
+def test_model_preset_and_overrides():
+    """--model takes GPT-2's shapes; a dimension flag overrides only itself;
+    without --model the small default (4L 4H 128C, context = --seq-len)."""
+    from ringzero.app.config import gpt_config
+    from ringzero.app.train import parse_config
+    cfg, _ = parse_config(["--model", "gpt2-medium", "--n-layer", "2"])
+    assert gpt_config(cfg, 256).__dict__ == dict(n_layer=2, n_head=16, n_embd=1024, block_size=1024, vocab=256)
+    cfg, _ = parse_config(["--seq-len", "64", "--n-embd", "96"])
+    assert gpt_config(cfg, 320).__dict__ == dict(n_layer=4, n_head=4, n_embd=96, block_size=64, vocab=320)
+
+
+def test_gpt2_preset_passes_check(tmp_path):
+    rc, err, new = _check(["--model", "gpt2", "--steps", "3", "--grad-accum", "2", "--precision", "bf16"],
+                          tmp_path)
+    assert rc == 0 and not err and not new, err
+
+
+@pytest.mark.mpi
+def test_end_to_end_bf16_grad_accum(comm, tmp_path_factory):
+    """bf16 with K = 2: learns, the summary names both, every class (with the
+    fp32 accumulator) measured == formula, and a checkpoint keeps the GPTConfig."""
+    if comm.size != 2:
+        pytest.skip("checked at world size 2")
+    from ringzero.app.train import parse_config, run
+    d = comm.bcast(str(tmp_path_factory.mktemp("bf16")) if comm.rank == 0 else None)
+    data = comm.bcast(_text(os.path.join(d, "corpus.txt")) if comm.rank == 0 else None)
+    metrics = os.path.join(d, "m.jsonl")
+    cfg, _ = parse_config(TINY + ["--data", data, "--stage", "3", "--steps", "40", "--lr", "1e-2",
+                                  "--warmup", "5", "--eval-interval", "0", "--metrics", metrics,
+                                  "--precision", "bf16", "--grad-accum", "2", "--save-every", "40",
+                                  "--save-dir", os.path.join(d, "ck")])
+    summary = run(cfg, comm)
+    ok, msg = True, ""
+    if comm.rank == 0:
+        lines = [json.loads(l) for l in open(metrics)]
+        steps, summ = lines[:-1], lines[-1]
+        first, last = np.mean([s["loss"] for s in steps[:5]]), np.mean([s["loss"] for s in steps[-5:]])
+        ok &= summ["precision"] == "bf16" and summ["grad_accum"] == 2 and last < 0.8 * first
+        ok &= "grad_accum_fp32" in summ["memory"] and all(
+            v["measured_bytes"] == v["formula_bytes"] for v in summ["memory"].values())
+        ok &= all(s["loss_scale"] == 1.0 for s in steps) and len(summ["peak_rss_bytes"]) == 2
+        man = json.load(open(os.path.join(d, "ck", "step-000040", "manifest.json")))
+        ok &= man["config"]["gpt"] == {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "vocab": 256}
+        ok &= man["classes"]["params"] == "bfloat16"
+        msg = f"loss {first:.3f} -> {last:.3f}, summary {summ}"
+    assert_all(comm, ok, msg)
+    assert summary["eval_loss"] < summary["unigram_entropy"]
 
 
 def test_toml_config_and_flags_override(tmp_path):

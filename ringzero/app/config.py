@@ -26,14 +26,16 @@ def opt(default, help: str):
 
 @dataclass
 class Config:
-    # ---- model (GPT-2 style, byte-level)
-    n_layer: int = opt(4, "transformer blocks")
-    n_head: int = opt(4, "attention heads")
-    n_embd: int = opt(128, "width; Ψ ≈ 12·n_layer·n_embd² + vocab·n_embd")
-    seq_len: int = opt(128, "tokens per sequence (also the position table size)")
+    # ---- model (GPT-2 style; the vocabulary comes from the data)
+    model: str = opt("", 'GPT-2 shapes: gpt2 | gpt2-medium | gpt2-large | gpt2-xl ("" = the small default)')
+    n_layer: int | None = opt(None, "transformer blocks (None: 4, or the --model preset's)")
+    n_head: int | None = opt(None, "attention heads (None: 4, or the preset's)")
+    n_embd: int | None = opt(None, "width (None: 128, or the preset's); Ψ ≈ 12·n_layer·n_embd² + vocab·n_embd")
+    seq_len: int = opt(128, "tokens per sequence (the position table: this, or the preset's 1024)")
     # ---- data
     data: str = opt("", 'text file or nanoGPT uint16 .bin; "" = stdlib source corpus')
-    batch: int = opt(8, "sequences per rank per step (global batch = batch * ranks)")
+    batch: int = opt(8, "sequences per rank per optimizer step (global batch = batch * ranks)")
+    grad_accum: int = opt(1, "micro-batches per optimizer step, batch/K rows each (batch % K == 0)")
     seed: int = opt(1337, "weights, batches and sampling all derive from it")
     # ---- schedule
     steps: int = opt(400, "optimizer steps")
@@ -46,7 +48,7 @@ class Config:
     stage: str = opt("2", "0|1|2|3|hybrid, or NO_SHARD|SHARD_GRAD_OP|FULL_SHARD|HYBRID_SHARD")
     ranks_per_node: int = opt(0, 'hybrid: ranks per "node" (0 = the MPI shared-memory node)')
     device: str = opt("cpu", "cpu | cuda")
-    precision: str = opt("fp16", "fp16 (fp16 storage, loss scaling) | fp32")
+    precision: str = opt("fp16", "fp16 (fp16 storage, loss scaling) | bf16 (bf16 storage, no scaler; cpu) | fp32")
     activation_checkpointing: bool = opt(False, "keep block inputs only; recompute in backward")
     mem_budget: str = opt("", 'per-rank model-state budget, e.g. 512MiB ("" = none)')
     # ---- reporting
@@ -92,7 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# the small default model, for dimensions neither a flag nor a preset sets
+DEFAULT_DIMS = {"n_layer": 4, "n_head": 4, "n_embd": 128}
+
+
 def _coerce(name, typ, value):
+    if isinstance(typ, str) and typ.endswith(" | None"):     # a None-able field given a value
+        typ = typ[:-len(" | None")]
     kind = {"int": int, "float": float, "str": str, "bool": bool}[typ if isinstance(typ, str) else typ.__name__]
     if kind is bool:
         if isinstance(value, bool):
@@ -149,16 +157,35 @@ def validate(cfg: Config):
     def need(cond, msg):
         if not cond:
             raise ConfigError(msg)
-    for k in ("n_layer", "n_head", "n_embd", "seq_len", "batch", "steps"):
-        need(getattr(cfg, k) >= 1, f"--{k.replace('_', '-')} must be >= 1, got {getattr(cfg, k)}")
-    need(cfg.n_embd % cfg.n_head == 0,
-         f"--n-embd must be divisible by --n-head: got {cfg.n_embd} % {cfg.n_head} = {cfg.n_embd % cfg.n_head}")
+    for k in ("n_layer", "n_head", "n_embd", "seq_len", "batch", "steps", "grad_accum"):
+        v = getattr(cfg, k)
+        need(v is None or v >= 1, f"--{k.replace('_', '-')} must be >= 1, got {v}")
+    need(cfg.batch % cfg.grad_accum == 0,
+         f"--batch must split into --grad-accum micro-batches: expected batch % K == 0, got "
+         f"{cfg.batch} % {cfg.grad_accum} = {cfg.batch % cfg.grad_accum} (batch is rows per rank per step)")
+    from ringzero.nn.gpt import PRESETS
+    need(cfg.model in ("",) + tuple(PRESETS),
+         f"--model must be one of {', '.join(PRESETS)} (or empty for the small default), got {cfg.model!r}")
+    d = model_dims(cfg)
+    need(d["n_embd"] % d["n_head"] == 0,
+         f"--n-embd must be divisible by --n-head: got {d['n_embd']} % {d['n_head']} = {d['n_embd'] % d['n_head']}")
+    g = gpt_config(cfg, 256)                     # the shapes, before the data sets the vocab
+    need(cfg.seq_len <= g.block_size,
+         f"--seq-len must be <= the model's context: expected <= {g.block_size} ({cfg.model}), got {cfg.seq_len}")
     need(cfg.lr > 0, f"--lr must be > 0, got {cfg.lr}")
     need(0 <= cfg.min_lr_frac <= 1, f"--min-lr-frac must be in [0, 1], got {cfg.min_lr_frac}")
     need(cfg.warmup >= 0 and cfg.eval_interval >= 0 and cfg.eval_batches >= 1 and cfg.sample_chars >= 0,
          "--warmup, --eval-interval and --sample-chars must be >= 0 and --eval-batches >= 1")
     need(cfg.device in ("cpu", "cuda"), f"--device must be cpu or cuda, got {cfg.device!r}")
-    need(cfg.precision in ("fp16", "fp32"), f"--precision must be fp16 or fp32, got {cfg.precision!r}")
+    need(cfg.precision in ("fp16", "bf16", "fp32"), f"--precision must be fp16, bf16 or fp32, got {cfg.precision!r}")
+    if cfg.precision == "bf16":
+        need(cfg.device == "cpu", "--precision bf16 runs on --device cpu only: CuPy has no bfloat16 "
+                                  "arrays; use --precision fp16 on a GPU")
+        from ringzero.runtime.state import storage_dtype
+        try:
+            storage_dtype("bf16")
+        except ValueError as e:
+            raise ConfigError(f"--precision {e}") from None
     try:
         cfg.stage = accounting.parse_stage(cfg.stage)
     except (ValueError, TypeError) as e:
@@ -177,6 +204,25 @@ def validate(cfg: Config):
     if cfg.resume == "latest":
         from ringzero.runtime.checkpoint import latest
         need(latest(cfg.save_dir) is not None, f"--resume latest: no complete checkpoint in --save-dir {cfg.save_dir!r}")
+
+
+def gpt_config(cfg: Config, vocab: int):
+    """The effective GPTConfig: the --model preset (or the small default), the
+    data's vocabulary, and the dimension flags the user set (None keeps the
+    preset's). The default model's context is --seq-len; a preset keeps its own."""
+    from ringzero.nn.gpt import model_config
+    try:
+        return model_config(cfg.model or None, vocab, block_size=None if cfg.model else cfg.seq_len,
+                            **model_dims(cfg))
+    except ValueError as e:
+        raise ConfigError(f"--model: {e}") from None
+
+
+def model_dims(cfg: Config) -> dict:
+    """{n_layer, n_head, n_embd} in effect: a flag's value, else the preset's, else the default."""
+    from ringzero.nn.gpt import PRESETS
+    base = PRESETS[cfg.model].__dict__ if cfg.model in PRESETS else DEFAULT_DIMS
+    return {k: base[k] if getattr(cfg, k) is None else getattr(cfg, k) for k in DEFAULT_DIMS}
 
 
 def lr_at(cfg: Config, step: int) -> float:

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ringzero.app.config import (Config, ConfigError, build_parser, lr_at, parse_config,  # noqa: F401
-                                 validate)
+from ringzero.app.config import (Config, ConfigError, build_parser, gpt_config, lr_at,  # noqa: F401
+                                 parse_config, validate)
 from ringzero.metrics import read_metrics  # noqa: F401  (its old home; tools import ringzero.metrics)
 
 
@@ -43,7 +43,7 @@ def _mib(b) -> str:
 def prepare(cfg: Config, n: int):
     """Every input check that needs the data or the sizes; no MPI. Raises ConfigError."""
     from ringzero.app.data import load_corpus
-    from ringzero.nn.gpt import GPT, GPTConfig
+    from ringzero.nn.gpt import GPT, vocab_for
     from ringzero.runtime import accounting
     from ringzero.runtime.flat import Layout
     from ringzero.runtime.policy import StagePolicy
@@ -52,7 +52,8 @@ def prepare(cfg: Config, n: int):
         corpus = load_corpus(cfg.data or None, cfg.seq_len)
     except (ValueError, OSError) as e:
         raise ConfigError(str(e)) from None
-    gcfg = GPTConfig(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.seq_len, corpus.vocab)
+    # the vocabulary from the data: 256 for bytes, else the largest id + 1 rounded up to 64
+    gcfg = gpt_config(cfg, vocab_for(corpus.vocab - 1, byte_level=corpus.byte_level))
     model = GPT(gcfg, checkpoint=cfg.activation_checkpointing)
     hybrid = StagePolicy.of(cfg.stage).hybrid
     if hybrid and cfg.ranks_per_node and n % cfg.ranks_per_node:
@@ -61,7 +62,8 @@ def prepare(cfg: Config, n: int):
     group = (cfg.ranks_per_node or None) if hybrid else n    # ranks sharing one copy
     if budget is not None and group is not None:      # else the engine checks once it knows the node
         try:
-            check_budget(Layout(model.units, shards=group), cfg.stage, n, budget, group if hybrid else None)
+            check_budget(Layout(model.units, shards=group), cfg.stage, n, budget, group if hybrid else None,
+                         cfg.precision, cfg.grad_accum)
         except MemoryBudgetError as e:
             raise ConfigError(f"--mem-budget {cfg.mem_budget}: {e}") from None
     return corpus, model, budget
@@ -71,14 +73,21 @@ def start_report(say, cfg: Config, corpus, engine, H: float) -> dict:
     """Print what runs and the model state per rank beside the formulas; return the memory report."""
     from ringzero.runtime import accounting
     L, n, mem = engine.layout, engine.topology.world_size, engine.memory_report()
+    g, pr, K = engine.model.cfg, cfg.precision, cfg.grad_accum
     say(f"ringzero | {corpus.describe()}")
-    say(f"ringzero | GPT {cfg.n_layer}L {cfg.n_head}H {cfg.n_embd}C T={cfg.seq_len}, Ψ = {L.numel:,} "
+    say(f"ringzero | GPT {cfg.model + ' ' if cfg.model else ''}{g.n_layer}L {g.n_head}H {g.n_embd}C "
+        f"T={cfg.seq_len} (context {g.block_size}) V={g.vocab}, Ψ = {L.numel:,} "
         f"(padded {L.padded:,}), Nd = {n}, stage {cfg.stage} "
-        f"({accounting.bytes_per_param_formula(cfg.stage)}), {cfg.precision}, {cfg.device}")
+        f"({accounting.bytes_per_param_formula(cfg.stage, pr, K)}), {pr}"
+        f"{' (no loss scaler)' if pr == 'bf16' else ''}, {cfg.device}")
+    if K > 1:
+        say(f"ringzero | grad accumulation: {K} micro-batches of {cfg.batch // K} rows per step "
+            f"({'summed on the rank, reduced once' if engine.policy.accumulate_locally else 'reduce-scattered each'}"
+            f"; global batch {cfg.batch * n} sequences)")
     say(f"ringzero | held-out unigram entropy {H:.3f} nats (target: final eval loss <= {0.6 * H:.3f})")
     say("model state per rank       measured       formula")
     for c, d in mem["classes"].items():
-        say(f"  {c:<18} {_mib(d['measured_bytes'])} {_mib(d['formula_bytes'])}")
+        say(f"  {accounting.class_name(c, pr):<18} {_mib(d['measured_bytes'])} {_mib(d['formula_bytes'])}")
     say(f"  {'total':<18} {_mib(mem['model_state_measured'])} {_mib(mem['model_state_formula'])}")
     say("  workspace (not model state): " + ", ".join(f"{k} {_mib(v).strip()}" for k, v in mem["workspace"].items()))
     others = []
@@ -87,7 +96,7 @@ def start_report(say, cfg: Config, corpus, engine, H: float) -> dict:
         if hybrid and not engine.policy.hybrid:
             continue        # hybrid is shown only when it runs: its group is the node's
         rpn = L.shards if hybrid else None
-        others.append(f"{st}: {accounting.model_state_total(st, L.padded, n, rpn) / 2**20:.2f} MiB")
+        others.append(f"{st}: {accounting.model_state_total(st, L.padded, n, rpn, pr, K) / 2**20:.2f} MiB")
     say("  every stage at this Nd: " + " | ".join(others))
     return mem
 
@@ -133,7 +142,7 @@ def train_loop(cfg: Config, comm, engine, train, evaluate, writer, say) -> LoopR
         out.losses.append(res.loss)
         tps = tokens_per_step / dt
         if res.skipped:
-            note(f"ringzero | step {step}: overflow in the fp16 gradients; step skipped on every rank, "
+            note(f"ringzero | step {step}: overflow in the {cfg.precision} gradients; step skipped on every rank, "
                  f"loss scale {res.loss_scale:g} -> {engine.scaler.scale:g}")
         if writer:
             writer.step(step=step, loss=res.loss, lr=lr, loss_scale=res.loss_scale,
@@ -144,7 +153,8 @@ def train_loop(cfg: Config, comm, engine, train, evaluate, writer, say) -> LoopR
             bar.update(1)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
             from ringzero.runtime import checkpoint as ck
-            path = ck.save(engine, cfg.save_dir, step + 1, config=dataclasses.asdict(cfg),
+            path = ck.save(engine, cfg.save_dir, step + 1,
+                           config={**dataclasses.asdict(cfg), "gpt": dataclasses.asdict(engine.model.cfg)},
                            data_state={"step": step + 1, "seed": cfg.seed}, keep=cfg.keep or None)
             note(f"step {step + 1}: saved {path}")
         if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0 and step + 1 < cfg.steps:
@@ -174,7 +184,18 @@ def end_report(say, cfg: Config, engine, loop: LoopResult, eval_loss: float, H: 
     if traffic["schedule_bytes_per_step"] != traffic["formula_bytes_per_step"]:
         say(f"  differs by {traffic['formula_bytes_per_step'] - traffic['measured_bytes_per_step']:,} B: the "
             f"last unit's forward and backward are adjacent, so it is gathered once, not twice (as FSDP does)")
-    return {"traffic": traffic, "train_loss": train_loss, "eval_loss": eval_loss, "tokens_per_s": tput}
+    rss = peak_rss_per_rank(engine.comm)
+    say(f"ringzero | peak RSS per rank: max {rss[int(np.argmax(rss))] / 2**20:.1f} MiB (rank {int(np.argmax(rss))}), "
+        f"min {min(rss) / 2**20:.1f} MiB")
+    return {"traffic": traffic, "train_loss": train_loss, "eval_loss": eval_loss, "tokens_per_s": tput,
+            "peak_rss_bytes": rss}
+
+
+def peak_rss_per_rank(comm) -> list:
+    """Every rank's peak resident set size in bytes (getrusage; Linux reports KiB). Collective."""
+    import resource
+    mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return comm.allgather(int(mine)) if comm.size > 1 else [int(mine)]
 
 
 def summarize(cfg: Config, engine, mem: dict, end: dict, H: float) -> dict:
@@ -182,6 +203,7 @@ def summarize(cfg: Config, engine, mem: dict, end: dict, H: float) -> dict:
     L, traffic = engine.layout, end["traffic"]
     return {"summary": True, "params": L.numel, "params_padded": L.padded,
             "world_size": engine.topology.world_size, "stage": cfg.stage, "precision": cfg.precision,
+            "grad_accum": cfg.grad_accum, "model": cfg.model or None,
             "ranks_per_node": engine.policy.ranks_per_node(L.shards),
             "memory": {c: {"measured_bytes": d["measured_bytes"], "formula_bytes": d["formula_bytes"]}
                        for c, d in mem["classes"].items()},
@@ -189,7 +211,8 @@ def summarize(cfg: Config, engine, mem: dict, end: dict, H: float) -> dict:
                         "formula_bytes_per_step": traffic["formula_bytes_per_step"],
                         "schedule_bytes_per_step": traffic["schedule_bytes_per_step"]},
             "train_loss": end["train_loss"], "eval_loss": end["eval_loss"], "unigram_entropy": H,
-            "tokens_per_s": end["tokens_per_s"], "activation_peak_bytes": engine.activation_peak}
+            "tokens_per_s": end["tokens_per_s"], "activation_peak_bytes": engine.activation_peak,
+            "peak_rss_bytes": end["peak_rss_bytes"]}
 
 
 def run(cfg: Config, comm) -> dict:
@@ -204,7 +227,7 @@ def run(cfg: Config, comm) -> dict:
     corpus, model, budget = prepare(cfg, n)
     engine = Zero(model, comm, cfg.stage, precision=cfg.precision, device=cfg.device, seed=cfg.seed,
                   adam=AdamConfig(weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip),
-                  ranks_per_node=cfg.ranks_per_node or None, mem_budget=budget)
+                  ranks_per_node=cfg.ranks_per_node or None, mem_budget=budget, grad_accum=cfg.grad_accum)
     xp = engine.xp
     train = Batches(corpus.train, cfg.batch, cfg.seq_len, rank, n, cfg.seed)
     held = Batches(corpus.val, cfg.batch, cfg.seq_len, rank, n, cfg.seed + 1)
@@ -238,16 +261,16 @@ def run(cfg: Config, comm) -> dict:
 
 
 def _sample(engine, model, corpus, cfg) -> str:
-    """Generate from the trained weights on rank 0 (all ranks join the gather)."""
+    """Generate from the trained weights on rank 0 (all ranks join the gather), with
+    the decoding loop of ``python -m ringzero.sample`` (tools/sample.py)."""
+    from ringzero.tools.sample import generate
     full = engine.full_params()
     if engine.comm.rank != 0:
         return ""
-    P = engine.layout.views(full)
-    prompt = "def " if corpus.byte_level else None
-    idx = corpus.encode(prompt)[None, :] if prompt else np.zeros((1, 1), np.int64)
-    rng = np.random.default_rng(cfg.seed)
-    out = model.generate(P, idx, cfg.sample_chars, 0.8, rng)
-    return corpus.decode(np.asarray(out)[0])
+    prompt = corpus.encode("def ") if corpus.byte_level else np.zeros(1, np.int64)
+    out = generate(model, engine.layout.views(full), prompt, cfg.sample_chars, 0.8, None,
+                   np.random.default_rng(cfg.seed))
+    return corpus.decode(out)
 
 
 def main(argv=None) -> int:

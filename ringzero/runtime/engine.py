@@ -17,6 +17,20 @@ What it is
     global gradient norm from per-piece partial sums, the overflow check, and
     AdamW on every piece this rank holds of master.
 
+    Gradient accumulation (``grad_accum=K``): the step's (B, T) batch is cut
+    into K micro-batches of B/K rows, run one after the other through the
+    same plan; workspace.py's ``close_grad`` says where their gradients are
+    summed (on the rank at stages 0-2, after a reduce-scatter at 3/hybrid).
+    Each backward is seeded with scale/K, so the summed gradient is the mean
+    over micro-batches at the magnitude of K = 1 (no extra fp16 overflow);
+    the loss is the mean of the K micro-batch losses. Loss scale, overflow
+    check and update happen once per step, over all K. K = 1 is the same
+    code and arithmetic as without accumulation.
+
+    Precision: fp16 (dynamic loss scaler), bf16 (ml_dtypes.bfloat16 on the
+    host; a static scale of 1, a non-finite gradient still skips the step),
+    or fp32. Master and Adam are fp32 in every case.
+
 What it is not
     It imports no model (nn/contract.py says what a model provides), and
     knows nothing of data, schedules or printing.
@@ -35,7 +49,7 @@ from ringzero.runtime.flat import Layout
 from ringzero.runtime.optim import AdamConfig, AdamW, LossScaler, clip_coef
 from ringzero.runtime.plan import build_plan
 from ringzero.runtime.policy import StagePolicy
-from ringzero.runtime.state import ShardedState, aligned_empty, cast_into, check_budget
+from ringzero.runtime.state import ShardedState, aligned_empty, cast_into, check_budget, storage_dtype
 from ringzero.runtime.topology import Topology
 from ringzero.runtime.workspace import Workspaces
 
@@ -61,17 +75,20 @@ class Zero:
 
     def __init__(self, model: "ShardableModel", comm, stage="2", *, precision="fp16", device="cpu", seed=0,
                  adam: AdamConfig | None = None, ranks_per_node=None, mem_budget=None,
-                 scaler: LossScaler | None = None, timeout=None):
+                 scaler: LossScaler | None = None, timeout=None, grad_accum: int = 1):
         self.model, self.comm = model, comm
         self.policy = P = StagePolicy.of(stage)
         self.stage = P.stage
-        if precision not in ("fp16", "fp32"):
-            raise ValueError(f"precision must be fp16 or fp32, got {precision!r}")
-        self.precision = precision
+        self.storage_dtype = storage_dtype(precision)       # params, grads (ValueError if unknown)
+        if precision == "bf16" and device == "cuda":
+            raise ValueError("precision bf16 runs on --device cpu only: CuPy has no bfloat16 arrays; "
+                             "use fp16 on a GPU")
+        if isinstance(grad_accum, bool) or int(grad_accum) != grad_accum or grad_accum < 1:
+            raise ValueError(f"grad_accum must be an int >= 1, got {grad_accum!r}")
+        self.precision, self.grad_accum = precision, int(grad_accum)
         self.xp = xp = xp_for(device)
         if device == "cuda":
             select_device(comm)          # one GPU per rank, by node-local rank
-        self.storage_dtype = np.float16 if precision == "fp16" else np.float32   # params, grads
         # fp32 compute on CPU (NumPy has no fast fp16 GEMM), the storage dtype on GPU
         self.compute_dtype = np.float32 if xp is np else self.storage_dtype
         self.topology = topo = Topology.build(comm, P, ranks_per_node, timeout=timeout)
@@ -79,13 +96,14 @@ class Zero:
         self.layout = L = Layout(model.units, shards=topo.shard_size)
         U = len(L.units)
         if mem_budget is not None:       # refuse before allocating anything
-            check_budget(L, self.stage, topo.world_size, mem_budget, P.ranks_per_node(topo.shard_size))
-        self.state = ShardedState(L, P, topo.shard_rank, self.storage_dtype, xp)
+            check_budget(L, self.stage, topo.world_size, mem_budget, P.ranks_per_node(topo.shard_size),
+                         precision, self.grad_accum)
+        self.state = ShardedState(L, P, topo.shard_rank, self.storage_dtype, xp, self.grad_accum)
         self.state.init_master(seed)
         self.publish_params()
         self.plan = build_plan([L.needs(u) for u in range(U)],
                                [bool(model.backward_reads_params(u)) for u in range(U)])
-        self.workspaces = Workspaces(L, P, self.plan, self.state, topo, self.compute_dtype)
+        self.workspaces = Workspaces(L, P, self.plan, self.state, topo, self.compute_dtype, self.grad_accum)
         self.adam = AdamW(adam or AdamConfig(), max(L.piece_numel), xp)
         self.scaler = scaler or LossScaler(dynamic=(precision == "fp16"),
                                            init=2.0 ** 16 if precision == "fp16" else 1.0)
@@ -108,8 +126,9 @@ class Zero:
         return self.workspaces.bufs
 
     # ------------------------------------------------------------------ step
-    def forward_backward(self, x, y) -> float:
-        """Forward and backward over all units; leaves reduced grads. Returns local loss."""
+    def forward_backward(self, x, y, micro: int = 0) -> float:
+        """Forward and backward of micro-batch ``micro`` (of grad_accum) over all
+        units; after the last one the grads are reduced. Returns its local loss."""
         m, plan, ws = self.model, self.plan, self.workspaces
         U = plan.units
         caches = [None] * U
@@ -122,7 +141,7 @@ class Zero:
             act += m.cache_nbytes(caches[i])
             peak = max(peak, act)
         loss = float(h)
-        dy = self.scaler.scale
+        dy = self._seed()
         for i in range(U, 2 * U):
             u = plan.schedule[i][1]
             for w, s in plan.materialize[i]:
@@ -133,7 +152,7 @@ class Zero:
             act -= m.cache_nbytes(caches[u])
             caches[u] = None
             for w, s in plan.grad_close[i]:
-                ws.reduce_grad(w, s)
+                ws.close_grad(w, s, micro)
         self.activation_peak = max(self.activation_peak, peak)
         return loss
 
@@ -147,11 +166,29 @@ class Zero:
                 cast_into(g, self.state.piece("grads", u, r))
                 yield u, r, g
 
+    def _seed(self) -> float:
+        """d(loss)/d(loss) of each backward: the loss scale over K (exact for K a power of 2)."""
+        return self.scaler.scale / self.grad_accum
+
+    def micro_batches(self, x, y):
+        """[(x_k, y_k)]: the K row slices (views) of a (B, T) batch; B % K == 0."""
+        K, B = self.grad_accum, x.shape[0]
+        if B % K:
+            raise ValueError(f"the batch must split into grad_accum = {K} micro-batches: expected "
+                             f"B % {K} == 0, got B = {B}")
+        m = B // K
+        return [(x[k * m:(k + 1) * m], y[k * m:(k + 1) * m]) for k in range(K)]
+
     def step(self, x, y, lr: float) -> StepResult:
-        """One optimizer step on this rank's micro-batch (x, y): (B, T) ints."""
+        """One optimizer step on this rank's batch (x, y): (B, T) ints, run as
+        grad_accum micro-batches of B/K rows."""
         led0 = reports.ledger_totals(self.topology)
-        scale, n = self.scaler.scale, self.topology.world_size
-        loss = self.forward_backward(x, y)
+        scale, n, K = self.scaler.scale, self.topology.world_size, self.grad_accum
+        seed = self._seed()
+        loss = 0.0
+        for k, (xk, yk) in enumerate(self.micro_batches(x, y)):
+            loss += self.forward_backward(xk, yk, k)
+        loss /= K                                    # the mean of the micro-batch means
 
         # global squared norm: partial per piece r, summed over units in order,
         # the partials then added in rank order -- identical at every stage.
@@ -160,7 +197,7 @@ class Zero:
             partial[r] = partial.get(r, 0.0) + float(self.xp.dot(g, g))
         sumsq = self._share_scalars(loss, partial)
         loss = float(self._all_scalars[:, 0].sum() / n) if n > 1 else loss
-        inv = 1.0 / (scale * n)
+        inv = 1.0 / (seed * K * n)                   # K = 1: 1 / (scale * n)
         gnorm = math.sqrt(sumsq) * inv if math.isfinite(sumsq) else float("inf")
         skipped = self.scaler.update(not math.isfinite(sumsq))
         if not skipped:
@@ -202,15 +239,19 @@ class Zero:
 
     # ------------------------------------------------------------- forward only
     def eval_loss(self, x, y) -> float:
-        """Global mean loss of a forward pass (no gradients, no update)."""
+        """Global mean loss of a forward pass (no gradients, no update), run as
+        grad_accum micro-batches like a step (activations of B/K rows)."""
         m, plan, ws = self.model, self.plan, self.workspaces
         U = plan.units
-        h = x
-        for i in range(U):
-            for w, s in plan.forward_materialize[i]:
-                ws.materialize(w, s)
-            h, _ = m.forward_unit(i, ws.forward_views[i], h, y if i == U - 1 else None)
-        buf = np.array([float(h)], np.float64)
+        loss = 0.0
+        for xk, yk in self.micro_batches(x, y):
+            h = xk
+            for i in range(U):
+                for w, s in plan.forward_materialize[i]:
+                    ws.materialize(w, s)
+                h, _ = m.forward_unit(i, ws.forward_views[i], h, yk if i == U - 1 else None)
+            loss += float(h)
+        buf = np.array([loss / self.grad_accum], np.float64)
         allb = np.zeros(self.topology.world_size, np.float64)
         self.comm.Allgather(buf, allb)
         return float(allb.sum() / self.topology.world_size)
@@ -229,7 +270,8 @@ class Zero:
     def checkpoint_meta(self) -> dict:
         """What a checkpoint records beside the buffers (runtime/checkpoint.py)."""
         return {"stage": self.stage, "world": self.topology.world_size, "shards": self.layout.shards,
-                "precision": self.precision, "engine_step_count": int(self.step_count),
+                "precision": self.precision, "grad_accum": self.grad_accum,
+                "engine_step_count": int(self.step_count),
                 "adam": {"t": int(self.adam.t), **asdict(self.adam.cfg)},
                 "scaler": self.scaler.state_dict()}
 

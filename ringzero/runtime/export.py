@@ -26,11 +26,25 @@ from ringzero.runtime.manifest import (FORMAT, CheckpointError, check_layout, er
                                        verify_file)
 
 
+_OUT = {"fp32": "F32", "fp16": "F16", "bf16": "BF16"}    # safetensors' dtype tags
+
+
+def _out_dtype(dtype: str):
+    """(NumPy dtype, safetensors tag) of an export dtype; bf16 needs ml_dtypes."""
+    if dtype == "bf16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise CheckpointError("export --dtype bf16 needs ml_dtypes: pip install 'ringzero[bf16]'") from None
+        return np.dtype(ml_dtypes.bfloat16), _OUT[dtype]
+    return np.dtype(np.float32 if dtype == "fp32" else np.float16), _OUT[dtype]
+
+
 def export(path: str, out: str, dtype: str = "fp32") -> dict:
     """Consolidate a checkpoint's weights into a safetensors file, one
     parameter at a time (memory: the largest parameter). Serial."""
-    if dtype not in ("fp32", "fp16"):
-        raise ValueError(f"dtype must be fp32 or fp16, got {dtype!r}")
+    if dtype not in _OUT:
+        raise ValueError(f"dtype must be one of {', '.join(_OUT)}, got {dtype!r}")
     try:
         from safetensors import safe_open
     except ImportError:
@@ -38,13 +52,13 @@ def export(path: str, out: str, dtype: str = "fp32") -> dict:
     p = resolve(path)
     m = read_manifest(p)
     old = check_layout(m, p)
-    # fp16 straight from the fp16 params files when the run stored fp16, else from master
-    cls = "params" if dtype == "fp16" and np.dtype(m["classes"]["params"]) == np.float16 else "master"
+    out_dt, tag = _out_dtype(dtype)
+    # fp16 (bf16) straight from the params files when the run stored that dtype, else from master
+    cls = "params" if dtype != "fp32" and np.dtype(m["classes"]["params"]) == out_dt else "master"
     err = verify(p, m, [shard_file(cls, k) for k in range(old.shards)])
     if err:
         raise CheckpointError(err)
-    src_dt, out_dt = np.dtype(m["classes"][cls]), np.dtype(np.float32 if dtype == "fp32" else np.float16)
-    tag = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}[out_dt]
+    src_dt = np.dtype(m["classes"][cls])
     header, off = {}, 0
     for name, s in old.slots.items():
         n = s.spec.numel * out_dt.itemsize
@@ -69,7 +83,7 @@ def export(path: str, out: str, dtype: str = "fp32") -> dict:
                     read_range(fhs, p, cls, old, s.unit, s.in_unit, s.in_unit + n, buf)
                 v = buf[:n]
                 if cast is not None:
-                    np.copyto(cast[:n], v, casting="same_kind")   # round to nearest even
+                    np.copyto(cast[:n], v, casting="unsafe")      # fp32 -> fp16/bf16: round to nearest even
                     v = cast[:n]
                 fo.write(memoryview(v.view(np.uint8)))
             fo.flush()
@@ -129,7 +143,8 @@ def main(argv=None) -> int:
     e = sub.add_parser("export", help="consolidate the weights into one safetensors file")
     e.add_argument("dir", help="a step-NNNNNN directory, or a save directory (its latest)")
     e.add_argument("out", help="output .safetensors path (written atomically)")
-    e.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32")
+    e.add_argument("--dtype", choices=tuple(_OUT), default="fp32",
+                   help="fp16/bf16 come from the run's params when it stored that dtype, else from master")
     i = sub.add_parser("inspect", help="print the manifest")
     i.add_argument("dir")
     i.add_argument("--verify", action="store_true", help="also check every file's size and sha256")

@@ -29,6 +29,11 @@ import re
 
 import numpy as np
 
+try:    # registers "bfloat16" with NumPy, so np.dtype(name) reads a bf16 run's params class
+    import ml_dtypes  # noqa: F401
+except ImportError:
+    pass
+
 from ringzero.runtime.flat import Layout, units_from_description
 
 FORMAT, VERSION = "ringzero-checkpoint", 2

@@ -13,6 +13,12 @@ What it is
         3       no           no          no              yes            yes          no
         hybrid  no           no          no              yes            yes          yes
 
+    With gradient accumulation (K > 1 micro-batches per step) the fp32
+    accumulator ``grad_accum`` is held in full where params are (stages 0-2
+    sum locally and reduce once per step, as DDP's no_sync) and as a shard
+    where params are sharded (stage 3, hybrid reduce-scatter every
+    micro-batch into it, as FSDP does): ``accumulate_locally``.
+
     The engine, its state and its reports ask these questions; none of them
     compares a stage string. (The ``FSDP2`` way: a frozen, documented policy
     record instead of names tested in many places.)
@@ -29,6 +35,8 @@ from ringzero.runtime import accounting
 # accounting's class name of each engine buffer
 BUFFER_CLASS = {"params": "params_fp16", "grads": "grads_fp16", "master": "master_fp32",
                 "adam_m": "adam_m_fp32", "adam_v": "adam_v_fp32"}
+# the K > 1 accumulator's class (never partitioned by STAGE_TABLE; see is_full)
+ACCUM_BUFFER = {"grad_accum": accounting.ACCUM_CLASS}
 
 
 @dataclass(frozen=True)
@@ -54,7 +62,10 @@ class StagePolicy:
                    hybrid=accounting.replicated_across_nodes(st))
 
     def is_full(self, buffer: str) -> bool:
-        """True if the engine buffer ("params", "grads", "master", ...) is held in full."""
+        """True if the engine buffer ("params", "grads", "master", ...) is held in full.
+        The K > 1 accumulator ("grad_accum") is held in full exactly where params are."""
+        if buffer == "grad_accum":
+            return self.full_params
         return buffer not in self.sharded
 
     @property
@@ -76,6 +87,13 @@ class StagePolicy:
     def all_gather_after_update(self) -> bool:
         """Params are held in full but updated as a shard (stages 1, 2): AG after the update."""
         return self.full_params and not self.full_optimizer
+
+    @property
+    def accumulate_locally(self) -> bool:
+        """K > 1: micro-batch gradients are summed on the rank in full fp32 and
+        reduced once per step (stages 0-2); else each micro-batch is
+        reduce-scattered into an fp32 shard accumulator (stage 3, hybrid)."""
+        return self.full_params
 
     def ranks_per_node(self, shard_size: int):
         """The accounting's ``ranks_per_node`` argument: the group size for hybrid, else None."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from ringzero.runtime import accounting
+from ringzero.runtime.policy import ACCUM_BUFFER, BUFFER_CLASS
 
 
 def ledger_totals(topology) -> dict:
@@ -32,29 +33,28 @@ def ledger_totals(topology) -> dict:
 
 
 def _formula_state(engine, psi):
+    """accounting's bytes per class at the engine's stage, precision and K."""
     topo = engine.topology
-    f = accounting.model_state_bytes(engine.stage, psi, topo.world_size,
-                                     engine.policy.ranks_per_node(topo.shard_size))
-    if np.dtype(engine.storage_dtype).itemsize == 4:   # fp32 params and grads take 4 bytes, not 2
-        f["params_fp16"] *= 2
-        f["grads_fp16"] *= 2
-    return f
+    return accounting.model_state_bytes(engine.stage, psi, topo.world_size,
+                                        engine.policy.ranks_per_node(topo.shard_size),
+                                        engine.precision, engine.grad_accum)
 
 
 def memory_report(engine) -> dict:
     """Bytes allocated on this rank, per state class, beside the formula.
 
     'formula_bytes' uses the padded Ψ (what the formula predicts for the
-    buffers this layout allocates); 'textbook_bytes' uses the real Ψ.
+    buffers this layout allocates); 'textbook_bytes' uses the real Ψ. The
+    class keys are accounting's (``params_fp16`` is "params in the storage
+    dtype"; ``grad_accum_fp32`` only when K > 1).
     """
     L, st = engine.layout, engine.state
-    meas = {"params_fp16": st.params.nbytes, "grads_fp16": st.grads.nbytes,
-            "master_fp32": st.master.nbytes, "adam_m_fp32": st.adam_m.nbytes,
-            "adam_v_fp32": st.adam_v.nbytes}
+    meas = {{**BUFFER_CLASS, **ACCUM_BUFFER}[name]: buf.nbytes for name, buf in st.bufs.items()}
     form, text = _formula_state(engine, L.padded), _formula_state(engine, L.numel)
     classes = {c: {"measured_bytes": int(meas[c]), "formula_bytes": form[c],
                    "textbook_bytes": text[c]} for c in meas}
     return {"stage": engine.stage, "psi": L.numel, "psi_padded": L.padded,
+            "precision": engine.precision, "grad_accum": engine.grad_accum,
             "nd": engine.topology.world_size, "shard_group": engine.topology.shard_size,
             "classes": classes,
             "model_state_measured": sum(int(meas[c]) for c in meas),
@@ -66,21 +66,22 @@ def memory_report(engine) -> dict:
 
 def traffic_report(engine) -> dict:
     """Bytes this rank sent in the last step, by collective, beside the formula."""
-    L, topo, policy = engine.layout, engine.topology, engine.policy
+    L, topo, policy, K = engine.layout, engine.topology, engine.policy, engine.grad_accum
     n = topo.shard_size
-    elements = accounting.traffic_elements(engine.stage, L.padded, topo.world_size, policy.ranks_per_node(n))
+    elements = accounting.traffic_elements(engine.stage, L.padded, topo.world_size, policy.ranks_per_node(n), K)
     itemsize = np.dtype(engine.storage_dtype).itemsize
     formula = sum(elements.values()) * itemsize
     # the exact figure for this schedule: units gathered once per run of
-    # consecutive uses (the last unit once), every unit reduce-scattered once
+    # consecutive uses (the last unit once), every unit reduce-scattered once,
+    # per micro-batch where params are sharded (K times per step)
     exact = formula
     if policy.gather_params:
         gathered = sum(L.unit_padded[w] for w, a, b in engine.plan.param_runs)
-        exact = formula - (2 * L.padded - gathered) * (n - 1) // n * itemsize
+        exact = formula - K * ((2 * L.padded - gathered) * (n - 1) // n) * itemsize
     measured = sum(engine.last_step_ledger.values())
     return {"stage": engine.stage, "by_op": dict(engine.last_step_ledger),
             "measured_bytes_per_step": int(measured),
             "formula_bytes_per_step": int(formula),
             "schedule_bytes_per_step": int(exact),
-            "formula": accounting.traffic_formula(engine.stage),
+            "formula": accounting.traffic_formula(engine.stage, K), "grad_accum": K,
             "formula_elements": elements}

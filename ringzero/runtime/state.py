@@ -10,16 +10,20 @@ What it is
         master   fp32       policy.full_optimizer (0)    stages 1-3, hybrid
         adam_m   fp32       as master
         adam_v   fp32       as master
+        grad_accum fp32     K > 1 only: full where params are     stage 3, hybrid
+                            (stages 0-2)
 
-    A full buffer has ``layout.padded`` elements, a shard ``layout.shard_numel``.
+    The storage dtype is fp16, bf16 (ml_dtypes.bfloat16: ``storage_dtype``)
+    or fp32. A full buffer has ``layout.padded`` elements, a shard ``layout.shard_numel``.
     ``piece(name, u, r)`` is piece (u, r) of a buffer whichever way it is held,
     and ``held_ranks(name)`` the pieces this rank holds of it: that is the whole
     API the optimizer pass and the checkpoint use. ``publish`` casts master
     into params (and all-gathers them where they are held in full);
     ``gather`` assembles one class in full on the host.
 
-    Also here: ``cast_into`` (the one dtype-changing copy) and
-    ``check_budget`` (refuse a stage before anything is allocated).
+    Also here: ``cast_into`` (the one dtype-changing copy),
+    ``storage_dtype`` (a precision's dtype) and ``check_budget`` (refuse a
+    stage before anything is allocated).
 
 What it is not
     No schedule and no workspaces (workspace.py), no optimizer (optim.py).
@@ -43,14 +47,16 @@ class MemoryBudgetError(ValueError):
 class ShardedState:
     """The five state buffers of one rank, and piece-wise access to them."""
 
-    def __init__(self, layout: Layout, policy, shard_rank: int, storage_dtype, xp):
+    def __init__(self, layout: Layout, policy, shard_rank: int, storage_dtype, xp, grad_accum: int = 1):
         self.layout, self.policy, self.shard_rank, self.xp = layout, policy, shard_rank, xp
         dtypes = {"params": storage_dtype, "grads": storage_dtype, "master": np.float32,
-                  "adam_m": np.float32, "adam_v": np.float32}
+                  "adam_m": np.float32, "adam_v": np.float32, "grad_accum": np.float32}
+        names = BUFFERS + (("grad_accum",) if grad_accum > 1 else ())
         self.bufs = {name: xp.zeros(layout.padded if policy.is_full(name) else layout.shard_numel,
-                                    dtypes[name]) for name in BUFFERS}
+                                    dtypes[name]) for name in names}
         self.params, self.grads = self.bufs["params"], self.bufs["grads"]
         self.master, self.adam_m, self.adam_v = self.bufs["master"], self.bufs["adam_m"], self.bufs["adam_v"]
+        self.accum = self.bufs.get("grad_accum")     # (padded,) or (shard_numel,) fp32; None at K = 1
 
     @property
     def on_host(self) -> bool:
@@ -131,15 +137,33 @@ def aligned_empty(xp, n, dtype, align_bytes=64):
     return raw[off:off + n]
 
 
-def check_budget(layout: Layout, stage: str, world: int, budget: int, ranks_per_node=None):
+def storage_dtype(precision: str):
+    """The dtype of params and grads at a precision: fp16, bf16 (ml_dtypes), fp32.
+    Raises ValueError with one line (and the install hint for bf16)."""
+    if precision == "fp16":
+        return np.dtype(np.float16)
+    if precision == "fp32":
+        return np.dtype(np.float32)
+    if precision == "bf16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise ValueError("precision bf16 needs ml_dtypes: pip install 'ringzero[bf16]'") from None
+        return np.dtype(ml_dtypes.bfloat16)
+    raise ValueError(f"precision must be fp16, bf16 or fp32, got {precision!r}")
+
+
+def check_budget(layout: Layout, stage: str, world: int, budget: int, ranks_per_node=None,
+                 precision: str = "fp16", grad_accum: int = 1):
     """Refuse, before anything is allocated, a stage whose model state per rank
-    (the stage formula on the padded Ψ) exceeds ``budget`` bytes."""
-    need = accounting.model_state_total(stage, layout.padded, world, ranks_per_node)
+    (the stage formula on the padded Ψ, at this precision and K) exceeds ``budget`` bytes."""
+    kw = dict(precision=precision, grad_accum=grad_accum)
+    need = accounting.model_state_total(stage, layout.padded, world, ranks_per_node, **kw)
     if need <= budget:
         return
-    fits = accounting.stages_that_fit(budget, layout.padded, world, ranks_per_node)
+    fits = accounting.stages_that_fit(budget, layout.padded, world, ranks_per_node, **kw)
     if not fits:
-        least = accounting.model_state_total("3", layout.padded, world)
+        least = accounting.model_state_total("3", layout.padded, world, **kw)
         raise MemoryBudgetError(
             f"budget {budget / 2**20:.1f} MiB per rank is below the smallest stage's need: stage 3 "
             f"needs {least / 2**20:.1f} MiB at Nd={world} (Ψ={layout.numel:,}); add ranks or shrink the model")
@@ -152,7 +176,8 @@ def cast_into(dst, src):
     """dst[...] = src with a dtype change, through the F16C kernel where it applies.
 
     fp16 <-> fp32 on the host goes through ringzero.comm.kernels (bitwise equal to
-    NumPy's round-to-nearest-even); everything else is the array module's copy.
+    NumPy's round-to-nearest-even); everything else is the array module's copy
+    (bf16 <-> fp32: ml_dtypes' casts, round to nearest even).
     """
     if dst.dtype == src.dtype:
         dst[...] = src

@@ -18,11 +18,31 @@ What it is
         reduce_grad(w, slot)   unit w's finished gradient: cast, reduce-scatter into the
                                owner's piece (+ all-gather at stage 0, + all-reduce across
                                nodes for hybrid)
+        close_grad(w, slot, k) the same for micro-batch k of K (gradient accumulation):
+
+            stages 0-2 (no_sync)   accum[w] (full, fp32) = g_0, += g_1, ... on the rank;
+                                   after g_{K-1}: cast accum[w], reduce it as reduce_grad
+                                   does. Traffic per step: that of K = 1.
+            stage 3, hybrid (FSDP) every g_k: cast, reduce-scatter into the grads shard,
+                                   accum shard (fp32) = / += it; after g_{K-1}: grads
+                                   shard = cast(accum shard), then (hybrid) all-reduced
+                                   across nodes once. Traffic: K x the RS (and the gathers).
+
+        Why stage 3 is not bitwise stage 0-2 at K > 1: stages 0-2 add the K
+        micro-batch gradients on each rank first and then over ranks,
+        sum_r cast(sum_k g_rk); stage 3 adds over ranks first, one rounded
+        reduce-scatter per micro-batch, sum_k RS_r(cast(g_rk)). Floating
+        addition is not associative, and in fp16/bf16 storage each RS result
+        is also rounded to 2 bytes, so the two agree within rounding, not
+        bit for bit. Stages 0-2 among themselves (same local sum, same RS) and
+        stage 3 vs hybrid on one node (same RS, no replica) stay bitwise equal.
 
 What it is not
     It decides nothing about *when*: plan.py does. No optimizer.
 """
 from __future__ import annotations
+
+import numpy as np
 
 from ringzero.runtime.state import cast_into
 
@@ -30,10 +50,11 @@ from ringzero.runtime.state import cast_into
 class Workspaces:
     """Slot buffers and per-position views for one engine."""
 
-    def __init__(self, layout, policy, plan, state, topology, compute_dtype):
+    def __init__(self, layout, policy, plan, state, topology, compute_dtype, grad_accum: int = 1):
         self.layout, self.policy, self.state, self.topology = layout, policy, state, topology
         xp, cap, storage = state.xp, layout.max_unit_padded, state.params.dtype
         self.cast = compute_dtype != storage
+        self.grad_accum = int(grad_accum)
         n_param = max(plan.param_slots, plan.forward_slots)
         self.bufs = {}
         if self.cast:
@@ -44,6 +65,12 @@ class Workspaces:
             self.bufs["gather"] = [xp.empty(cap, storage) for _ in range(1 if self.cast else n_param)]
         if policy.grad_bucket:
             self.bufs["grad_bucket"] = [xp.empty(cap, storage) for _ in range(1 if self.cast else plan.grad_slots)]
+        # K > 1, stage 3 / hybrid, 2-byte storage: one reduce-scattered piece widened to fp32
+        # before it is added into the accumulator (a unit's piece at most)
+        self._widen = None
+        if self.grad_accum > 1 and not policy.accumulate_locally and np.dtype(storage).itemsize < 4:
+            self._widen = xp.empty(max(layout.piece_numel), np.float32)
+            self.bufs["accum_widen"] = [self._widen]
 
         def views(table, where):
             out = []
@@ -95,16 +122,23 @@ class Workspaces:
         if self.cast:
             cast_into(self.bufs["param_compute"][slot][:L.unit_padded[w]], src)
 
+    def _storage_seg(self, w, slot):
+        """Where unit w's storage-dtype gradient is reduced from: the grads buffer (0, 1) or a bucket."""
+        L = self.layout
+        if self.policy.full_grads:
+            return L.unit_full(self.state.grads, w)
+        return self.bufs["grad_bucket"][0 if self.cast else slot][:L.unit_padded[w]]
+
     def reduce_grad(self, w, slot):
         """Unit w's gradient is complete: cast to the storage dtype and reduce it."""
-        L, state, topo = self.layout, self.state, self.topology
-        n = L.unit_padded[w]
-        if self.policy.full_grads:
-            seg = L.unit_full(state.grads, w)
-        else:
-            seg = self.bufs["grad_bucket"][0 if self.cast else slot][:n]
+        seg = self._storage_seg(w, slot)
         if self.cast:
-            cast_into(seg, self.bufs["grad_compute"][slot][:n])
+            cast_into(seg, self.bufs["grad_compute"][slot][:self.layout.unit_padded[w]])
+        self._reduce(w, seg)
+
+    def _reduce(self, w, seg):
+        """Reduce unit w's storage-dtype gradient ``seg`` over the shard group (and replicas)."""
+        L, state, topo = self.layout, self.state, self.topology
         if self.policy.full_grads:
             # stage 0's all-reduce is spelled out as the reduce-scatter and
             # all-gather it is made of, so its ledger reads as the formula's
@@ -119,3 +153,41 @@ class Workspaces:
             topo.ring.reduce_scatter(seg, out)
             if topo.replica_ring is not None and topo.replica_ring.size > 1:
                 topo.replica_ring.all_reduce(out)
+
+    def close_grad(self, w, slot, k: int = 0):
+        """Micro-batch k's gradient of unit w is complete (see the module docstring)."""
+        K = self.grad_accum
+        if K == 1:
+            return self.reduce_grad(w, slot)
+        L, state, topo = self.layout, self.state, self.topology
+        n, last = L.unit_padded[w], k == K - 1
+        g = self.grad_target(w, slot)[:n]             # this micro-batch's gradient (compute dtype)
+        if self.policy.accumulate_locally:            # stages 0-2: sum on the rank, reduce once
+            acc = L.unit_full(state.accum, w)
+            if k == 0:
+                cast_into(acc, g)
+            else:
+                acc += g
+            if last:
+                seg = self._storage_seg(w, slot)
+                cast_into(seg, acc)
+                self._reduce(w, seg)
+            return
+        # stage 3 / hybrid: reduce-scatter every micro-batch into the fp32 shard accumulator
+        seg = self._storage_seg(w, slot)
+        if self.cast:
+            cast_into(seg, g)
+        out, acc = L.unit_shard(state.grads, w), L.unit_shard(state.accum, w)
+        topo.ring.reduce_scatter(seg, out)
+        if k == 0:
+            cast_into(acc, out)
+        elif self._widen is None:                     # fp32 storage: add as it is
+            acc += out
+        else:
+            wide = self._widen[:out.size]
+            cast_into(wide, out)
+            acc += wide
+        if last:
+            cast_into(out, acc)                       # the step's gradient, in the storage dtype
+            if topo.replica_ring is not None and topo.replica_ring.size > 1:
+                topo.replica_ring.all_reduce(out)     # across nodes once per step
