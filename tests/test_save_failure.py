@@ -18,7 +18,7 @@ import pytest
 
 import trainer_cli as cli
 from conftest import assert_all
-from test_checkpoint import batches, by_name, engine, shared_dir, train
+from test_checkpoint import batches, engine, shared_dir, train
 
 
 @pytest.mark.mpi

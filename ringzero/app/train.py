@@ -18,7 +18,9 @@ What it is not
     their checks are config.py's.
 
 Bad flags or config values exit with one line and code 2 on every rank,
-before any communication and before any file is written.
+before any communication and before any file is written; bad input only a
+rank can see is agreed first (exits.py). SIGTERM, SIGINT and SIGUSR1 stop the
+run at the next step boundary, after a checkpoint (preempt.py).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import numpy as np
 
 from ringzero.app.config import (Config, ConfigError, build_parser, lr_at, parse_config,  # noqa: F401
                                  validate)
+from ringzero.app.exits import agree, leave, under_mpi
 from ringzero.metrics import read_metrics  # noqa: F401  (its old home; tools import ringzero.metrics)
 
 
@@ -274,26 +277,6 @@ def run(cfg: Config, comm, stop=None) -> dict:
 FAULT_DATA_ENV = "RINGZERO_FAULT_DATA"      # tests: "rank:N" = rank N cannot read --data
 
 
-def agree(comm, fn):
-    """``fn()`` on every rank; if it raised ConfigError (or OSError) on any
-    rank, every rank raises one ConfigError naming the first such rank.
-    One small allgather: for start-up checks, never the step."""
-    res, err = None, None
-    try:
-        res = fn()
-    except (ConfigError, OSError) as e:
-        err = str(e).replace("\n", " ")
-    errs = comm.allgather(err) if comm.size > 1 else [err]
-    bad = [(r, e) for r, e in enumerate(errs) if e]
-    if not bad:
-        return res
-    r, e = bad[0]
-    if len(bad) == comm.size and len({x for _, x in bad}) == 1:
-        raise ConfigError(e)                         # every rank alike: no rank to name
-    more = f" (and {len(bad) - 1} more rank{'s' if len(bad) > 2 else ''})" if len(bad) > 1 else ""
-    raise ConfigError(f"rank {r}{more}: {e}")
-
-
 def _rank_checks(cfg: Config, rank: int, n: int):
     """prepare() plus the device check, on one rank. Raises ConfigError."""
     if cfg.device == "cuda":
@@ -333,11 +316,8 @@ def _sample(engine, model, corpus, cfg) -> str:
 
 
 def main(argv=None) -> int:
-    """Exit codes: 0 done; 2 bad input (flags, config, data, device, a
-    checkpoint that fails its checks on resume), reported once by rank 0 and
-    returned by every rank; 3 a checkpoint save failed (the previous
-    checkpoint is intact); 128+N stopped by signal N after saving (SIGINT 130,
-    SIGUSR1 138, SIGTERM 143). Any other exception is a bug: its traceback."""
+    """The command line. Exit codes (exits.py): 0 done, 2 bad input, 3 a
+    failed save, 128+N stopped by signal N after saving (preempt.py)."""
     from ringzero.app.preempt import StopRequest, Stopped
     from ringzero.runtime.checkpoint import CheckpointError
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -349,7 +329,7 @@ def main(argv=None) -> int:
             return 0
     except ConfigError as e:
         err = str(e)
-    if err and not _under_mpi():       # serial: nobody to agree with
+    if err and not under_mpi():       # serial: nobody to agree with
         _fail(err)
         return 2
     from mpi4py import MPI
@@ -361,41 +341,20 @@ def main(argv=None) -> int:
         with StopRequest(announce=comm.rank == 0) as stop:
             run(cfg, comm, stop)
     except ConfigError as e:           # agreed: every rank is here with the same line
-        return _leave(comm, 2, f"ringzero.train: error: {e}")
+        return leave(comm, 2, f"ringzero.train: error: {e}")
     except CheckpointError as e:       # a save failed on some rank: raised on every rank
         from ringzero.runtime.checkpoint import latest
         prev = latest(cfg.save_dir)
         keep = f"; the newest complete checkpoint is {prev}" if prev else "; no earlier checkpoint"
-        return _leave(comm, 3, f"ringzero.train: error: {e}{keep}")
+        return leave(comm, 3, f"ringzero.train: error: {e}{keep}")
     except Stopped as e:               # the loop printed its line; every rank stopped at e.step
-        return _leave(comm, e.code, None)
+        return leave(comm, e.code, None)
     return 0
 
 
 def _raise(err):
     if err:
         raise ConfigError(err)
-
-
-def _under_mpi() -> bool:
-    """True under an MPI launcher (or with MPI already started): then ranks agree on errors."""
-    return "mpi4py.MPI" in sys.modules or any(
-        k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK"))
-
-
-def _leave(comm, code: int, msg: str | None) -> int:
-    """End an agreed failure: one line from rank 0, then every rank finalizes
-    MPI and exits ``code`` itself, so that ``python -m mpi4py`` does not turn
-    the exit into MPI_Abort (and its banner). All ranks must be here."""
-    from mpi4py import MPI
-    if msg and comm.rank == 0:
-        print(msg, file=sys.stderr)
-    if not MPI.Is_initialized() or MPI.Is_finalized():
-        return code
-    sys.stdout.flush()
-    sys.stderr.flush()
-    MPI.Finalize()
-    os._exit(code)
 
 
 def _fail(msg):
