@@ -30,18 +30,24 @@ def _wait_for(path, p, timeout=120):
         time.sleep(0.05)
 
 
+END = 120      # the reference run's length; the stopped run must stop before it
+
+
 def test_sigterm_to_every_rank_saves_and_resumes_bitwise(tmp_path):
     data = cli.corpus(tmp_path / "corpus.txt")
     ck = str(tmp_path / "ck")
     base = cli.TINY + ["--data", data, "--stage", "3"]
     # the reference: one run that is never stopped
-    rcs, out, err = cli.run(base + ["--steps", "40", "--metrics", "a.jsonl"], tmp_path)
+    rcs, out, err = cli.run(base + ["--steps", str(END), "--metrics", "a.jsonl"], tmp_path)
     assert rcs == {0: 0, 1: 0}, cli.tail(out, err)
     # stopped: a run meant to go on for 100k steps, signalled once step 3 is saved
     p = cli.start(base + ["--steps", "100000", "--save-every", "3", "--save-dir", ck,
                           "--metrics", "b.jsonl"], tmp_path)
+    pids = []
+    while len(pids) < 2 and p.poll() is None:      # found first, so the signal follows the save closely
+        pids = cli.rank_pids(p.pid)
+        time.sleep(0.02)
     _wait_for(os.path.join(ck, "step-000003", "manifest.json"), p)
-    pids = cli.rank_pids(p.pid)
     assert len(pids) == 2, pids
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
@@ -52,15 +58,15 @@ def test_sigterm_to_every_rank_saves_and_resumes_bitwise(tmp_path):
     line = f"ringzero | SIGTERM at step {stopped}: saved {os.path.join(ck, f'step-{stopped:06d}')}; exiting 143"
     assert line in out, cli.tail(out, err)
     assert "Traceback" not in err and "MPI_ABORT" not in err, cli.tail(out, err)
-    assert 3 <= stopped < 40, f"stopped at step {stopped}: the reference run is too short"
+    assert 3 <= stopped < END, f"stopped at step {stopped}: the reference run is too short"
     from ringzero.runtime.checkpoint import latest
     assert latest(ck) == os.path.join(ck, f"step-{stopped:06d}")
     # resumed from that checkpoint to the reference's end
-    rcs, out, err = cli.run(base + ["--steps", "40", "--resume", "latest", "--save-dir", ck,
+    rcs, out, err = cli.run(base + ["--steps", str(END), "--resume", "latest", "--save-dir", ck,
                                     "--metrics", "c.jsonl"], tmp_path)
     assert rcs == {0: 0, 1: 0}, cli.tail(out, err)
     a, c = cli.losses(tmp_path / "a.jsonl"), cli.losses(tmp_path / "c.jsonl")
-    assert sorted(c) == list(range(stopped, 40))
+    assert sorted(c) == list(range(stopped, END))
     assert {**b, **c} == a, f"stopped at {stopped}: reference {a}\nstopped {b}\nresumed {c}"
 
 
