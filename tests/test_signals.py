@@ -7,8 +7,8 @@
   mpirun itself (Open MPI forwards it) does the same with 138.
 - the agreement (MPI, in process): only the last rank "receives" the signal,
   at step 3; every rank stops after the same step, all or none save.
-- the handler (serial): the first signal is recorded, the second takes the
-  default action at once (a subprocess killed by it).
+- the handler (serial): a process blocked inside MPI (a Recv never
+  matched) records the first signal and exits 143 at the second.
 """
 import os
 import signal
@@ -102,25 +102,42 @@ def _children(pid):
     return out
 
 
-SECOND = r"""
-import os, signal, sys, time
+BLOCKED = r"""
+import numpy as np
+from mpi4py import MPI
 from ringzero.app.preempt import StopRequest
-with StopRequest() as stop:
-    os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(0.2)                      # the handler runs here
-    print("first", stop.signum, flush=True)
-    os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(2)
+with StopRequest(announce=True):
+    print("ready", flush=True)
+    MPI.COMM_SELF.Recv(np.zeros(1), source=0, tag=7)     # never sent: blocked inside MPI for good
     print("SURVIVED", flush=True)
 """
 
 
-def test_second_signal_exits_at_once():
-    t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-c", SECOND], capture_output=True, text=True, timeout=60)
-    assert p.returncode == -signal.SIGTERM, (p.returncode, p.stdout, p.stderr)
-    assert p.stdout.split() == ["first", str(int(signal.SIGTERM))], p.stdout
-    assert time.monotonic() - t0 < 30
+def test_second_signal_exits_at_once_even_blocked_in_mpi(tmp_path):
+    """A Python handler would never run here (the main thread is in C); the
+    watcher thread must see both signals and end the process with 143."""
+    err = open(tmp_path / "err.txt", "w+")
+    p = subprocess.Popen([sys.executable, "-c", BLOCKED], stdout=subprocess.PIPE, stderr=err, text=True,
+                         env=cli._clean_env())
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        time.sleep(0.5)                                # into the Recv
+        os.kill(p.pid, signal.SIGTERM)
+        t0 = time.monotonic()
+        while "stopping at the next step boundary" not in open(tmp_path / "err.txt").read():
+            assert time.monotonic() - t0 < 30 and p.poll() is None, open(tmp_path / "err.txt").read()
+            time.sleep(0.05)
+        assert p.poll() is None                        # the first signal only asks
+        os.kill(p.pid, signal.SIGTERM)
+        t0 = time.monotonic()
+        rc = p.wait(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    text = open(tmp_path / "err.txt").read()
+    assert rc == 143 and "SURVIVED" not in p.stdout.read(), (rc, text)
+    assert "second signal (SIGTERM): exiting 143 now" in text and took < 10, (took, text)
 
 
 def test_handlers_restored_when_no_signal_came():
@@ -129,6 +146,7 @@ def test_handlers_restored_when_no_signal_came():
     with StopRequest() as stop:
         assert all(signal.getsignal(s) == stop._handler for s in SIGNALS)
     assert {s: signal.getsignal(s) for s in SIGNALS} == before and stop.signum == 0
+    assert signal.set_wakeup_fd(-1) == -1              # no wakeup fd left behind
 
 
 # --------------------------------------------------- the agreement, in process
