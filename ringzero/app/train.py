@@ -18,7 +18,9 @@ What it is not
     their checks are config.py's.
 
 Bad flags or config values exit with one line and code 2 on every rank,
-before any communication and before any file is written.
+before any communication and before any file is written; bad input only a
+rank can see is agreed first (exits.py). SIGTERM, SIGINT and SIGUSR1 stop the
+run at the next step boundary, after a checkpoint (preempt.py).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import numpy as np
 
 from ringzero.app.config import (Config, ConfigError, build_parser, gpt_config, lr_at,  # noqa: F401
                                  parse_config, validate)
+from ringzero.app.exits import agree, leave, under_mpi
 from ringzero.metrics import read_metrics  # noqa: F401  (its old home; tools import ringzero.metrics)
 
 
@@ -108,10 +111,22 @@ class LoopResult:
     wall: float = 0.0                               # seconds for the whole loop
 
 
-def train_loop(cfg: Config, comm, engine, train, evaluate, writer, say) -> LoopResult:
+def saves_on_stop(cfg: Config) -> bool:
+    """Whether a stop signal saves a checkpoint: when the run uses checkpoints
+    (--save-every > 0 or --resume) or names a --save-dir other than the default."""
+    return bool(cfg.save_every or cfg.resume or cfg.save_dir != Config.save_dir)
+
+
+def train_loop(cfg: Config, comm, engine, train, evaluate, writer, say, stop=None) -> LoopResult:
     """Steps from the resume point (or 0) to cfg.steps: one engine.step each,
     a metrics record, a checkpoint every cfg.save_every, a held-out eval every
-    cfg.eval_interval (the final one is the end report's)."""
+    cfg.eval_interval (the final one is the end report's).
+
+    ``stop`` (a preempt.StopRequest) is read before every step; the engine
+    shares it with the step's scalars, and once any rank has a signal every
+    rank saves (saves_on_stop) and raises preempt.Stopped after the same step.
+    """
+    from ringzero.app.preempt import Stopped, name as signame
     rank, n, xp = comm.rank, comm.size, engine.xp
     bar = None
     if rank == 0 and not cfg.quiet:
@@ -134,6 +149,7 @@ def train_loop(cfg: Config, comm, engine, train, evaluate, writer, say) -> LoopR
     for step in range(start, cfg.steps):
         x, y = train.get(step)
         lr = lr_at(cfg, step)
+        engine.stop_request = stop.signum if stop is not None else 0
         comm.Barrier()          # step time is the slowest rank's
         t0 = time.perf_counter()
         res = engine.step(xp.asarray(x), xp.asarray(y), lr)
@@ -151,18 +167,35 @@ def train_loop(cfg: Config, comm, engine, train, evaluate, writer, say) -> LoopR
         if bar:
             bar.set_postfix_str(f"loss {res.loss:.3f} | {tps:,.0f} tok/s | scale {res.loss_scale:g}")
             bar.update(1)
+        saved = None
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
-            from ringzero.runtime import checkpoint as ck
-            path = ck.save(engine, cfg.save_dir, step + 1,
-                           config={**dataclasses.asdict(cfg), "gpt": dataclasses.asdict(engine.model.cfg)},
-                           data_state={"step": step + 1, "seed": cfg.seed}, keep=cfg.keep or None)
-            note(f"step {step + 1}: saved {path}")
+            saved = _save(cfg, engine, step + 1)
+            note(f"step {step + 1}: saved {saved}")
+        if res.stop:            # every rank read the same max: all stop here
+            if bar:
+                bar.close()
+                bar = None
+            if saved is None and saves_on_stop(cfg):
+                saved = _save(cfg, engine, step + 1)
+            code = 128 + res.stop
+            what = (f"saved {saved}" if saved else
+                    "no checkpoint (no save directory: give --save-dir or --save-every)")
+            say(f"ringzero | {signame(res.stop)} at step {step + 1}: {what}; exiting {code}")
+            raise Stopped(res.stop, step + 1, saved)
         if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0 and step + 1 < cfg.steps:
             note(f"step {step + 1}: held-out loss {evaluate():.4f}")
     if bar:
         bar.close()
     out.wall = time.perf_counter() - t_start
     return out
+
+
+def _save(cfg: Config, engine, step: int) -> str:
+    """The one checkpoint call (periodic and on a stop signal). Collective."""
+    from ringzero.runtime import checkpoint as ck
+    return ck.save(engine, cfg.save_dir, step,
+                   config={**dataclasses.asdict(cfg), "gpt": dataclasses.asdict(engine.model.cfg)},
+                   data_state={"step": step, "seed": cfg.seed}, keep=cfg.keep or None)
 
 
 def end_report(say, cfg: Config, engine, loop: LoopResult, eval_loss: float, H: float) -> dict:
@@ -215,16 +248,19 @@ def summarize(cfg: Config, engine, mem: dict, end: dict, H: float) -> dict:
             "peak_rss_bytes": end["peak_rss_bytes"]}
 
 
-def run(cfg: Config, comm) -> dict:
-    """Train; returns the summary dict (every rank)."""
+def run(cfg: Config, comm, stop=None) -> dict:
+    """Train; returns the summary dict (every rank). Raises ConfigError (bad
+    input, agreed by every rank), CheckpointError (a save failed, on every
+    rank) or preempt.Stopped (a stop signal, saved)."""
     from ringzero.app.data import Batches, unigram_entropy
-    from ringzero.metrics import MetricsWriter
     from ringzero.runtime.optim import AdamConfig
     from ringzero.runtime.zero import Zero
 
     rank, n = comm.rank, comm.size
     say = print if rank == 0 else (lambda *a, **k: None)
-    corpus, model, budget = prepare(cfg, n)
+    # what only this rank can find out (its copy of the data, its device),
+    # agreed before the engine's first collective
+    corpus, model, budget = agree(comm, lambda: _rank_checks(cfg, rank, n))
     engine = Zero(model, comm, cfg.stage, precision=cfg.precision, device=cfg.device, seed=cfg.seed,
                   adam=AdamConfig(weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip),
                   ranks_per_node=cfg.ranks_per_node or None, mem_budget=budget, grad_accum=cfg.grad_accum)
@@ -242,9 +278,9 @@ def run(cfg: Config, comm) -> dict:
 
     mem = start_report(say, cfg, corpus, engine, H)
     # the metrics file is opened only now, after every check passed
-    writer = MetricsWriter(cfg.metrics) if (cfg.metrics and rank == 0) else None
+    writer = agree(comm, lambda: _open_metrics(cfg, rank))
     try:
-        loop = train_loop(cfg, comm, engine, train, evaluate, writer, say)
+        loop = train_loop(cfg, comm, engine, train, evaluate, writer, say, stop)
         end = end_report(say, cfg, engine, loop, evaluate(), H)
         sample = _sample(engine, model, corpus, cfg) if cfg.sample_chars else ""
         if sample:
@@ -258,6 +294,35 @@ def run(cfg: Config, comm) -> dict:
         if writer:
             writer.close()
     return summary
+
+
+# -------------------------------------------------- errors after MPI started
+FAULT_DATA_ENV = "RINGZERO_FAULT_DATA"      # tests: "rank:N" = rank N cannot read --data
+
+
+def _rank_checks(cfg: Config, rank: int, n: int):
+    """prepare() plus the device check, on one rank. Raises ConfigError."""
+    if cfg.device == "cuda":
+        from ringzero.comm.backend import xp_for
+        try:
+            xp_for("cuda")
+        except (RuntimeError, ValueError) as e:
+            raise ConfigError(f"--device cuda: {e} (hint: --device cpu, or run where CuPy sees a GPU)") from None
+    if cfg.data and os.environ.get(FAULT_DATA_ENV) == f"rank:{rank}":
+        import errno
+        e = PermissionError(errno.EACCES, os.strerror(errno.EACCES), cfg.data)
+        raise ConfigError(f"--data: cannot read on this rank: {e} ({FAULT_DATA_ENV})")
+    return prepare(cfg, n)
+
+
+def _open_metrics(cfg: Config, rank: int):
+    from ringzero.metrics import MetricsWriter
+    if not (cfg.metrics and rank == 0):
+        return None
+    try:
+        return MetricsWriter(cfg.metrics)
+    except OSError as e:
+        raise ConfigError(f"--metrics {cfg.metrics!r}: cannot write: {e.strerror or e}") from None
 
 
 def _sample(engine, model, corpus, cfg) -> str:
@@ -274,23 +339,45 @@ def _sample(engine, model, corpus, cfg) -> str:
 
 
 def main(argv=None) -> int:
+    """The command line. Exit codes (exits.py): 0 done, 2 bad input, 3 a
+    failed save, 128+N stopped by signal N after saving (preempt.py)."""
+    from ringzero.app.preempt import StopRequest, Stopped
+    from ringzero.runtime.checkpoint import CheckpointError
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cfg, check, err = None, None, None
     try:
         cfg, check = parse_config(argv)
         if check is not None:          # validate only, no MPI
             prepare(cfg, check)
             return 0
     except ConfigError as e:
-        _fail(str(e))
+        err = str(e)
+    if err and not under_mpi():       # serial: nobody to agree with
+        _fail(err)
         return 2
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     try:
-        run(cfg, comm)
-    except ConfigError as e:           # found before any communication, on every rank alike
-        if comm.rank == 0:
-            print(f"ringzero.train: error: {e}", file=sys.stderr)
-        return 2
+        # a flag this rank alone rejects (a --data path one node lacks) must
+        # stop the others too, before any of them waits in a collective
+        agree(comm, lambda: _raise(err))
+        with StopRequest(announce=comm.rank == 0) as stop:
+            run(cfg, comm, stop)
+    except ConfigError as e:           # agreed: every rank is here with the same line
+        return leave(comm, 2, f"ringzero.train: error: {e}")
+    except CheckpointError as e:       # a save failed on some rank: raised on every rank
+        from ringzero.runtime.checkpoint import latest
+        prev = latest(cfg.save_dir)
+        keep = f"; the newest complete checkpoint is {prev}" if prev else "; no earlier checkpoint"
+        return leave(comm, 3, f"ringzero.train: error: {e}{keep}")
+    except Stopped as e:               # the loop printed its line; every rank stopped at e.step
+        return leave(comm, e.code, None)
     return 0
+
+
+def _raise(err):
+    if err:
+        raise ConfigError(err)
 
 
 def _fail(msg):

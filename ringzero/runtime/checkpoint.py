@@ -51,6 +51,7 @@ What it is not
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -66,7 +67,7 @@ from ringzero.runtime.flat import Layout
 from ringzero.runtime.manifest import (CLASSES, FAULT_ENV, FORMAT, LOADED, MANIFEST, READABLE,  # noqa: F401
                                        VERSION, CheckpointError, check_layout, complete_checkpoints,
                                        error_line, fsync_dir, latest, read_manifest, read_range,
-                                       resolve, shard_file, step_dir_name, verify, verify_file)
+                                       resolve, save_fault, shard_file, step_dir_name, verify, verify_file)
 
 
 def _agree(comm, err: str | None):
@@ -86,14 +87,17 @@ def _write_shards(engine, tmp: str) -> dict:
     """
     L, state, U = engine.layout, engine.state, len(engine.layout.units)
     r = state.shard_rank
-    die = os.environ.get(FAULT_ENV, "") == f"rank:{engine.comm.rank}"
+    fault = save_fault(engine.comm.rank)        # tests only: RINGZERO_FAULT_SAVE
     staging = None if state.on_host else np.empty(max(L.piece_numel), np.float32)
     out = {}
     with ThreadPoolExecutor(1) as pool:
         for cls in CLASSES:
             dtype, name = state.bufs[cls].dtype, shard_file(cls, r)
             h, nbytes, pending = hashlib.sha256(), 0, []
-            with open(os.path.join(tmp, name), "wb") as fh:
+            path = os.path.join(tmp, name)
+            if fault == "eacces":
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+            with open(path, "wb") as fh:
                 for u in range(U):
                     p = state.piece(cls, u, r)
                     if isinstance(p, np.ndarray):
@@ -104,9 +108,11 @@ def _write_shards(engine, tmp: str) -> dict:
                         h.update(mv)
                     fh.write(mv)
                     nbytes += mv.nbytes
-                    if die and u == U // 2:          # fault injection: a half-written file, no cleanup
+                    if fault in ("rank", "enospc") and u == U // 2:    # a half-written file
                         fh.flush()
-                        os._exit(86)
+                        if fault == "rank":          # the process dies, no cleanup
+                            os._exit(86)
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
                 fh.flush()
                 os.fsync(fh.fileno())
             for f in pending:

@@ -63,6 +63,7 @@ class StepResult:
     grad_norm: float     # global L2 norm of the unscaled gradient (before clipping)
     skipped: bool        # True if an overflow made every rank skip the update
     loss_scale: float    # the scale this step's backward used
+    stop: int = 0        # max over ranks of engine.stop_request at this step (0 = none)
 
 
 class Zero:
@@ -109,8 +110,12 @@ class Zero:
                                            init=2.0 ** 16 if precision == "fp16" else 1.0)
         self._grad_scratch = aligned_empty(xp, max(L.piece_numel), np.float32)  # one unscaled grad piece
         self._decay = {(u, r): self.state.decay_runs(u, r) for u in range(U) for r in range(L.shards)}
-        self._scalars = np.zeros(2, np.float64)                                  # [loss, sumsq] of this rank
-        self._all_scalars = np.zeros((topo.world_size, 2), np.float64)
+        # [loss, sumsq, stop] of this rank; stop rides along so that a request
+        # one rank raised (the trainer's preemption signal) reaches every rank
+        # at the same step, with no collective of its own
+        self.stop_request = 0
+        self._scalars = np.zeros(3, np.float64)
+        self._all_scalars = np.zeros((topo.world_size, 3), np.float64)
         self.activation_peak = 0
         self.step_count = 0
         self.last_step_ledger = {}
@@ -212,15 +217,16 @@ class Zero:
         self.step_count += 1
         led1 = reports.ledger_totals(self.topology)
         self.last_step_ledger = {k: led1[k] - led0.get(k, 0) for k in led1}
-        return StepResult(loss, gnorm, skipped, scale)
+        return StepResult(loss, gnorm, skipped, scale, int(self._all_scalars[:, 2].max()))
 
     def _share_scalars(self, loss, partial) -> float:
-        """Share [loss, my sumsq partial] across ranks (MPI's own Allgather, a
-        scalar check); return the global squared norm summed in shard-rank order."""
+        """Share [loss, my sumsq partial, stop_request] across ranks (MPI's own
+        Allgather, a scalar check); return the global squared norm summed in
+        shard-rank order."""
         mine = 0.0
         for r in self.state.held_ranks("master"):     # stage 0: every piece, in order
             mine += partial[r]
-        self._scalars[:] = (loss, mine)
+        self._scalars[:] = (loss, mine, self.stop_request)
         if self.topology.world_size > 1:
             self.comm.Allgather(self._scalars, self._all_scalars)
         else:

@@ -41,7 +41,7 @@ READABLE = (1, 2)                                     # v1 named shards "nd"
 CLASSES = ("master", "adam_m", "adam_v", "params")    # every class a rank writes
 LOADED = ("master", "adam_m", "adam_v")               # params are re-published from master
 MANIFEST = "manifest.json"
-FAULT_ENV = "RINGZERO_FAULT_SAVE"                      # "rank:N": world rank N dies mid-write
+FAULT_ENV = "RINGZERO_FAULT_SAVE"                      # fault injection for tests: see save_fault
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _CHUNK = 4 << 20                                       # bytes per read when hashing
 
@@ -56,6 +56,21 @@ def step_dir_name(step: int) -> str:
 
 def shard_file(cls: str, rank: int) -> str:
     return f"{cls}-r{rank:05d}.bin"
+
+
+def save_fault(rank: int) -> str | None:
+    """The save fault ``RINGZERO_FAULT_SAVE`` injects on world rank ``rank``, or None.
+
+    ``MODE:N`` hits world rank N, a bare ``MODE`` every rank:
+      rank    the process dies half-way through its first file (``rank:N`` only)
+      enospc  a write fails half-way with ENOSPC, as on a full disk
+      eacces  opening the first file fails with EACCES, as in a read-only directory
+    """
+    spec = os.environ.get(FAULT_ENV, "")
+    mode, _, who = spec.partition(":")
+    if mode not in ("rank", "enospc", "eacces") or (who == "" and mode == "rank"):
+        return None
+    return mode if who == "" or who == str(rank) else None
 
 
 # ----------------------------------------------------------------- listing

@@ -1,0 +1,67 @@
+"""How the trainer ends when something goes wrong after MPI has started.
+
+What it is
+    ``agree(comm, fn)``: run a start-up check on every rank and turn a
+    failure on any rank into the same one-line ConfigError on all of them,
+    before any rank waits in a collective for one that has gone. ``leave``:
+    the agreed end, one line from rank 0, then every rank finalizes MPI and
+    exits with the code itself (``python -m mpi4py`` would turn a non-zero
+    ``sys.exit`` into MPI_Abort and its banner).
+
+    Exit codes of ``python -m ringzero.train``: 0 done; 2 bad input (flags,
+    config, data, device, metrics file, a checkpoint that fails its checks
+    on resume); 3 a checkpoint save failed, the previous one intact; 128+N
+    stopped by signal N after saving (SIGINT 130, SIGUSR1 138, SIGTERM 143);
+    anything else is a bug and comes with its traceback.
+
+What it is not
+    Not for the step: agree() is one small allgather, for start-up checks.
+    The signals are preempt.py's; what is checked is train.py's.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from ringzero.app.config import ConfigError
+
+
+def agree(comm, fn):
+    """``fn()`` on every rank; if it raised ConfigError (or OSError) on any
+    rank, every rank raises one ConfigError naming the first such rank.
+    One small allgather: for start-up checks, never the step."""
+    res, err = None, None
+    try:
+        res = fn()
+    except (ConfigError, OSError) as e:
+        err = str(e).replace("\n", " ")
+    errs = comm.allgather(err) if comm.size > 1 else [err]
+    bad = [(r, e) for r, e in enumerate(errs) if e]
+    if not bad:
+        return res
+    r, e = bad[0]
+    if len(bad) == comm.size and len({x for _, x in bad}) == 1:
+        raise ConfigError(e)                         # every rank alike: no rank to name
+    more = f" (and {len(bad) - 1} more rank{'s' if len(bad) > 2 else ''})" if len(bad) > 1 else ""
+    raise ConfigError(f"rank {r}{more}: {e}")
+
+
+def under_mpi() -> bool:
+    """True under an MPI launcher (or with MPI already started): then ranks agree on errors."""
+    return "mpi4py.MPI" in sys.modules or any(
+        k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK"))
+
+
+def leave(comm, code: int, msg: str | None) -> int:
+    """End an agreed failure: one line from rank 0, then every rank finalizes
+    MPI and exits ``code`` itself, so that ``python -m mpi4py`` does not turn
+    the exit into MPI_Abort (and its banner). All ranks must be here."""
+    from mpi4py import MPI
+    if msg and comm.rank == 0:
+        print(msg, file=sys.stderr)
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    MPI.Finalize()
+    os._exit(code)
