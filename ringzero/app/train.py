@@ -427,7 +427,9 @@ def main(argv=None) -> int:
         _fail(str(e))
         return 2
     from mpi4py import MPI
+    from ringzero.comm.threads import set_blas_threads
     comm = MPI.COMM_WORLD
+    set_blas_threads(comm)             # this rank's share of the node's cores, before any matmul
     try:
         run(cfg, comm)
     except ConfigError as e:           # found before any communication, on every rank alike
