@@ -133,6 +133,35 @@ def test_ranks_on_node_from_env():
     assert f({}) is None
 
 
+class _FakeNode:
+    """A node communicator whose ranks have the given CPU sets (for the overlap rule only)."""
+
+    def __init__(self, masks):
+        self.masks = masks
+
+    def Split_type(self, *a, **k):
+        return self
+
+    def allgather(self, mine):
+        return self.masks
+
+    def Free(self):
+        pass
+
+    rank = 0
+
+
+@pytest.mark.parametrize("masks, mine, want", [
+    ([{0, 1}] * 8, {0, 1}, 8),                             # unbound: everyone shares everything
+    ([{0, 1, 2, 3}, {4, 5, 6, 7}], {0, 1, 2, 3}, 1),       # bound to 4 cores each: 4 threads
+    ([{0, 1}, {0, 1}, {2, 3}, {2, 3}], {2, 3}, 2),         # bound per socket, 2 ranks a socket
+])
+def test_sharing_counts_ranks_with_overlapping_cores(monkeypatch, masks, mine, want):
+    from ringzero.comm import threads
+    monkeypatch.setattr(threads, "_affinity", lambda: set(mine))
+    assert threads.ranks_sharing_cores(_FakeNode(masks)) == want
+
+
 PROBE = '''
 import json, os, sys
 from mpi4py import MPI
@@ -201,7 +230,7 @@ def test_literal_train_command(tmp_path):
                                     "--eval-interval", "0", "--eval-batches", "1", "--sample-chars", "0",
                                     "--quiet"])
     assert rc == 0, out
-    assert f"BLAS/OpenMP threads per rank: {max(1, cores() // n)} ({cores()} cores / {n} ranks" in out, out
+    assert f"BLAS/OpenMP threads per rank: {max(1, cores() // n)} ({cores()} cores shared by {n} ranks" in out, out
     assert "median step" in out, out
 
 
@@ -209,12 +238,12 @@ def test_literal_bench_commands(tmp_path):
     n = cores() + 1
     rc, out = literal(tmp_path, n, ["-m", "ringzero.bench", "-b", "1K", "-e", "4K", "-n", "2", "-w", "1"])
     assert rc == 0, out
-    assert f"({cores()} cores / {n} ranks" in out and "wrong" in out, out
+    assert f"({cores()} cores shared by {n} ranks" in out and "wrong" in out, out
     rc, out = literal(tmp_path, n, [os.path.join(ROOT, "benchmarks", "bench_stages.py"), "--stages", "0,3",
                                     "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16",
                                     "--batch", "2", "--iters", "2", "--warmup", "1"])
     assert rc == 0, out
-    assert f"({cores()} cores / {n} ranks" in out, out
+    assert f"({cores()} cores shared by {n} ranks" in out, out
 
 
 def test_mca_file_written_once():

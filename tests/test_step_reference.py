@@ -29,9 +29,11 @@ engine's gradient there is pure rounding noise (~1e-9), which Adam
 normalises into O(lr) steps, while the float64 reference's noise (~1e-17)
 stays under eps. Comparing it would test rounding, not the optimizer.
 
-``test_reference_detects_a_wrong_step`` shows the comparison can fail: an
-optimizer without weight decay, with decay on biases too, without clipping
-or without bias correction ends far outside the tolerance.
+The comparison can fail: ``test_comparison_catches_a_broken_engine`` runs it
+on the engine with weight decay or clipping switched off (monkeypatched), and
+``test_reference_detects_a_wrong_step`` shows that an optimizer without
+weight decay, with decay on biases too, without clipping or without bias
+correction ends far outside the tolerance.
 """
 import importlib.util
 
@@ -199,42 +201,84 @@ def references(comm, engine):
     return _REFS[n]
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("stage", STAGES)
-def test_step_matches_independent_adamw(comm, stage):
-    """30 fp32 steps of the engine == float64 AdamW (and torch's) on the global batch."""
+def train_and_compare(comm, stage):
+    """Train the engine for STEPS steps; on rank 0, its errors against the references.
+
+    Returns (errors dict or None on ranks != 0, clip). Collective.
+    """
     probe = make_engine(comm, stage, clip=1.0)              # for the initial weights only
     clip, w0_ref, ref, tref = references(comm, probe)
     eng = make_engine(comm, stage, clip)
     w0 = by_name(eng, eng.full_state("master"))
-    same_start = all(np.array_equal(w0[k], w0_ref[k]) for k in w0)   # init is stage-independent
-    losses, norms = [], []
+    losses, norms, skipped = [], [], 0
     for step in range(STEPS):
         x, y = batch(step, comm.rank)
         res = eng.step(x, y, lr_at(step))
         losses.append(res.loss)
         norms.append(res.grad_norm)
-        assert_all(comm, not res.skipped, f"step {step} skipped")
+        skipped += res.skipped
     final = by_name(eng, eng.full_state("master"))
-    ok, msg = same_start, "" if same_start else "initial weights differ between stages"
+    if comm.rank != 0:
+        return None, clip
+    r_loss, r_norm, r_w = ref
+    we = weight_errors(final, r_w)
+    err = {"same_start": all(np.array_equal(w0[k], w0_ref[k]) for k in w0), "skipped": skipped,
+           "loss": loss_error(losses, r_loss), "norm": loss_error(norms, r_norm),
+           "worst": max(we, key=we.get), "clipped": sum(nm > clip for nm in r_norm),
+           "moved": float(np.sqrt(sum(np.sum((r_w[k] - w0[k]) ** 2) for k in r_w)
+                                  / sum(np.sum(w0[k] ** 2) for k in w0)))}
+    err["weights"] = we[err["worst"]]
+    if tref is not None:
+        twe = weight_errors(final, tref[1])
+        err["torch_loss"], err["torch_worst"] = loss_error(losses, tref[0]), max(twe, key=twe.get)
+        err["torch_weights"] = twe[err["torch_worst"]]
+    return err, clip
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("stage", STAGES)
+def test_step_matches_independent_adamw(comm, stage):
+    """30 fp32 steps of the engine == float64 AdamW (and torch's) on the global batch."""
+    e, clip = train_and_compare(comm, stage)
+    ok, msg = True, ""
     if comm.rank == 0:
-        r_loss, r_norm, r_w = ref
-        clipped = sum(nm > clip for nm in r_norm)
-        le, ne = loss_error(losses, r_loss), loss_error(norms, r_norm)
-        we = weight_errors(final, r_w)
-        worst = max(we, key=we.get)
-        moved = np.sqrt(sum(np.sum((r_w[k] - w0[k]) ** 2) for k in r_w) / sum(np.sum(w0[k] ** 2) for k in w0))
-        ok &= (le <= TOL_LOSS and ne <= 1e-4 and we[worst] <= TOL_W
-               and clipped >= STEPS // 2 and clipped < STEPS and moved > 100 * TOL_W)
-        msg += (f" stage {stage}, n={comm.size}: loss rel err {le:.2e} (<= {TOL_LOSS}), grad norm rel err "
-                f"{ne:.2e} (<= 1e-4), worst weight {worst} rel err {we[worst]:.2e} (<= {TOL_W}); clipped "
-                f"{clipped}/{STEPS} steps at clip {clip:.3f}; weights moved {moved:.2e}")
-        if tref is not None:
-            t_loss, t_w = tref
-            tle, twe = loss_error(losses, t_loss), weight_errors(final, t_w)
-            tworst = max(twe, key=twe.get)
-            ok &= tle <= TOL_LOSS and twe[tworst] <= TOL_W
-            msg += f"; vs torch AdamW: loss {tle:.2e}, worst weight {tworst} {twe[tworst]:.2e}"
+        ok = (e["same_start"] and not e["skipped"] and e["loss"] <= TOL_LOSS and e["norm"] <= 1e-4
+              and e["weights"] <= TOL_W and STEPS // 2 <= e["clipped"] < STEPS and e["moved"] > 100 * TOL_W)
+        msg = (f"stage {stage}, n={comm.size}: loss rel err {e['loss']:.2e} (<= {TOL_LOSS}), grad norm rel "
+               f"err {e['norm']:.2e} (<= 1e-4), worst weight {e['worst']} rel err {e['weights']:.2e} "
+               f"(<= {TOL_W}); clipped {e['clipped']}/{STEPS} steps at clip {clip:.3f}; weights moved "
+               f"{e['moved']:.2e}; same initial weights {e['same_start']}; skipped steps {e['skipped']}")
+        if "torch_loss" in e:
+            ok &= e["torch_loss"] <= TOL_LOSS and e["torch_weights"] <= TOL_W
+            msg += (f"; vs torch AdamW: loss {e['torch_loss']:.2e}, worst weight {e['torch_worst']} "
+                    f"{e['torch_weights']:.2e}")
+        print(msg)                         # the measured errors: pytest -rP shows them
+    assert_all(comm, ok, msg)
+
+
+def _no_decay(monkeypatch):
+    from ringzero.runtime import optim
+    update = optim.AdamW.update
+    monkeypatch.setattr(optim.AdamW, "update",
+                        lambda self, master, m, v, g, lr, decay_segments=(): update(self, master, m, v, g, lr, ()))
+
+
+def _no_clip(monkeypatch):
+    from ringzero.runtime import zero
+    monkeypatch.setattr(zero, "clip_coef", lambda norm, max_norm: 1.0)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("broken", [_no_decay, _no_clip], ids=["no-weight-decay", "no-clipping"])
+def test_comparison_catches_a_broken_engine(comm, monkeypatch, broken):
+    """The same comparison fails an engine that skips weight decay or clipping."""
+    broken(monkeypatch)
+    e, _ = train_and_compare(comm, "2")
+    ok, msg = True, ""
+    if comm.rank == 0:
+        ok = e["weights"] > 10 * TOL_W
+        msg = f"{broken.__name__}: worst weight {e['worst']} differs by {e['weights']:.2e} (> {10 * TOL_W})"
+        print(msg)
     assert_all(comm, ok, msg)
 
 

@@ -3,7 +3,7 @@
 What it is
     ``set_blas_threads(comm)`` is called once at the start of every MPI entry
     point (trainer, bench, benchmarks), before the first matmul. It gives each
-    rank ``max(1, cores // ranks_on_node)`` BLAS/OpenMP threads through
+    rank ``max(1, cores // sharing)`` BLAS/OpenMP threads through
     threadpoolctl, so a plain ``mpirun -n 8 python -m ringzero.train`` runs as
     fast as ``./launch/train``: without it every rank's OpenBLAS starts one
     thread per core, and 8 ranks x 2 threads on 2 cores spin against each other
@@ -11,9 +11,11 @@ What it is
 
     - cores: this process's CPU affinity (``os.sched_getaffinity``), so a
       launcher that binds ranks to cores is respected;
-    - ranks on the node: the size of MPI's shared-memory split of ``comm``
-      (MPI_COMM_TYPE_SHARED), else the launcher's environment (Open MPI, MPICH,
-      Slurm), else 1;
+    - sharing: the ranks on this node (MPI's shared-memory split of ``comm``,
+      MPI_COMM_TYPE_SHARED) whose affinity overlaps this rank's: all of them
+      when the launcher does not bind, 1 when each rank has cores of its own
+      (``srun --cpus-per-task=4`` gives each rank 4 threads). Without MPI, the
+      launcher's environment (Open MPI, MPICH, Slurm), else 1;
     - a thread variable the user set (``OMP_NUM_THREADS``,
       ``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS``, ...) wins: nothing is
       changed then.
@@ -43,7 +45,7 @@ _SET_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 class ThreadChoice:
     threads: int | None      # threads per rank we set; None when the user chose
     cores: int               # CPUs this process may run on
-    ranks_on_node: int       # ranks sharing those CPUs
+    sharing: int             # ranks on this node whose CPUs overlap these (itself included)
     user_set: dict           # the user's thread variables, if any ({} when we chose)
     libraries: list = field(default_factory=list)   # [(library, num_threads)] as threadpoolctl reads them
 
@@ -52,16 +54,20 @@ class ThreadChoice:
         if self.threads is None:
             given = " ".join(f"{k}={v}" for k, v in self.user_set.items())
             return f"ringzero | BLAS/OpenMP threads per rank: as set in the environment ({given}); {libs}"
-        return (f"ringzero | BLAS/OpenMP threads per rank: {self.threads} ({self.cores} cores / "
-                f"{self.ranks_on_node} ranks on this node; {libs}); set OMP_NUM_THREADS to choose")
+        return (f"ringzero | BLAS/OpenMP threads per rank: {self.threads} ({self.cores} cores shared by "
+                f"{self.sharing} ranks; {libs}); set OMP_NUM_THREADS to choose")
+
+
+def _affinity() -> set:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):          # not Linux: every CPU
+        return set(range(os.cpu_count() or 1))
 
 
 def cores_available() -> int:
     """CPUs this process may run on (its affinity mask), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):          # not Linux
-        return max(1, os.cpu_count() or 1)
+    return max(1, len(_affinity()))
 
 
 def _slurm_tasks_on_node(env) -> int | None:
@@ -92,15 +98,24 @@ def ranks_on_node_from_env(env=None) -> int | None:
     return None
 
 
-def ranks_on_node(comm=None) -> int:
-    """Ranks of ``comm`` that share this node (MPI's shared-memory split)."""
+def ranks_sharing_cores(comm=None) -> int:
+    """Ranks of ``comm`` on this node whose CPU sets overlap this rank's (itself included).
+
+    Unbound ranks all share every core, so that is every rank on the node;
+    ranks bound to their own cores (srun --cpus-per-task, mpirun --bind-to
+    core) share none. Found with MPI's shared-memory split and an allgather of
+    the affinity masks; without MPI, the launcher's count of ranks on the node.
+    """
     if comm is not None:
         try:
             from mpi4py import MPI
             node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
-            n = node.size
-            node.Free()
-            return n
+            try:
+                masks = node.allgather(sorted(_affinity()))
+            finally:
+                node.Free()
+            mine = set(_affinity())
+            return max(1, sum(1 for m in masks if mine.intersection(m)))
         except Exception:                      # an MPI without shared-memory split types
             pass
     return ranks_on_node_from_env() or 1
@@ -118,7 +133,7 @@ def set_blas_threads(comm=None, *, quiet: bool = False) -> ThreadChoice:
     once, at start-up. Rank 0 prints one line unless ``quiet``.
     """
     user = {k: os.environ[k] for k in USER_VARS if os.environ.get(k, "").strip()}
-    n_local = ranks_on_node(comm)
+    n_local = ranks_sharing_cores(comm)
     cores = cores_available()
     threads = None
     if not user:
