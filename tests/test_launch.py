@@ -88,6 +88,9 @@ def run_launch_test(tmp_path, sizes, *args):
     d.mkdir(exist_ok=True)
     (d / "test_planted.py").write_text(PLANTED)
     env = dict(os.environ, RINGZERO_TEST_DIR=str(d), RINGZERO_SIZES=sizes, RINGZERO_VENV=VENV)
+    # the same install set as this venv's, so the set-up finds its stamp current
+    import importlib.util
+    env.setdefault("RINGZERO_PEER", "1" if importlib.util.find_spec("torch") else "0")
     p = subprocess.run([os.path.join(ROOT, "launch", "test"), *args], cwd=ROOT, env=env,
                        capture_output=True, text=True, errors="replace", timeout=900)
     return p.returncode, p.stdout + p.stderr
