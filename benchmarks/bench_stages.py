@@ -32,8 +32,10 @@ def build(comm, stage, args):
 
 def timing(args):
     from mpi4py import MPI
+    from ringzero.comm.threads import set_blas_threads
     from ringzero.app.data import Batches
     comm = MPI.COMM_WORLD
+    set_blas_threads(comm)     # this rank's share of the node's cores
     data = np.random.default_rng(0).integers(0, 256, 1 << 20).astype(np.uint8)
     batches = Batches(data, args.batch, args.seq_len, comm.rank, comm.size, 0)
     engines = {st: build(comm, st, args) for st in args.stages}
@@ -69,8 +71,10 @@ def timing(args):
 def rss_one(args):
     """One stage, a few steps; print each rank's peak RSS (run under mpirun)."""
     from mpi4py import MPI
+    from ringzero.comm.threads import set_blas_threads
     from ringzero.app.data import Batches
     comm = MPI.COMM_WORLD
+    set_blas_threads(comm)     # this rank's share of the node's cores
     data = np.random.default_rng(0).integers(0, 256, 1 << 20).astype(np.uint8)
     batches = Batches(data, args.batch, args.seq_len, comm.rank, comm.size, 0)
     eng = build(comm, args.stages[0], args)

@@ -52,14 +52,26 @@ ensure_venv() {
         fi
         echo "$want" > "$VENV/.ringzero-stamp"
     fi
+    mca_defaults
     PY="$VENV/bin/python"
     export PATH="$VENV/bin:$PATH"
 }
 
-# One BLAS/OpenMP thread per rank: ranks already share the cores.
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
-export MKL_NUM_THREADS="${MKL_NUM_THREADS:-1}"
+mca_defaults() {
+    # The venv's Open MPI (the wheel) reads $VENV/etc/prte-mca-params.conf.
+    # One line there lets `mpirun -n 8 ...` start more ranks than cores, as
+    # typed, on a laptop or a CI runner: Open MPI 5 otherwise refuses. (The
+    # ranks' BLAS threads are the program's own business: ringzero.comm.threads.)
+    local conf="$VENV/etc/prte-mca-params.conf"
+    [ -f "$conf" ] || return 0                 # mpich wheel or a system MPI: nothing to do
+    grep -q '^rmaps_default_mapping_policy' "$conf" && return 0
+    { echo "# written by ringzero's launch/_env.sh: allow more ranks than cores (a laptop, a CI runner)"
+      echo "rmaps_default_mapping_policy = :oversubscribe"; } >> "$conf"
+}
+
+# BLAS/OpenMP threads: every ringzero MPI program gives each rank its share of
+# the node's cores itself (cores // ranks on the node) unless one of these is
+# set; the test ranks get one thread each from launch/test.
 export PYTHONUNBUFFERED=1
 
 mpi_flags() {
@@ -68,7 +80,10 @@ mpi_flags() {
     if mpirun --version 2>&1 | grep -qi "open mpi"; then
         flags="--oversubscribe --bind-to none"
         [ "$(id -u)" = 0 ] && flags="$flags --allow-run-as-root"
-        flags="$flags -x OMP_NUM_THREADS -x OPENBLAS_NUM_THREADS -x MKL_NUM_THREADS -x PYTHONUNBUFFERED"
+        flags="$flags -x PYTHONUNBUFFERED"
+        for v in OMP_NUM_THREADS OPENBLAS_NUM_THREADS MKL_NUM_THREADS; do
+            [ -n "${!v:-}" ] && flags="$flags -x $v"
+        done
         for v in $(env | grep -oE '^RINGZERO_[A-Z_]+' || true); do flags="$flags -x $v"; done
     fi
     echo "$flags ${MPIRUN_ARGS:-}"

@@ -356,7 +356,9 @@ def main(argv=None) -> int:
         _fail(err)
         return 2
     from mpi4py import MPI
+    from ringzero.comm.threads import set_blas_threads
     comm = MPI.COMM_WORLD
+    set_blas_threads(comm)             # this rank's share of the node's cores, before any matmul
     try:
         # a flag this rank alone rejects (a --data path one node lacks) must
         # stop the others too, before any of them waits in a collective

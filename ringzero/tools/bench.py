@@ -370,10 +370,12 @@ SUBCOMMANDS = {"coll": (coll_parser, run_coll), "sched": (sched_parser, run_sche
 
 def main(argv=None) -> int:
     from mpi4py import MPI
+    from ringzero.comm.threads import set_blas_threads
     argv = sys.argv[1:] if argv is None else list(argv)
     name = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "coll"
     make_parser, run = SUBCOMMANDS[name]
     args = make_parser().parse_args(argv)
+    set_blas_threads(MPI.COMM_WORLD)   # this rank's share of the node's cores
     rows = run(args, MPI.COMM_WORLD)
     return 1 if any(r["wrong"] for r in rows) else 0
 
