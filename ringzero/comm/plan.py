@@ -13,7 +13,7 @@ What it is
                                                   count checked; w = (op, peer,
                                                   "recv"|"send", reqs) for the
                                                   stall inspector and errors
-        (ADD,   a, b, out)                        out = a + b (ring._add)
+        (ADD,   a, b, out, fn)                    fn(a, b, out): out = a + b
         (COPY,  dst, src)                         dst[...] = src
 
     Every wait waits on ONE peer, so a stall names the rank it waits for.
@@ -89,7 +89,10 @@ class _Builder:
             self.p.steps.append((WAIT, list(reqs), sts, checks, (self.p.name, peer, "recv", list(reqs))))
 
     def add(self, a, b, out):
-        self.p.steps.append((ADD, a, b, out))
+        self.p.steps.append((ADD, a, b, out, self.ring.adder(self.p.xp, a.dtype)))
+
+    def copy(self, dst, src):
+        self.p.steps.append((COPY, dst, src))
 
     def segs(self, length, itemsize):
         seg = max(1, self.ring.seg_bytes // itemsize)
@@ -123,12 +126,22 @@ class _Builder:
             self.add(cur[ks:ks + h], tmp[:h], dst)
             cur, (lo, hi), d = dst, keep, d >> 1
 
-    def doubling_ag(self, recv, m):
-        """Recursive doubling: swap the 2^k blocks we hold with partner r^(2^k)."""
+    def doubling_ag(self, recv, m, send=None):
+        """Recursive doubling: swap the 2^k blocks we hold with partner r^(2^k).
+
+        send (not in place): the first step sends it directly, and the local
+        copy into recv runs while that exchange is on the wire.
+        """
         r, d = self.r, 1
         while d < self.n:
             mine, theirs = (r & ~(d - 1)) * m, ((r ^ d) & ~(d - 1)) * m
-            self.exchange(recv[mine:mine + d * m], recv[theirs:theirs + d * m], r ^ d)
+            peer, rbuf = r ^ d, recv[theirs:theirs + d * m]
+            rq = self.recv(rbuf, peer)
+            sq = self.send(send if d == 1 and send is not None else recv[mine:mine + d * m], peer)
+            self.start([rq, sq])
+            if d == 1 and send is not None:
+                self.copy(recv[r * m:(r + 1) * m], send)
+            self.wait([rq, sq], peer, [rbuf.nbytes, None])
             d <<= 1
 
     # ---- ring schedule ------------------------------------------------------
@@ -162,16 +175,19 @@ class _Builder:
             self.wait(sends, right)
             sends = nxt
 
-    def ring_ag(self, buf, off):
+    def ring_ag(self, buf, off, send=None):
         """Every block of buf from its owner (block i from rank i), in place.
 
         All receives are posted at the start (they land in distinct blocks), so
         no message ever arrives unexpected; each block is forwarded on arrival.
+        send (not in place): our block goes out from it, and the local copy
+        into buf runs while the first messages are on the wire.
         """
         n, r, isz = self.n, self.r, buf.itemsize
         left, right = self.ring.left, self.ring.right
-        lo, hi = off[r], off[r + 1]
-        sends = [self.send(buf[lo + a:lo + e], right) for a, e in self.segs(hi - lo, isz)]
+        own = buf[off[r]:off[r + 1]]
+        src = own if send is None else send
+        sends = [self.send(src[a:e], right) for a, e in self.segs(len(own), isz)]
         steps = []
         for s in range(n - 1):
             bi = (r - s - 1) % n
@@ -179,15 +195,15 @@ class _Builder:
             segs = self.segs(length, isz)
             steps.append([(buf[lo + a:lo + e], self.recv(buf[lo + a:lo + e], left)) for a, e in segs])
         self.start([q for st in steps for _, q in st] + sends)
+        if send is not None:
+            self.copy(own, send)
         for s, st in enumerate(steps):
-            nxt = []
             for view, q in st:
                 self.wait([q], left, [view.nbytes])
-                if s < n - 2:
-                    nxt.append(self.send(view, right))
-                    self.start(nxt[-1:])
-            self.wait(sends, right)
-            sends = nxt
+                if s < n - 2:  # forward at once; no buffer is reused, so the sends are waited for at the end
+                    sends.append(self.send(view, right))
+                    self.start(sends[-1:])
+        self.wait(sends, right)
 
 
 def build(ring, name, xp, send, recv, sched, scratch):
@@ -226,14 +242,14 @@ def build(ring, name, xp, send, recv, sched, scratch):
             _Builder(ring, plan, 0).ring_rs(send, recv, off, (t0.view(send.dtype), t1.view(send.dtype)))
     else:
         m = len(send)
-        mine = recv[r * m:(r + 1) * m]
-        if m and ring.addr(send) != ring.addr(mine):  # not in place: one local copy
-            plan.steps.append((COPY, mine, send))
-        if n > 1 and m:
-            if sched == "tree":
-                _Builder(ring, plan, 0).doubling_ag(recv, m)
-            else:
-                _Builder(ring, plan, 0).ring_ag(recv, blocks(len(recv), n))
+        apart = m and ring.addr(send) != ring.addr(recv[r * m:(r + 1) * m])  # not in place: one local copy
+        if n == 1 or not m:
+            if apart:
+                plan.steps.append((COPY, recv, send))
+        elif sched == "tree":
+            _Builder(ring, plan, 0).doubling_ag(recv, m, send if apart else None)
+        else:
+            _Builder(ring, plan, 0).ring_ag(recv, blocks(len(recv), n), send if apart else None)
     plan.keep += [send, recv]
     return plan
 

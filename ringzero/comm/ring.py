@@ -93,7 +93,7 @@ TREE_BYTES = 16 << 20      # at or below: halving/doubling (power-of-two n); abo
 SEG_BYTES = 1 << 20
 MAX_PLANS = 256
 _F16 = np.dtype(np.float16)
-_startall, _waitall = MPI.Prequest.Startall, MPI.Request.Waitall
+_startall, _waitall, _BYTE = MPI.Prequest.Startall, MPI.Request.Waitall, MPI.BYTE
 
 
 class Ledger:
@@ -250,34 +250,33 @@ class Ring:
         led["bytes_sent"] += plan.sent
         led["bytes_recv"] += plan.recvd
         led["messages"] += plan.msgs
-        steps = plan.steps
-        for i, st in enumerate(steps):
+        for st in plan.steps:
             kind = st[0]
             if kind == START:
                 _startall(st[1])
             elif kind == WAIT:
-                self._w = st[4]
+                self._w = st[4]          # what we wait for, for the stall inspector
                 self._progress += 1
                 try:
                     _waitall(st[1], st[2])
                 except MPI.Exception as e:  # e.g. MPI_ERR_TRUNCATE: the peer sent more than we expect
                     self._w = None
-                    self._fail(plan, i)
+                    self._fail(plan, st)
                     raise ValueError(f"ring {plan.name}: rank {self.rank} expected {st[3][0][1] if st[3] else 0} "
                                      f"bytes from {self._who(st[4][1])}, got more ({e.Get_error_string()}); "
                                      "HINT: do all ranks pass the same length?") from None
                 self._w = None
                 if self._hit is not None:
-                    self._fail(plan, i)
+                    self._fail(plan, st)
                     raise TimeoutError(self.timeout_message(self._hit[0], self._hit[1]))
                 for status, nb in st[3]:
-                    if status.Get_count(MPI.BYTE) != nb:
-                        self._fail(plan, i)
+                    if status.Get_count(_BYTE) != nb:
+                        self._fail(plan, st)
                         raise ValueError(f"ring {plan.name}: rank {self.rank} expected {nb} bytes from "
-                                         f"{self._who(st[4][1])}, got {status.Get_count(MPI.BYTE)}; "
+                                         f"{self._who(st[4][1])}, got {status.Get_count(_BYTE)}; "
                                          "HINT: do all ranks pass the same length?")
             elif kind == ADD:
-                self._add(xp, st[1], st[2], st[3])
+                st[4](st[1], st[2], st[3])
             else:
                 st[1][...] = st[2]
                 if xp is not np:
@@ -344,17 +343,21 @@ class Ring:
             self._plans.clear()
         return have
 
-    def _add(self, xp, a, b, out):
-        """out = a + b; float16 widened to float32 and rounded once."""
-        if a.dtype == _F16:
-            if xp is np and kernels._c is not None:
-                kernels._c.add_f16(a, b, out)
-            else:
+    @staticmethod
+    def adder(xp, dtype):
+        """fn(a, b, out): out = a + b; float16 widened to float32 and rounded once."""
+        if xp is np:
+            if dtype != _F16:
+                return np.add
+            return kernels._c.add_f16 if kernels._c is not None else kernels.add_f16
+
+        def add_on_device(a, b, out):
+            if dtype == _F16:
                 kernels.add_f16(a, b, out)
-        else:
-            xp.add(a, b, out=out)
-        if xp is not np:
+            else:
+                xp.add(a, b, out=out)
             sync(out)  # the next thing done with `out` may be MPI
+        return add_on_device
 
     def _avg(self, xp, x):
         if len(x):
@@ -381,9 +384,10 @@ class Ring:
         return (f"ring {w[0]}: rank {self.rank} waited {self.timeout:g} s for {what} {self._who(w[1])}"
                 f"{' at ' + ctx if ctx else ''}; is rank {w[1]} in the same call? (RINGZERO_TIMEOUT sets the limit)")
 
-    def _fail(self, plan, i):
-        """Mark the Ring broken; cancel what plan step i left in flight; keep its buffers alive."""
+    def _fail(self, plan, step):
+        """Mark the Ring broken; cancel what the plan left in flight up to `step`; keep its buffers alive."""
         self._broken = f"{plan.name} failed on rank {self.rank}"
+        i = next(k for k, st in enumerate(plan.steps) if st is step)
         active = []
         for st in plan.steps[:i + 1]:
             if st[0] == START:
