@@ -404,6 +404,7 @@ class Zero:
 
     def step(self, x, y, lr: float) -> StepResult:
         """One optimizer step on this rank's micro-batch (x, y): (B, T) ints."""
+        Ring.set_context(f"step {self.step_count}")  # named by the Ring's stall and timeout lines
         xp, L = self.xp, self.layout
         led0 = self._ledger_totals()
         scale = self.scaler.scale
