@@ -137,3 +137,65 @@ def test_sigstop_one_rank_warns_then_ends_the_job(tmp_path):
     assert any(int(t[2]) == STOPPED for t in timeouts), timeouts
     assert rc != 0 and not survivors, f"exit {rc}, ranks still alive: {survivors}"
     assert TIMEOUT <= took < TIMEOUT + 45, f"the job took {took:.1f} s to end after the stop"
+
+
+# ---- the inspector inside one job (MPI, every world size) -------------------
+
+@pytest.mark.mpi
+def test_stall_line_names_op_context_and_peer(comm, capsys):
+    """Rank 0 arrives 1.5 s late: every other rank prints ONE stall line, and the op still completes."""
+    from conftest import assert_all
+    import numpy as np
+    from ringzero.comm.ring import Ring
+    n, r = comm.size, comm.rank
+    if n < 2:
+        pytest.skip("needs world size >= 2")
+    ring = Ring(comm, timeout=30, stall_warn=0.3)
+    Ring.set_context("step 5")
+    x = np.full(4 * n, r + 1, np.float64)
+    comm.Barrier()
+    if r == 0:
+        time.sleep(1.5)
+    ring.all_reduce(x)
+    time.sleep(0.3)  # let the inspector finish any line it started
+    err = capsys.readouterr().err
+    Ring.set_context("")
+    ring.free()
+    lines = re.findall(r"ringzero \| rank (\d+): all_reduce has made no progress for \d+ s at step 5, "
+                       r"waiting for a message from rank (\d+)", err)
+    ok = np.all(x == n * (n + 1) / 2)
+    if r == 0:
+        ok = ok and not lines
+    else:
+        ok = ok and len(lines) == 1 and int(lines[0][0]) == r and int(lines[0][1]) not in (r,) \
+            and 0 <= int(lines[0][1]) < n
+    assert_all(comm, ok, f"rank {r}: stderr {err!r}")
+
+
+@pytest.mark.mpi
+def test_timeout_message_carries_context(comm):
+    """A peer that never comes: TimeoutError names op, peer and the context; a fresh Ring then works."""
+    from conftest import assert_all
+    import numpy as np
+    from ringzero.comm.ring import Ring
+    n, r = comm.size, comm.rank
+    if n < 2:
+        pytest.skip("needs world size >= 2")
+    ring = Ring(comm, timeout=1.0, stall_warn=0)
+    Ring.set_context("step 9")
+    msg = ""
+    if r != n - 1:  # the last rank skips the call
+        try:
+            ring.all_gather(np.ones(3), np.empty(3 * n))
+        except TimeoutError as e:
+            msg = str(e)
+    Ring.set_context("")
+    comm.Barrier()
+    fresh = Ring(comm)
+    y = np.ones(5)
+    fresh.all_reduce(y)
+    fresh.free()
+    ok = np.all(y == n)
+    if r != n - 1:
+        ok = ok and re.search(r"ring all_gather: rank \d+ waited 1 s for a message from rank \d+ at step 9", msg)
+    assert_all(comm, bool(ok), f"rank {r}: {msg!r}")
