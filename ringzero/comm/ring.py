@@ -163,7 +163,7 @@ class Ring:
 
     def free(self):
         """Release the plans' requests and the communicator."""
-        WATCHDOG.rings.discard(self)
+        WATCHDOG.discard(self)
         for p in self._plans.values():
             planmod.free_plan(p)
         self._plans.clear()

@@ -65,44 +65,58 @@ class _Watchdog:
         lim = [x for r in rings for x in (r.stall_warn, r.timeout) if x > 0]
         return min(1.0, max(0.01, min(lim, default=1.0) / 10))
 
+    def discard(self, ring):
+        with self.lock:
+            self.rings.discard(ring)
+
     def _loop(self):
         seen = {}  # id(ring) -> [wait, progress, since, warned, cancelled_at]
         while True:
-            rings = list(self.rings)
+            with self.lock:
+                rings = list(self.rings)
             self.wake.wait(self._period(rings))
             self.wake.clear()
-            now = time.monotonic()
-            live = set()
-            for ring in rings:
-                w, prog = ring._w, ring._progress
-                key = id(ring)
-                live.add(key)
-                st = seen.get(key)
-                if w is None:
-                    seen.pop(key, None)
-                    continue
-                if st is None or st[0] is not w or st[1] != prog:
-                    seen[key] = [w, prog, now, False, None]
-                    continue
-                stalled = now - st[2]
-                if not st[3] and 0 < ring.stall_warn <= stalled < ring.timeout:
-                    st[3] = True
-                    _say(ring.stall_line(w, stalled))
-                if stalled >= ring.timeout and st[4] is None:
-                    st[4] = now
-                    ring._hit = (w, stalled)
-                    for q in w[3]:
-                        try:
-                            q.Cancel()
-                        except Exception:  # noqa: BLE001 (already complete, or MPI cannot cancel it)
-                            pass
-                elif st[4] is not None and now - st[4] >= ring.grace:
-                    _say(ring.timeout_message(w, stalled) + " (the wait could not be cancelled: aborting the job)")
-                    from mpi4py import MPI
-                    MPI.COMM_WORLD.Abort(1)
-            for k in list(seen):
-                if k not in live:
-                    del seen[k]
+            try:
+                self._tick(rings, seen)
+            except Exception as e:  # noqa: BLE001 (the inspector must outlive any surprise)
+                _say(f"ringzero | stall inspector: {type(e).__name__}: {e}")
+            del rings
+
+    def _tick(self, rings, seen):
+        from mpi4py import MPI
+        if MPI.Is_finalized():
+            return
+        now = time.monotonic()
+        live = set()
+        for ring in rings:
+            w, prog = ring._w, ring._progress
+            key = id(ring)
+            live.add(key)
+            st = seen.get(key)
+            if w is None:
+                seen.pop(key, None)
+                continue
+            if st is None or st[0] is not w or st[1] != prog:
+                seen[key] = [w, prog, now, False, None]
+                continue
+            stalled = now - st[2]
+            if not st[3] and 0 < ring.stall_warn <= stalled < ring.timeout:
+                st[3] = True
+                _say(ring.stall_line(w, stalled))
+            if stalled >= ring.timeout and st[4] is None:
+                st[4] = now
+                ring._hit = (w, stalled)
+                for q in w[3]:
+                    try:
+                        q.Cancel()
+                    except Exception:  # noqa: BLE001 (already complete, or MPI cannot cancel it)
+                        pass
+            elif st[4] is not None and now - st[4] >= ring.grace:
+                _say(ring.timeout_message(w, stalled) + " (the wait could not be cancelled: aborting the job)")
+                MPI.COMM_WORLD.Abort(1)
+        for k in list(seen):
+            if k not in live:
+                del seen[k]
 
 
 def _say(line):
