@@ -93,7 +93,13 @@ TREE_BYTES = 16 << 20      # at or below: halving/doubling (power-of-two n); abo
 SEG_BYTES = 1 << 20
 MAX_PLANS = 256
 _F16 = np.dtype(np.float16)
-_startall, _waitall, _BYTE = MPI.Prequest.Startall, MPI.Request.Waitall, MPI.BYTE
+_startall, _waitall, _testall, _BYTE = MPI.Prequest.Startall, MPI.Request.Waitall, MPI.Request.Testall, MPI.BYTE
+
+
+def _poll(reqs, statuses):
+    """Waitall by Testall and sched_yield: for cores shared with other work (RINGZERO_WAIT=poll)."""
+    while not _testall(reqs, statuses):
+        os.sched_yield()
 
 
 class Ledger:
@@ -146,6 +152,10 @@ class Ring:
         self.tree_bytes = int(os.environ.get("RINGZERO_TREE_BYTES", TREE_BYTES))
         self.seg_bytes = max(64, int(os.environ.get("RINGZERO_SEG_BYTES", SEG_BYTES)))
         self.max_plans = MAX_PLANS
+        wait = os.environ.get("RINGZERO_WAIT", "block")
+        if wait not in ("block", "poll"):
+            raise ValueError(f"expected RINGZERO_WAIT=block or poll, got {wait!r}")
+        self._wait = _waitall if wait == "block" else _poll   # block: inside MPI, GIL released
         self.pow2 = self.size & (self.size - 1) == 0
         self.ledger = Ledger()
         self.scratch_growths = 0
@@ -258,7 +268,7 @@ class Ring:
                 self._w = st[4]          # what we wait for, for the stall inspector
                 self._progress += 1
                 try:
-                    _waitall(st[1], st[2])
+                    self._wait(st[1], st[2])
                 except MPI.Exception as e:  # e.g. MPI_ERR_TRUNCATE: the peer sent more than we expect
                     self._w = None
                     self._fail(plan, st)
@@ -373,7 +383,7 @@ class Ring:
     def stall_line(self, w, stalled):
         ctx = get_context()
         what = "a message from" if w[2] == "recv" else "a send to be taken by"
-        return (f"ringzero | rank {self._world[self.rank]}: {w[0]} has made no progress for {stalled:.0f} s"
+        return (f"ringzero | rank {self._world[self.rank]}: {w[0]} has made no progress for {stalled:.3g} s"
                 f"{' at ' + ctx if ctx else ''}, waiting for {what} {self._who(w[1])} "
                 f"(warning after RINGZERO_STALL_WARN={self.stall_warn:g} s; error at RINGZERO_TIMEOUT="
                 f"{self.timeout:g} s)")
