@@ -131,8 +131,8 @@ def test_sigstop_one_rank_warns_then_ends_the_job(tmp_path):
                        err)
     # raised as TimeoutError, or, when MPI could not cancel the wait (a message
     # already half-received), printed by the inspector before MPI_Abort
-    timeouts = re.findall(r"ring (all_gather|reduce_scatter|all_reduce): rank (\d+) waited "
-                          rf"{TIMEOUT} s for (?:a message from|a send to be taken by) rank (\d+) at step (\d+)", err)
+    timeouts = re.findall(r"ring (all_gather|reduce_scatter|all_reduce) at step \d+: rank (\d+) waited "
+                          rf"{TIMEOUT} s for (?:a message from|a send to be taken by) rank (\d+);", err)
     survivors = [r for r, p in ranks.items() if _alive(p)]
     print(f"tries {tries}, exit {rc} after {took:.1f} s; stall lines {stall}; timeouts {timeouts}")
     assert stall, f"no stall line in stderr:\n{err[-3000:]}"
@@ -205,5 +205,5 @@ def test_timeout_message_carries_context(comm):
     fresh.free()
     ok = np.all(y == n)
     if r != n - 1:
-        ok = ok and re.search(r"ring all_gather: rank \d+ waited 1 s for a message from rank \d+ at step 9", msg)
+        ok = ok and re.search(r"ring all_gather at step 9: rank \d+ waited 1 s for a message from rank \d+;", msg)
     assert_all(comm, bool(ok), f"rank {r}: {msg!r}")

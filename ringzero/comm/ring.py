@@ -391,8 +391,8 @@ class Ring:
     def timeout_message(self, w, stalled):
         ctx = get_context()
         what = "a message from" if w[2] == "recv" else "a send to be taken by"
-        return (f"ring {w[0]}: rank {self.rank} waited {self.timeout:g} s for {what} {self._who(w[1])}"
-                f"{' at ' + ctx if ctx else ''}; is rank {w[1]} in the same call? (RINGZERO_TIMEOUT sets the limit)")
+        return (f"ring {w[0]}{' at ' + ctx if ctx else ''}: rank {self.rank} waited {self.timeout:g} s for {what} "
+                f"{self._who(w[1])}; is rank {w[1]} in the same call? (RINGZERO_TIMEOUT sets the limit)")
 
     def _fail(self, plan, step):
         """Mark the Ring broken; cancel what the plan left in flight up to `step`; keep its buffers alive."""
