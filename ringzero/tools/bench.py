@@ -18,6 +18,11 @@ What it is
     each row is {"op", "impl" ("ring"|"mpi"), "n", "bytes", "count", "dtype",
     "redop", "time_us", "algbw_GBps", "busbw_GBps", "wrong"}.
 
+    --device cuda: when MPI is not CUDA-aware both sides stage (device ->
+    pinned host, collective, host -> device), so the ratio compares like with
+    like; after the sweep, rank 0 alone measures device->device memcpy and
+    pinned host<->device copies (rows with op "copy") as physical references.
+
     Two more words: ``sched`` times every Ring schedule against each other
     (how the thresholds were placed) and ``dtypes`` times one op on the same
     element count in several dtypes, interleaved (float16 against float32).
@@ -99,9 +104,15 @@ def _expect(n, count, dtype, seed):
 
 
 class _Case:
-    """Buffers for one op and size, and closures that run the ring / MPI on them."""
+    """Buffers for one op and size, and closures that run the ring / MPI on them.
 
-    def __init__(self, op, ring, comm, xp, dtype, count, mpi_on_host):
+    Like with like: both sides start and end with their data in ``a``/``b``
+    (device arrays for --device cuda). When MPI is not CUDA-aware (staged),
+    the MPI side pays what the Ring pays: device->pinned host copy, the MPI
+    collective on the pinned buffers, host->device copy.
+    """
+
+    def __init__(self, op, ring, comm, xp, dtype, count, mpi_staged):
         from mpi4py import MPI
         n = comm.size
         self.op, self.count = op, count
@@ -112,25 +123,44 @@ class _Case:
             self.a, self.b = xp.zeros(count, dtype), xp.zeros(count // n, dtype)
         else:
             self.a, self.b = xp.zeros(count // n, dtype), xp.zeros(count, dtype)
-        ma, mb = (self.a.get(), self.b.get()) if mpi_on_host else (self.a, self.b)
-        if op == "all_reduce":
-            mb = ma
         ring_fn = {"all_reduce": lambda: ring.all_reduce(self.a),
                    "reduce_scatter": lambda: ring.reduce_scatter(self.a, self.b),
                    "all_gather": lambda: ring.all_gather(self.a, self.b)}[op]
-        mpi_fn = {"all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, mb, MPI.SUM),
-                  "reduce_scatter": lambda: comm.Reduce_scatter_block(ma, mb, MPI.SUM),
-                  "all_gather": lambda: comm.Allgather(ma, mb)}[op]
-        self.ring, self.mpi, self.ma, self.mb = ring_fn, mpi_fn, ma, mb
+        if mpi_staged:  # pinned host buffers, made once (grow-only, like the Ring's)
+            from ringzero.comm.backend import Staging
+            st = Staging()
+            ma = st.host("a", self.a.nbytes).view(dtype)
+            mb = ma if op == "all_reduce" else st.host("b", self.b.nbytes).view(dtype)
+        else:
+            ma, mb = self.a, self.b
+        coll = {"all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, mb, MPI.SUM),
+                "reduce_scatter": lambda: comm.Reduce_scatter_block(ma, mb, MPI.SUM),
+                "all_gather": lambda: comm.Allgather(ma, mb)}[op]
+        if mpi_staged:
+            stream = xp.cuda.get_current_stream()
+
+            def mpi_fn():
+                self.a.get(out=ma)   # device -> pinned host (blocking)
+                coll()
+                self.b.set(mb)       # pinned host -> device
+                stream.synchronize()
+        elif xp is not np:
+            stream = xp.cuda.get_current_stream()
+
+            def mpi_fn():
+                stream.synchronize()  # CUDA-aware MPI reads the device buffer: producers done
+                coll()
+        else:
+            mpi_fn = coll
+        self.ring, self.mpi = ring_fn, mpi_fn
 
     def check(self, which, comm, xp, seed):
         """Wrong elements of this rank after one run of `which` on fresh data."""
         n, r = comm.size, comm.rank
-        a, b = (self.a, self.b) if which == "ring" else (self.ma, self.mb)
-        axp = xp if which == "ring" else np
-        _fill(axp, a, r, seed)
+        a, b = self.a, self.b
+        _fill(xp, a, r, seed)
         (self.ring if which == "ring" else self.mpi)()
-        got = np.asarray(b.get() if hasattr(b, "get") and axp is not np else b).astype(np.int64)
+        got = np.asarray(b.get() if xp is not np else b).astype(np.int64)
         m = self.count // n
         if self.op == "all_reduce":
             want = _expect(n, self.count, a.dtype, seed)
@@ -142,6 +172,35 @@ class _Case:
         wrong = int(np.count_nonzero(got != want))
         a[...] = 0  # timing runs on zeros: sums never overflow
         return wrong
+
+
+def copy_refs(xp, sizes, iters=20) -> list:
+    """Physical references on one GPU: device->device memcpy, pinned host<->device copies (GB/s).
+
+    Rows like the bench's, impl "memcpy_d2d" | "memcpy_h2d_pinned" | "memcpy_d2h_pinned".
+    """
+    from ringzero.comm.backend import Staging
+    rt, st = xp.cuda.runtime, Staging()
+    rows = []
+    for S in sizes:
+        src, dst = xp.zeros(S, xp.uint8), xp.zeros(S, xp.uint8)
+        host = st.host("h", S)
+        hp = host.ctypes.data
+        kinds = {"memcpy_d2d": (dst.data.ptr, src.data.ptr, rt.memcpyDeviceToDevice),
+                 "memcpy_h2d_pinned": (dst.data.ptr, hp, rt.memcpyHostToDevice),
+                 "memcpy_d2h_pinned": (hp, src.data.ptr, rt.memcpyDeviceToHost)}
+        for name, (d, s_, kind) in kinds.items():
+            ts = []
+            for _ in range(iters + 2):
+                rt.deviceSynchronize()
+                t0 = time.perf_counter()
+                rt.memcpy(d, s_, S, kind)
+                rt.deviceSynchronize()
+                ts.append(time.perf_counter() - t0)
+            t = float(np.median(ts[2:]))
+            rows.append(dict(op="copy", impl=name, n=1, bytes=S, count=S, dtype="uint8", redop="", time_us=round(t * 1e6, 2),
+                             algbw_GBps=round(S / t / 1e9, 4), busbw_GBps=round(S / t / 1e9, 4), wrong=0))
+    return rows
 
 
 def run_coll(args, comm) -> list:
@@ -160,7 +219,7 @@ def run_coll(args, comm) -> list:
         ring.small_bytes = args.small_bytes
     if args.seg_bytes is not None:
         ring.seg_bytes = args.seg_bytes
-    mpi_on_host = args.device == "cuda" and not cuda_aware()
+    mpi_on_host = args.device == "cuda" and not cuda_aware()  # then both sides stage, see _Case
     ops = OP_NAMES if args.op == "all" else (args.op,)
     rows = []
 
@@ -170,7 +229,8 @@ def run_coll(args, comm) -> list:
 
     out(f"# ringzero.bench coll: n={n} dtype={dtype.name} device={args.device} iters={args.iters} "
         f"warmup={args.warmup_iters} small_bytes={ring.small_bytes} seg_bytes={ring.seg_bytes}"
-        + (" (MPI runs on host copies: not CUDA-aware)" if mpi_on_host else ""))
+        + (" (MPI is not CUDA-aware: ring and MPI both copy device->pinned host, reduce there, copy back)"
+           if mpi_on_host else ""))
     out(f"# {'op':>14} {'size':>9} {'count':>10} {'type':>8} {'redop':>5} | {'ring us':>10} {'algbw':>7} "
         f"{'busbw':>7} {'#wrong':>6} | {'mpi us':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} | {'busbw ring/mpi':>14}")
     for op in ops:
@@ -235,12 +295,29 @@ def run_coll(args, comm) -> list:
                 f"{rg['time_us']:>10.1f} {rg['algbw_GBps']:>7.3f} {rg['busbw_GBps']:>7.3f} {rg['wrong']:>6} | "
                 f"{mcol} | {ratio:>14.2f}")
             S *= args.stepfactor
+    if xp is not np:  # the physical references, on rank 0 alone while the others wait
+        sizes, S = [], args.minbytes
+        while S <= args.maxbytes:
+            sizes.append(S)
+            S *= args.stepfactor
+        refs = copy_refs(xp, sizes) if rank == 0 else []
+        comm.Barrier()
+        out("# physical references (rank 0 alone): GB/s of one copy")
+        out(f"# {'size':>9} {'d2d memcpy':>11} {'h2d pinned':>11} {'d2h pinned':>11}")
+        for S in sizes:
+            bw = {r["impl"]: r["algbw_GBps"] for r in refs if r["bytes"] == S}
+            out(f"  {human(S):>9} {bw.get('memcpy_d2d', 0):>11.2f} {bw.get('memcpy_h2d_pinned', 0):>11.2f} "
+                f"{bw.get('memcpy_d2h_pinned', 0):>11.2f}")
+        rows += refs
     bad = sum(r["wrong"] or 0 for r in rows)
     out(f"# total wrong elements: {bad}")
     if args.json and rank == 0:
+        from ringzero.comm.backend import cuda_support
         meta = dict(n=n, dtype=dtype.name, device=args.device, iters=args.iters, warmup=args.warmup_iters,
                     small_bytes=ring.small_bytes, seg_bytes=ring.seg_bytes, mpi=MPI.Get_library_version().split(",")[0],
-                    mpi_on_host=mpi_on_host, argv=sys.argv[1:], time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+                    mpi_on_host=mpi_on_host, mpi_staged=mpi_on_host,
+                    cuda_aware=cuda_support()[1] if args.device == "cuda" else None,
+                    argv=sys.argv[1:], time=time.strftime("%Y-%m-%dT%H:%M:%S"))
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "meta": meta}, f, indent=1)
     ring.free()

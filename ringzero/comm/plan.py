@@ -1,0 +1,261 @@
+"""Schedules compiled once into persistent MPI requests: what a Ring call runs.
+
+What it is
+    ``build(ring, name, xp, send, recv, sched)`` turns one collective on one
+    pair of buffers into a ``Plan``: a flat list of steps over persistent
+    requests (``Send_init`` / ``Recv_init``, made once) and precomputed views,
+    so a call that reuses its buffers costs a dictionary lookup, then per step
+    one ``Startall``, one blocking ``Waitall`` inside MPI (the GIL released)
+    and the add. The steps, as tuples:
+
+        (START, [req, ...])                       Prequest.Startall
+        (WAIT,  [req, ...], statuses, checks, w)  Request.Waitall; every recv's
+                                                  count checked; w = (op, peer,
+                                                  "recv"|"send", reqs) for the
+                                                  stall inspector and errors
+        (ADD,   a, b, out, fn)                    fn(a, b, out): out = a + b
+        (COPY,  dst, src)                         dst[...] = src
+
+    Every wait waits on ONE peer, so a stall names the rank it waits for.
+    The schedules and their summation order are the module docstring of
+    ring.py; ``sched`` is "ring", "tree" (halving RS / doubling AG), "rd"
+    (recursive-doubling all-reduce) or "rab" (halving then doubling).
+
+What it is not
+    It runs nothing (Ring._run does) and checks no argument (Ring._check did).
+    A plan holds its buffers alive; the Ring keeps plans only for buffers it
+    has seen twice and frees them with ``free_plan``.
+"""
+from __future__ import annotations
+
+from mpi4py import MPI
+
+START, WAIT, ADD, COPY = 0, 1, 2, 3
+TAGS = {"all_reduce": 0, "reduce_scatter": 4, "all_gather": 8}  # + phase: ops never match each other
+
+
+def blocks(length: int, n: int) -> list:
+    """Block offsets (n+1 of them) of a length-L buffer cut for the ring."""
+    q, rem = divmod(length, n)
+    return [i * q + min(i, rem) for i in range(n + 1)]
+
+
+class Plan:
+    """One compiled call: its steps, requests, buffers kept alive and ledger increments."""
+
+    __slots__ = ("name", "steps", "reqs", "keep", "sent", "recvd", "msgs", "xp", "post")
+
+    def __init__(self, name, xp):
+        self.name, self.xp = name, xp
+        self.steps, self.reqs, self.keep = [], [], []
+        self.sent = self.recvd = self.msgs = 0
+        self.post = None   # "avg": divide recv by n after the steps
+
+
+class _Builder:
+    def __init__(self, ring, plan, phase):
+        self.ring, self.p = ring, plan
+        self.comm, self.n, self.r = ring.comm, ring.size, ring.rank
+        self.tag = TAGS[plan.name] + phase
+
+    def send(self, x, peer):
+        q = self.comm.Send_init([x, MPI.BYTE], peer, self.tag)
+        self.p.reqs.append(q)
+        self.p.keep.append(x)
+        self.p.sent += x.nbytes
+        self.p.msgs += 1
+        return q
+
+    def recv(self, x, peer):
+        q = self.comm.Recv_init([x, MPI.BYTE], peer, self.tag)
+        self.p.reqs.append(q)
+        self.p.keep.append(x)
+        self.p.recvd += x.nbytes
+        return q
+
+    def start(self, reqs):
+        if reqs:
+            self.p.steps.append((START, list(reqs)))
+
+    def wait(self, reqs, peer, recv_sizes=None):
+        """Wait for reqs (all with `peer`); recv_sizes[i] = expected bytes of reqs[i] (recvs)."""
+        if not reqs:
+            return
+        if recv_sizes is None:
+            self.p.steps.append((WAIT, list(reqs), None, (), (self.p.name, peer, "send", list(reqs))))
+        else:
+            sts = [MPI.Status() for _ in reqs]
+            checks = tuple((sts[i], nb) for i, nb in enumerate(recv_sizes) if nb is not None)
+            self.p.steps.append((WAIT, list(reqs), sts, checks, (self.p.name, peer, "recv", list(reqs))))
+
+    def add(self, a, b, out):
+        self.p.steps.append((ADD, a, b, out, self.ring.adder(self.p.xp, a.dtype)))
+
+    def copy(self, dst, src):
+        self.p.steps.append((COPY, dst, src))
+
+    def segs(self, length, itemsize):
+        seg = max(1, self.ring.seg_bytes // itemsize)
+        return [(a, min(a + seg, length)) for a in range(0, length, seg)]
+
+    # ---- latency schedules (n a power of two) ------------------------------
+    def exchange(self, sendbuf, recvbuf, peer):
+        rq, sq = self.recv(recvbuf, peer), self.send(sendbuf, peer)
+        self.start([rq, sq])
+        self.wait([rq, sq], peer, [recvbuf.nbytes, None])
+
+    def rd_allreduce(self, buf, tmp):
+        """Recursive doubling, partners r^(n/2), ..., r^1: the halving RS's tree."""
+        d = self.n >> 1
+        while d:
+            self.exchange(buf, tmp, self.r ^ d)
+            self.add(buf, tmp, buf)
+            d >>= 1
+
+    def halving_rs(self, send, recv, acc, tmp):
+        """Recursive halving: keep the half of the blocks whose bit d matches ours."""
+        n, r, m = self.n, self.r, len(recv)
+        lo, hi, d, cur = 0, n, n >> 1, send  # cur holds blocks [lo, hi) from its offset 0
+        while d:
+            mid = (lo + hi) // 2
+            keep, give = ((mid, hi), (lo, mid)) if r & d else ((lo, mid), (mid, hi))
+            h = (hi - lo) // 2 * m
+            ks, gs = (keep[0] - lo) * m, (give[0] - lo) * m  # offsets inside cur
+            self.exchange(cur[gs:gs + h], tmp[:h], r ^ d)
+            dst = recv if d == 1 else acc[:h]
+            self.add(cur[ks:ks + h], tmp[:h], dst)
+            cur, (lo, hi), d = dst, keep, d >> 1
+
+    def doubling_ag(self, recv, m, send=None):
+        """Recursive doubling: swap the 2^k blocks we hold with partner r^(2^k).
+
+        send (not in place): the first step sends it directly, and the local
+        copy into recv runs while that exchange is on the wire.
+        """
+        r, d = self.r, 1
+        while d < self.n:
+            mine, theirs = (r & ~(d - 1)) * m, ((r ^ d) & ~(d - 1)) * m
+            peer, rbuf = r ^ d, recv[theirs:theirs + d * m]
+            rq = self.recv(rbuf, peer)
+            sq = self.send(send if d == 1 and send is not None else recv[mine:mine + d * m], peer)
+            self.start([rq, sq])
+            if d == 1 and send is not None:
+                self.copy(recv[r * m:(r + 1) * m], send)
+            self.wait([rq, sq], peer, [rbuf.nbytes, None])
+            d <<= 1
+
+    # ---- ring schedule ------------------------------------------------------
+    def ring_rs(self, src, out, off, tmp):
+        """Block `rank` of the sum over ranks of src (cut at `off`) into out.
+
+        At step s rank r adds what comes from its left into block (r-s-2) % n
+        and sends each reduced segment on at once (the next add overlaps it).
+        """
+        n, r, isz = self.n, self.r, src.itemsize
+        left, right = self.ring.left, self.ring.right
+        b = (r - 1) % n
+        sends = [self.send(src[off[b] + a:off[b] + e], right) for a, e in self.segs(off[b + 1] - off[b], isz)]
+        self.start(sends)
+        for s in range(n - 1):
+            bi = (r - s - 2) % n
+            lo, length = off[bi], off[bi + 1] - off[bi]
+            buf = tmp[s & 1][:length]
+            last = s == n - 2
+            dst = out if last else buf
+            segs = self.segs(length, isz)
+            recvs = [self.recv(buf[a:e], left) for a, e in segs]
+            self.start(recvs)
+            nxt = []
+            for (a, e), q in zip(segs, recvs):
+                self.wait([q], left, [(e - a) * isz])
+                self.add(buf[a:e], src[lo + a:lo + e], dst[a:e])
+                if not last:
+                    nxt.append(self.send(dst[a:e], right))
+                    self.start(nxt[-1:])
+            self.wait(sends, right)
+            sends = nxt
+
+    def ring_ag(self, buf, off, send=None):
+        """Every block of buf from its owner (block i from rank i), in place.
+
+        All receives are posted at the start (they land in distinct blocks), so
+        no message ever arrives unexpected; each block is forwarded on arrival.
+        send (not in place): our block goes out from it, and the local copy
+        into buf runs while the first messages are on the wire.
+        """
+        n, r, isz = self.n, self.r, buf.itemsize
+        left, right = self.ring.left, self.ring.right
+        own = buf[off[r]:off[r + 1]]
+        src = own if send is None else send
+        sends = [self.send(src[a:e], right) for a, e in self.segs(len(own), isz)]
+        steps = []
+        for s in range(n - 1):
+            bi = (r - s - 1) % n
+            lo, length = off[bi], off[bi + 1] - off[bi]
+            segs = self.segs(length, isz)
+            steps.append([(buf[lo + a:lo + e], self.recv(buf[lo + a:lo + e], left)) for a, e in segs])
+        self.start([q for st in steps for _, q in st] + sends)
+        if send is not None:
+            self.copy(own, send)
+        for s, st in enumerate(steps):
+            for view, q in st:
+                self.wait([q], left, [view.nbytes])
+                if s < n - 2:  # forward at once; no buffer is reused, so the sends are waited for at the end
+                    sends.append(self.send(view, right))
+                    self.start(sends[-1:])
+        self.wait(sends, right)
+
+
+def build(ring, name, xp, send, recv, sched, scratch):
+    """The Plan of one call; `scratch(nbytes)` gives two grow-only uint8 buffers."""
+    plan = Plan(name, xp)
+    n, r = ring.size, ring.rank
+    if name == "all_reduce":
+        L = len(send)
+        if n > 1 and L:
+            if sched == "rd":
+                t0, _ = scratch(send.nbytes)
+                _Builder(ring, plan, 0).rd_allreduce(send, t0.view(send.dtype)[:L])
+            elif sched == "rab":
+                m = L // n
+                t0, t1 = scratch(send.nbytes // 2)
+                _Builder(ring, plan, 0).halving_rs(send, send[r * m:(r + 1) * m],
+                                                   t0.view(send.dtype), t1.view(send.dtype))
+                _Builder(ring, plan, 1).doubling_ag(send, m)
+            else:
+                off = blocks(L, n)
+                t0, t1 = scratch(max(off[i + 1] - off[i] for i in range(n)) * send.itemsize)
+                tmp = (t0.view(send.dtype), t1.view(send.dtype))
+                _Builder(ring, plan, 0).ring_rs(send, send[off[r]:off[r + 1]], off, tmp)
+                _Builder(ring, plan, 1).ring_ag(send, off)
+    elif name == "reduce_scatter":
+        m = len(recv)
+        if n == 1 or m == 0:
+            if m and ring.addr(send) != ring.addr(recv):
+                plan.steps.append((COPY, recv, send))
+        elif sched == "tree":
+            t0, t1 = scratch(send.nbytes // 2)
+            _Builder(ring, plan, 0).halving_rs(send, recv, t0.view(send.dtype), t1.view(send.dtype))
+        else:
+            off = blocks(len(send), n)
+            t0, t1 = scratch(max(off[i + 1] - off[i] for i in range(n)) * send.itemsize)
+            _Builder(ring, plan, 0).ring_rs(send, recv, off, (t0.view(send.dtype), t1.view(send.dtype)))
+    else:
+        m = len(send)
+        apart = m and ring.addr(send) != ring.addr(recv[r * m:(r + 1) * m])  # not in place: one local copy
+        if n == 1 or not m:
+            if apart:
+                plan.steps.append((COPY, recv, send))
+        elif sched == "tree":
+            _Builder(ring, plan, 0).doubling_ag(recv, m, send if apart else None)
+        else:
+            _Builder(ring, plan, 0).ring_ag(recv, blocks(len(recv), n), send if apart else None)
+    plan.keep += [send, recv]
+    return plan
+
+
+def free_plan(plan):
+    """Free a plan's requests (all inactive: the plan finished)."""
+    for q in plan.reqs:
+        q.Free()
+    plan.reqs = []

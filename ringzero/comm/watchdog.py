@@ -1,0 +1,130 @@
+"""The stall inspector: one daemon thread per process that watches every Ring's wait.
+
+What it is
+    A Ring waits inside MPI (``Request.Waitall``, which releases the GIL), so
+    no Python code runs on that thread until the wait ends. Before each wait
+    the Ring stores what it waits for in ``ring._w = (op, peer, "recv"|"send",
+    requests)`` and bumps ``ring._progress``; this thread samples both every
+    ``period`` seconds. The same (wait, progress) seen for
+
+    - ``stall_warn`` seconds (RINGZERO_STALL_WARN, default 60): the rank
+      prints ONE line to stderr: the op, the context (``set_context``, e.g.
+      the training step) and the peer it waits for;
+    - ``timeout`` seconds (RINGZERO_TIMEOUT, default 600): it marks the Ring
+      timed out and cancels the wait's requests, so Waitall returns and the
+      Ring raises TimeoutError on its own thread (naming the op and the peer).
+      A send that MPI cannot cancel (a large message the peer never takes)
+      keeps Waitall blocked: after ``grace`` more seconds this thread prints
+      the same message and calls MPI_Abort on COMM_WORLD, so the job still
+      ends non-zero everywhere and mpirun leaves no process behind.
+
+    ``set_context(text)`` / ``get_context()``: a process-wide string naming
+    what the program is doing ("step 17"), quoted in the stall line.
+
+What it is not
+    A progress engine: it never touches a request that is not stalled, and
+    costs the hot path two attribute writes per wait.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import weakref
+
+_context = ""
+
+
+def set_context(text: str) -> None:
+    """Name what this process is doing (e.g. "step 17"); stall lines quote it."""
+    global _context
+    _context = str(text)
+
+
+def get_context() -> str:
+    return _context
+
+
+class _Watchdog:
+    def __init__(self):
+        self.rings = weakref.WeakSet()
+        self.lock = threading.Lock()
+        self.thread = None
+        self.wake = threading.Event()
+
+    def add(self, ring):
+        with self.lock:
+            self.rings.add(ring)
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._loop, name="ringzero-stall-inspector", daemon=True)
+                self.thread.start()
+            else:
+                self.wake.set()  # a new ring may need a shorter period
+
+    def _period(self, rings):
+        lim = [x for r in rings for x in (r.stall_warn, r.timeout) if x > 0]
+        return min(1.0, max(0.01, min(lim, default=1.0) / 10))
+
+    def discard(self, ring):
+        with self.lock:
+            self.rings.discard(ring)
+
+    def _loop(self):
+        seen = {}  # id(ring) -> [wait, progress, since, warned, cancelled_at]
+        while True:
+            with self.lock:
+                rings = list(self.rings)
+            self.wake.wait(self._period(rings))
+            self.wake.clear()
+            try:
+                self._tick(rings, seen)
+            except Exception as e:  # noqa: BLE001 (the inspector must outlive any surprise)
+                _say(f"ringzero | stall inspector: {type(e).__name__}: {e}")
+            del rings
+
+    def _tick(self, rings, seen):
+        from mpi4py import MPI
+        if MPI.Is_finalized():
+            return
+        now = time.monotonic()
+        live = set()
+        for ring in rings:
+            w, prog = ring._w, ring._progress
+            key = id(ring)
+            live.add(key)
+            st = seen.get(key)
+            if w is None:
+                seen.pop(key, None)
+                continue
+            if st is None or st[0] is not w or st[1] != prog:
+                seen[key] = [w, prog, now, False, None]
+                continue
+            stalled = now - st[2]
+            if not st[3] and 0 < ring.stall_warn <= stalled < ring.timeout:
+                st[3] = True
+                _say(ring.stall_line(w, stalled))
+            if stalled >= ring.timeout and st[4] is None:
+                st[4] = now
+                ring._hit = (w, stalled)
+                for q in w[3]:
+                    try:
+                        q.Cancel()
+                    except Exception:  # noqa: BLE001 (already complete, or MPI cannot cancel it)
+                        pass
+            elif st[4] is not None and now - st[4] >= ring.grace:
+                _say(ring.timeout_message(w, stalled) + " (the wait could not be cancelled: aborting the job)")
+                MPI.COMM_WORLD.Abort(1)
+        for k in list(seen):
+            if k not in live:
+                del seen[k]
+
+
+def _say(line):
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001 (a closed stderr must not kill the inspector)
+        pass
+
+
+WATCHDOG = _Watchdog()
