@@ -217,7 +217,7 @@ class Ring:
             raise TypeError(f"ring {name}: expected send and recv of one dtype, got {send.dtype} and {recv.dtype}")
         if send.dtype not in DTYPES:
             raise TypeError(f"ring {name}: expected dtype in {[str(d) for d in DTYPES]}, got {send.dtype}")
-        if not recv.flags.writeable:
+        if isinstance(recv, np.ndarray) and not recv.flags.writeable:   # CuPy's flags have no writeable
             raise ValueError(f"ring {name}: expected a writeable {'buf' if send is recv else 'recv'}")
         if op not in ("sum", "avg"):
             raise ValueError(f"ring {name}: expected op 'sum' or 'avg', got {op!r}")
