@@ -15,9 +15,10 @@ What it is
       in a kernel (ufunc, ``a + np_b``, ``a[...] = np_b``, ``out=np_c``) is
       ``TypeError: Unsupported type <class 'numpy.ndarray'>``;
     - ``get(out=..)``/``set(..)`` check type, dtype, shape and contiguity as
-      CuPy does; ``set`` is asynchronous on the current stream (the host
-      array is read when the stream is next synchronized or used), so code
-      that reuses the host buffer before synchronizing gets wrong results;
+      CuPy does; ``set`` from pinned memory is asynchronous on the current
+      stream (the host array is read when the stream is next synchronized or
+      used), so code that reuses a pinned buffer before synchronizing gets
+      wrong results (from pageable memory CUDA copies before returning);
     - ``__cuda_array_interface__`` (how mpi4py hands a device buffer to MPI)
       refuses while the stream has unsynchronized work: handing a buffer to
       MPI without ``stream.synchronize()`` first is a race on a GPU;
@@ -234,6 +235,7 @@ def _wrap(r, fresh=True):
 
 class ndarray:
     """A device array: a NumPy array nobody may touch as NumPy."""
+    __module__ = "cupy._core.core"   # where CuPy's ndarray lives (ringzero tells arrays apart by it)
     __slots__ = ("_a", "_dev", "__weakref__")
     __array_priority__ = 100
 
@@ -304,7 +306,10 @@ class ndarray:
         if not (self._a.flags.c_contiguous or self._a.flags.f_contiguous):
             raise RuntimeError("Cannot set to non-contiguous array")
         _launch()
-        _S.copies.append((self._a, arr))     # read at the next sync or kernel: async copy
+        if _pinned(arr):        # a DMA from page-locked memory: reads arr when the stream gets there
+            _S.copies.append((self._a, arr))
+        else:                   # pageable: CUDA stages it before returning, so arr may be reused at once
+            self._a[...] = arr
 
     def __float__(self):
         return float(self.get())
@@ -700,6 +705,11 @@ def zeros_pinned(shape, dtype=float, order="C"):
     out = empty_pinned(shape, dtype, order)
     out[...] = 0
     return out
+
+
+def _pinned(arr) -> bool:
+    p = arr.__array_interface__["data"][0]
+    return any(q <= p < q + n for q, n in _S.pinned)
 
 
 class _PointerAttributes:

@@ -51,9 +51,11 @@ def test_standin_is_as_strict_as_cupy(cp):
 
 
 def test_standin_set_is_async(cp):
-    """set() reads the host array when the stream runs, as a pinned async copy does."""
+    """set() from pinned memory reads the host array when the stream runs, as a DMA does."""
+    import cupyx
     d = cp.zeros(4, cp.float32)
-    h = np.ones(4, np.float32)
+    h = cupyx.empty_pinned(4, np.float32)
+    h[:] = 1
     d.set(h)
     h[:] = 7                                        # too early: the copy has not run yet
     assert d.get().tolist() == [7.0] * 4
@@ -134,6 +136,9 @@ def test_ring_device_paths_bitwise_equal_host(comm, cp, monkeypatch, aware, dtyp
             dev.reduce_scatter(d, d[r * m:(r + 1) * m])
             if not np.array_equal(d[r * m:(r + 1) * m].get().view(np.uint8), hp.view(np.uint8)):
                 bad.append(f"RS in place m={m}")
+        staged = dev.staging.growths > 0
+        if staged != (aware == "0"):
+            bad.append(f"staging used: {staged}")
         for ring in (dev, host):
             ring.free()
     assert_all(comm, not bad, f"aware={aware} {dtype}: {bad}")
