@@ -132,7 +132,21 @@ class Layer:
 
 
 class Embedding(Layer):
-    """Token + position embedding. p: wte (V, C), wpe (Tmax, C); x: idx int (B, T)."""
+    """Token + position embedding. p: wte (V, C), wpe (Tmax, C); x: idx int (B, T).
+
+    Token ids are range-checked here only when they are host (NumPy) arrays:
+    on a device the check would be a blocking reduction every step, so the
+    caller checks the tokens on the host, where they start
+    (``ringzero.nn.gpt.check_tokens``; CuPy's take would wrap a bad id).
+
+    The gradient of ``wte`` is a sum over repeated token ids. ``grad_sum``
+    picks how: "add_at" (NumPy's np.add.at: rows added one by one in token
+    order, the CPU default) or "segmented" (``segment_sum_rows``: ids sorted
+    stably, each row's sum accumulated in float64 in that order and rounded
+    once; no atomics, so bitwise the same on every run; the device default).
+    None means the default for the array module.
+    """
+    grad_sum = None
 
     def forward(self, p, idx):
         wte, wpe = p["wte"], p["wpe"]
@@ -144,8 +158,8 @@ class Embedding(Layer):
         V, C = wte.shape
         if T > wpe.shape[0]:
             raise ValueError(f"sequence length T={T} exceeds block_size={wpe.shape[0]}")
-        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= V):
-            raise ValueError(f"token ids must lie in [0, {V}), got range [{int(idx.min())}, {int(idx.max())}]")
+        if xp is np:
+            check_ids(idx, V, "token ids")
         ids = self.buf("idx", (B * T,), np.intp, xp)            # own copy: the caller may reuse idx
         xp.copyto(ids, idx.reshape(-1), casting="unsafe")
         y = self.buf("y", (B, T, C), wte.dtype, xp)             # (B, T, C)
@@ -161,12 +175,73 @@ class Embedding(Layer):
         xp = array_module(dy)
         B, T, C = dy.shape
         g["wpe"][:T] += dy.sum(axis=0, dtype=acc_dtype(dy.dtype))
-        if xp is np:
+        how = self.grad_sum or ("add_at" if xp is np else "segmented")
+        if how == "add_at":
             np.add.at(g["wte"], idx, dy.reshape(B * T, C))
         else:
-            import cupyx
-            cupyx.scatter_add(g["wte"], idx, dy.reshape(B * T, C))
+            segment_sum_rows(g["wte"], idx, dy.reshape(B * T, C), self)
         return None
+
+
+def check_ids(ids, n, what):
+    """Host check that integer ids lie in [0, n): one line naming the range found."""
+    if not isinstance(ids, np.ndarray):
+        raise TypeError(f"{what}: expected a host (NumPy) array to check, got {type(ids).__module__}."
+                        f"{type(ids).__name__}; HINT: check tokens before moving them to the device")
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= n):
+        raise ValueError(f"{what} must lie in [0, {n}), got range [{int(ids.min())}, {int(ids.max())}]")
+
+
+def segment_sum_rows(g, ids, d, layer=None):
+    """g[ids[i]] += d[i] for every i, deterministically; written once for NumPy and CuPy.
+
+    g (V, C), ids int (N,), d (N, C). Repeated ids are summed without atomics:
+    the ids are sorted by the unique key id*N + i (so the order is the stable
+    one whatever sort the array module uses), the rows of d are taken in that
+    order and prefix-summed in float64 (one scan, a fixed order), and each
+    occurrence i gets its row's total P[hi(i)] - P[lo(i)]. g's row plus that
+    total is rounded to g's dtype once and written at every occurrence: the
+    duplicates write identical bits, so which write lands does not matter.
+    Workspaces come from ``layer``'s pool when given (no per-step allocation
+    of the (N, C) buffers).
+    """
+    xp = array_module(g)
+    _same_module(xp, ids, d)
+    N, C = d.shape
+    if N == 0:
+        return g
+
+    def get(name, shape, dt):
+        return layer.bbuf(name, shape, dt, xp) if layer is not None else xp.empty(shape, dt)
+    key = get("seg.key", (N,), np.int64)
+    xp.multiply(ids, N, out=key, casting="unsafe")
+    key += xp.arange(N, dtype=np.int64)                       # unique keys: one order only
+    order = xp.argsort(key)                                   # (N,)
+    s = get("seg.ids", (N,), ids.dtype)
+    _take(xp, ids, order, s)                                  # sorted ids
+    ds = get("seg.rows", (N, C), d.dtype)
+    _take(xp, d, order, ds)                                   # rows of d in sorted order
+    P = get("seg.prefix", (N + 1, C), np.float64)            # P[j]: sum of the first j sorted rows
+    P[0] = 0
+    P[1:] = ds
+    xp.cumsum(P[1:], axis=0, out=P[1:])
+    lo = xp.searchsorted(s, s, side="left")                   # first and one-past-last position
+    hi = xp.searchsorted(s, s, side="right")                  # of each position's id
+    tot, tmp = get("seg.total", (N, C), np.float64), get("seg.tmp", (N, C), np.float64)
+    _take(xp, P, hi, tot)
+    tot -= _take(xp, P, lo, tmp)                              # each position: its id's whole sum
+    tot += _take(xp, g, s, ds if g.dtype == d.dtype else get("seg.g", (N, C), g.dtype))
+    out = ds if g.dtype == d.dtype else get("seg.g", (N, C), g.dtype)
+    xp.copyto(out, tot, casting="unsafe")                     # rounded once
+    g[s] = out                                                # duplicates write the same bits
+    return g
+
+
+def _take(xp, a, idx, out):
+    """out[...] = a[idx] along axis 0 (NumPy: mode="clip" writes straight into out)."""
+    if xp is np:
+        return np.take(a, idx, axis=0, out=out, mode="clip")
+    return xp.take(a, idx, axis=0, out=out)
 
 
 class Linear(Layer):
