@@ -348,3 +348,38 @@ def test_embedding_default_grad_sum_on_host_is_add_at(rng):
     want = np.ones((9, 4), np.float32)
     np.add.at(want, idx.reshape(-1), dy.reshape(-1, 4))
     assert np.array_equal(g["wte"].view(np.uint32), want.view(np.uint32))
+
+
+# ---- attention on the device: contiguous heads, one strided-batched GEMM per product ----------
+@pytest.mark.standin
+def test_attention_device_path_no_upcast_copies_and_no_steady_allocation(standin, rng):
+    """float16 attention under the stand-in: no cupy.matmul on >2-D arrays (which would copy
+    fp16 operands to fp32 and land results in temporaries), no new device allocation in the
+    second step beyond the softmax/bias reductions' (B, H, T, 1)-sized temporaries, and the
+    result close to float64 NumPy."""
+    import cupy_standin
+    B, T, C, H = 2, 8, 16, 4
+    p = {"attn.w": rng.standard_normal((C, 3 * C)) * 0.3, "attn.b": rng.standard_normal(3 * C) * 0.1,
+         "proj.w": rng.standard_normal((C, C)) * 0.3, "proj.b": rng.standard_normal(C) * 0.1}
+    x = rng.standard_normal((B, T, C))
+    R = rng.standard_normal((B, T, C))
+    ref = Lr.CausalSelfAttention(H)
+    y64, c64 = ref.forward(p, x)
+    g64 = {k: np.zeros_like(v) for k, v in p.items()}
+    dx64 = ref.backward(R, c64, g64)
+    lay = Lr.CausalSelfAttention(H, Lr.Pool())
+    pd = {k: standin.asarray(v.astype(np.float16)) for k, v in p.items()}
+    gd = {k: standin.zeros(v.shape, np.float16) for k, v in p.items()}
+    xd, Rd = standin.asarray(x.astype(np.float16)), standin.asarray(R.astype(np.float16))
+    for step in range(2):
+        before = cupy_standin.stats()
+        y, c = lay.forward(pd, xd)
+        dx = lay.backward(Rd, c, gd)
+        after = cupy_standin.stats()
+    assert after["matmul_nd_copies"] == 0
+    big = B * H * T * T * 2                                  # one (B, H, T, T) float16 buffer
+    assert after["high_bytes"] == before["high_bytes"], "the device pool grew in the second step"
+    assert (after["allocs"] - before["allocs"]) * 512 < big * 4, "per-step device allocations"
+    for got, want in ((y, y64), (dx, dx64), (gd["attn.w"], 2 * g64["attn.w"])):
+        got = got.get().astype(np.float64)
+        assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max(), np.abs(got - want).max()

@@ -248,3 +248,20 @@ def test_trainer_runs_on_device(comm, cp, tmp_path_factory):
                                  "--save-every", "2", "--save-dir", d])
     summ = train.run(cfg, comm)
     assert_all(comm, np.isfinite(summ["train_loss"]) and np.isfinite(summ["eval_loss"]), str(summ))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("stage", ["0", "3"])
+def test_engine_device_pool_does_not_grow_after_step_one(comm, cp, stage):
+    """The caching pool's high-water mark is reached in step 1 (the gpu-check target:
+    0 bytes of growth after step 1); per-step temporaries are reused blocks."""
+    from ringzero.nn.gpt import GPT, GPTConfig
+    from ringzero.runtime.zero import Zero
+    eng = Zero(GPT(GPTConfig(**TINY)), comm, stage, device="cuda", seed=3, timeout=60)
+    data = _batches(comm, comm.size)
+    highs = []
+    for s in range(4):
+        x, y = data.get(s)
+        eng.step(cp.asarray(x), cp.asarray(y), 3e-3)
+        highs.append(cp.get_default_memory_pool().total_bytes())
+    assert_all(comm, highs[1:] == [highs[0]] * 3, f"pool high-water per step {highs}")
