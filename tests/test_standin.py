@@ -265,3 +265,23 @@ def test_engine_device_pool_does_not_grow_after_step_one(comm, cp, stage):
         eng.step(cp.asarray(x), cp.asarray(y), 3e-3)
         highs.append(cp.get_default_memory_pool().total_bytes())
     assert_all(comm, highs[1:] == [highs[0]] * 3, f"pool high-water per step {highs}")
+
+
+def test_device_fp16_gradients_accumulate_in_fp32(cp):
+    """Item 5: on the device (fp16 compute) a unit's gradient is summed in an fp32
+    workspace and rounded to fp16 once: the engine's fp16 gradient equals the model's
+    gradient accumulated in fp32 (loss_and_grad into an fp32 buffer) cast once."""
+    from mpi4py import MPI
+    from ringzero.nn.gpt import GPT, GPTConfig
+    from ringzero.runtime.zero import Zero
+    eng = Zero(GPT(GPTConfig(**TINY)), MPI.COMM_SELF, "0", device="cuda", seed=3, timeout=60)
+    assert eng.work["grad_compute"][0].dtype == np.float32
+    x, y = _batches(MPI.COMM_SELF, 1).get(0)
+    eng.forward_backward(cp.asarray(x), cp.asarray(y))
+    got = eng.grads.get()
+    L = eng.layout
+    g = cp.zeros(L.padded, np.float32)
+    GPT(GPTConfig(**TINY)).loss_and_grad(L.views(eng.params), L.views(g), cp.asarray(x), cp.asarray(y),
+                                         scale=eng.scaler.scale)
+    want = g.get().astype(np.float16)
+    assert np.array_equal(got.view(np.uint16), want.view(np.uint16))

@@ -20,7 +20,8 @@ The four stages, one schedule
          once at start-up says when each unit is materialized and which slot it
          uses, so nothing is allocated per step.
       2. backward, units in reverse. The loss gradient is seeded with the loss
-         scale. A unit's gradient is accumulated in a workspace; once no later
+         scale. A unit's gradient is accumulated in a float32 workspace (on GPU
+         too, where the forward computes in fp16); once no later
          unit writes to it (a tied head writes the embedding's gradient early),
          it is cast to fp16 and reduced: all-reduce (0), or reduce-scatter into
          this rank's piece (1, 2, 3, hybrid), then all-reduced across nodes (hybrid).
@@ -99,6 +100,9 @@ class Zero:
         self.sdt = np.float16 if precision == "fp16" else np.float32   # storage dtype (params, grads)
         # compute dtype: fp32 on CPU (NumPy has no fast fp16 GEMM), storage dtype on GPU
         self.cdt = np.float32 if xp is np else self.sdt
+        # gradient accumulation dtype: fp32 everywhere (a unit's gradient sums many
+        # terms; fp16 would round after each), cast to the storage dtype once
+        self.gdt = np.float32
         self.n, self.rank = comm.size, comm.rank
 
         # ---- topology: the sharding group, and (hybrid) the replica group
@@ -224,20 +228,22 @@ class Zero:
         gslot, n_gslots = assign(self.grad_runs)
         xp, cap = self.xp, L.max_unit_padded
         gathers = self.stage in ("3", "hybrid")
-        cast = self.cdt != self.sdt
+        pcast = self.cdt != self.sdt       # params cast to a compute workspace
+        gcast = self.gdt != self.sdt       # grads accumulated in an fp32 workspace
 
         # workspaces: compute-dtype params (cast target), storage-dtype gather slot,
         # compute-dtype grads, storage-dtype grad bucket (stages 2+)
         nps = max(n_pslots, n_fslots)
         self.work = {}
-        if cast:
+        if pcast:
             self.work["param_compute"] = [xp.empty(cap, self.cdt) for _ in range(nps)]
-            self.work["grad_compute"] = [xp.empty(cap, self.cdt) for _ in range(n_gslots)]
+        if gcast:
+            self.work["grad_compute"] = [xp.empty(cap, self.gdt) for _ in range(n_gslots)]
         if gathers:
             # with a cast, one storage-dtype landing slot suffices (cast right after the gather)
-            self.work["gather"] = [xp.empty(cap, self.sdt) for _ in range(1 if cast else nps)]
+            self.work["gather"] = [xp.empty(cap, self.sdt) for _ in range(1 if pcast else nps)]
         if self.stage != "0" and self.stage != "1":
-            self.work["grad_bucket"] = [xp.empty(cap, self.sdt) for _ in range(1 if cast else n_gslots)]
+            self.work["grad_bucket"] = [xp.empty(cap, self.sdt) for _ in range(1 if gcast else n_gslots)]
 
         def mat_table(rs, slots, P):
             """Per schedule position: units to materialize there, and P views."""
@@ -283,7 +289,7 @@ class Zero:
         return self.layout.unit_full(self.params, w)   # stages 0-2, no cast: the buffer itself
 
     def _grad_slot(self, s, w):
-        """Where the model accumulates unit w's gradient (compute dtype)."""
+        """Where the model accumulates unit w's gradient (float32, or the storage dtype if that is wider)."""
         if "grad_compute" in self.work:
             return self.work["grad_compute"][s]
         if self.stage in ("0", "1"):
