@@ -63,6 +63,7 @@ class _State:
         self.high = 0
         self.allocs = 0
         self.matmul_nd_copies = 0
+        self.host_reads = 0           # device->host reads that block: float(a), int(a), a.get()
         self.pinned = []              # (ptr, nbytes) of pinned host allocations
 
 
@@ -76,7 +77,7 @@ def n_devices() -> int:
 def stats() -> dict:
     """Counters for tests: device allocations made, live/high-water bytes, nd-matmul copies."""
     return {"allocs": _S.allocs, "used_bytes": _S.used, "high_bytes": _S.high,
-            "matmul_nd_copies": _S.matmul_nd_copies}
+            "matmul_nd_copies": _S.matmul_nd_copies, "host_reads": _S.host_reads}
 
 
 # ---------------------------------------------------------------- streams
@@ -291,6 +292,7 @@ class ndarray:
             if not (out.flags.c_contiguous or out.flags.f_contiguous):
                 raise RuntimeError("`out` cannot be specified when copying to non-contiguous ndarray")
         _synchronize() if blocking else _flush()
+        _S.host_reads += 1
         if out is None:
             return np.array(self._a, order=order)
         out[...] = self._a
@@ -610,10 +612,16 @@ def matmul(a, b, out=None):
 
 def dot(a, b, out=None):
     x, y = _k(a), _k(b)
+    if out is not None:
+        o = _k(out)
+        if np.result_type(x.dtype, y.dtype) != o.dtype:
+            raise ValueError("Not supported dtype combination.")
+        if not o.flags.c_contiguous:
+            raise ValueError("Output array must be C-contiguous")
     _launch()
     if out is None:
         return _wrap(np.dot(x, y), fresh=True)
-    np.dot(x, y, out=_k(out))
+    np.dot(x, y, out=o)
     return out
 
 
@@ -890,4 +898,4 @@ def install(monkeypatch):
 def reset():
     _S.pending, _S.device = False, 0
     _S.copies.clear()
-    _S.allocs = _S.matmul_nd_copies = 0
+    _S.allocs = _S.matmul_nd_copies = _S.host_reads = 0
