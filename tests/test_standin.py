@@ -285,3 +285,26 @@ def test_device_fp16_gradients_accumulate_in_fp32(cp):
                                          scale=eng.scaler.scale)
     want = g.get().astype(np.float16)
     assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+@pytest.mark.mpi
+def test_engine_device_step_blocks_on_the_device_twice(comm, cp, monkeypatch):
+    """Item 4: a device step reads the device from the host twice (the loss and the
+    per-piece squared norms, one copy), whatever the number of units or pieces: no
+    token range reductions, no float(dot) per unit per piece. (Device-direct ring,
+    so the staged path's copies are not counted.)"""
+    import cupy_standin
+    from ringzero.nn.gpt import GPT, GPTConfig
+    from ringzero.runtime.zero import Zero
+    monkeypatch.setenv("RINGZERO_CUDA_AWARE", "1")
+    reads = {}
+    for n_layer in (1, 3):
+        eng = Zero(GPT(GPTConfig(**{**TINY, "n_layer": n_layer})), comm, "0", device="cuda", seed=3, timeout=60)
+        data = _batches(comm, comm.size)
+        for s in range(2):
+            x, y = data.get(s)
+            x, y = cp.asarray(x), cp.asarray(y)
+            before = cupy_standin.stats()["host_reads"]
+            eng.step(x, y, 3e-3)
+            reads[n_layer] = cupy_standin.stats()["host_reads"] - before
+    assert_all(comm, reads == {1: 2, 3: 2}, f"device->host reads per step by n_layer: {reads}")

@@ -160,6 +160,8 @@ class Zero:
         self.scaler = scaler or LossScaler(dynamic=(precision == "fp16"),
                                            init=2.0 ** 16 if precision == "fp16" else 1.0)
         self._gscr = _aligned_empty(xp, max(L.piece), np.float32)   # one unscaled grad piece
+        # per-piece squared norms of this rank's pieces, on the device: (pieces, units) fp32
+        self._dots = xp.zeros((self.nd if self.stage == "0" else 1, U), np.float32)
         self._decay = {(u, r): self._decay_runs(u, r) for u in range(U) for r in range(self.nd)}
         self._scalars = np.zeros(2, np.float64)                        # [loss, sumsq] of this rank
         self._all_scalars = np.zeros((self.n, 2), np.float64)
@@ -420,13 +422,18 @@ class Zero:
         inv = 1.0 / (scale * self.n)
         mine = range(self.nd) if self.stage == "0" else (self.srank,)
         full_g = self.stage in ("0", "1")
-        partial = {}
-        for r in mine:
-            acc = 0.0
-            for u in range(len(L.units)):
+        U = len(L.units)
+        for i, r in enumerate(mine):          # every dot stays on the device ...
+            for u in range(U):
                 g = self._gscr[:L.piece[u]]
                 cast_into(g, self._piece(self.grads, u, r, full_g))
-                acc += float(xp.dot(g, g))
+                xp.dot(g, g, out=self._dots[i, u:u + 1].reshape(()))
+        dots = to_host(self._dots)            # ... and comes back in one copy per step
+        partial = {}
+        for i, r in enumerate(mine):
+            acc = 0.0
+            for u in range(U):
+                acc += float(dots[i, u])
             partial[r] = acc
         sumsq = self._gather_scalars(loss, partial)
         loss = float(self._all_scalars[:, 0].sum() / self.n) if self.n > 1 else loss
