@@ -308,3 +308,25 @@ def test_engine_device_step_blocks_on_the_device_twice(comm, cp, monkeypatch):
             eng.step(x, y, 3e-3)
             reads[n_layer] = cupy_standin.stats()["host_reads"] - before
     assert_all(comm, reads == {1: 2, 3: 2}, f"device->host reads per step by n_layer: {reads}")
+
+
+# ---------------------------------------------------------------- the trainer's checks
+def test_check_device_cuda_without_cupy_is_one_line_exit_2():
+    """`python -m ringzero.train --check 2 --device cuda` on a machine without a usable
+    CuPy: exit 2 and one line, before any mpirun. (Where CuPy and a GPU are there: 0.)"""
+    import subprocess
+    from ringzero.comm.backend import cupy_or_none
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    p = subprocess.run([sys.executable, "-m", "ringzero.train", "--check", "2", "--device", "cuda"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    if cupy_or_none() is not None:
+        assert p.returncode == 0, p.stderr
+        return
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "--device cuda" in lines[0] and "HINT" in lines[0], p.stderr
+
+
+def test_check_device_cuda_passes_with_cupy(cp, capsys):
+    from ringzero.app import train
+    assert train.main(["--check", "2", "--device", "cuda", "--steps", "1"]) == 0
+    assert capsys.readouterr().err == ""
