@@ -362,13 +362,12 @@ class ndarray:
     # ---- views (no kernel, no allocation)
     def __getitem__(self, key):
         key = _key(key)
-        r = self._a[key]
-        if isinstance(r, np.ndarray) and np.shares_memory(r, self._a) and r.base is not None:
-            out = ndarray.__new__(ndarray)
-            out._a, out._dev = r, self._dev
-            return out
-        _launch()
-        return _wrap(r, fresh=True)
+        t = key if isinstance(key, tuple) else (key,)
+        if all(k is None or k is Ellipsis or isinstance(k, (int, np.integer, slice)) for k in t):
+            # basic indexing: a view, 0-d included (CuPy has no scalars), empty included
+            return self._same(self._a[t if Ellipsis in t else t + (Ellipsis,)])
+        _launch()                            # advanced indexing: a gather kernel, a new array
+        return _wrap(self._a[key], fresh=True)
 
     def __setitem__(self, key, value):
         if isinstance(value, np.ndarray):
@@ -384,7 +383,7 @@ class ndarray:
 
     def reshape(self, *shape, order="C"):
         r = self._a.reshape(*shape, order=order)
-        if not np.shares_memory(r, self._a):
+        if r.size and not np.shares_memory(r, self._a):
             _launch()
             return _wrap(r, fresh=True)
         return self._same(r)
