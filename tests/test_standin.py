@@ -1,4 +1,4 @@
-"""ringzero's GPU code paths under the strict CuPy stand-in (tests/cupy_standin.py).
+"""ringzero's GPU code paths under the strict CuPy stand-in (tests/cupy_standin/).
 
 What these prove: every CuPy call ringzero makes is one CuPy accepts (no
 ``flags.writeable``, no implicit NumPy conversion, no NumPy operand in a
