@@ -53,7 +53,7 @@ from ._cuda import (CUBLAS_COMPUTE_16F, CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_64F, 
 from . import _routines
 from ._routines import _SIMPLE, _UFUNCS, _creator, _ElementwiseKernel, _ewise, _reduction, _simple
 
-__all__ = ["install", "reset", "stats", "ndarray"]
+__all__ = ["install", "run_script", "reset", "stats", "ndarray"]
 
 # ------------------------------------------------------------------ install
 def _build():
@@ -132,6 +132,25 @@ def install(monkeypatch):
     monkeypatch.setattr(backend, "_cupy_err", None)
     monkeypatch.setattr(kernels, "_cupy_add", None)
     return cp
+
+
+class _ForGood:
+    """install()'s patcher for a whole process (scripts), with nothing to undo."""
+
+    def setitem(self, d, k, v):
+        d[k] = v
+
+    def setattr(self, o, k, v):
+        setattr(o, k, v)
+
+
+def run_script(path, argv=()):
+    """Run a Python script with ``cupy`` being the stand-in (launch/gpu-check's
+    dry run of its GPU scripts: API use only, its numbers mean nothing)."""
+    import runpy
+    install(_ForGood())
+    sys.argv = [path, *argv]
+    runpy.run_path(path, run_name="__main__")
 
 
 def reset():

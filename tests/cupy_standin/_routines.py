@@ -219,9 +219,14 @@ def _simple(name):
     def f(a, *args, **kw):
         x = _k(a)
         args = [_k(t) for t in args]
+        out = kw.get("out")
+        if out is not None and not isinstance(out, ndarray):
+            raise TypeError(f"Unsupported type {type(out)}")
         kw = {k: _k(v) if isinstance(v, (ndarray, np.ndarray)) else v for k, v in kw.items()}
         _launch()
         r = npf(x, *args, **kw)
+        if out is not None:
+            return out                      # written in place: no new allocation
         return tuple(_wrap(t, fresh=True) for t in r) if isinstance(r, tuple) else _wrap(r, fresh=True)
     return f
 
