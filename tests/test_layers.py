@@ -4,10 +4,15 @@ The reference is independent of the code under test: it only calls forward
 (a scalar probe sum(y * R) for a fixed random R) at perturbed inputs. Shapes
 are tiny so every coordinate is checked.
 """
+import os
+import sys
+
 import numpy as np
 import pytest
 
 from ringzero.nn import layers as Lr
+
+sys.path.insert(0, os.path.dirname(__file__))
 
 EPS = 1e-6
 TOL = 1e-6
@@ -235,7 +240,22 @@ def _layer_cases(rng):
 
 @pytest.mark.gpu
 def test_layers_cupy_match_numpy(rng):
-    cp = _cupy()
+    _match_numpy(_cupy(), rng)
+
+
+@pytest.fixture
+def standin(monkeypatch):
+    import cupy_standin
+    return cupy_standin.install(monkeypatch)
+
+
+@pytest.mark.standin
+def test_layers_standin_match_numpy(standin, rng):
+    """The device code paths (strict CuPy stand-in: CuPy's API, NumPy's numbers) against NumPy."""
+    _match_numpy(standin, rng)
+
+
+def _match_numpy(cp, rng):
     for make, p, x in _layer_cases(rng):
         outs = []
         for xp in (np, cp):
@@ -261,6 +281,105 @@ def test_layers_cupy_match_numpy(rng):
 
 @pytest.mark.gpu
 def test_mixed_modules_is_type_error(rng):
-    cp = _cupy()
+    _mixed(_cupy())
+
+
+@pytest.mark.standin
+def test_mixed_modules_is_type_error_standin(standin):
+    _mixed(standin)
+
+
+def _mixed(cp):
     with pytest.raises(TypeError, match="mixed array modules"):
         Lr.Linear().forward({"w": cp.zeros((3, 2)), "b": cp.zeros(2)}, np.zeros((1, 3)))
+
+
+# ---- the embedding gradient: a deterministic segmented sum -----------------------------
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_segment_sum_rows_is_the_float64_sum_rounded_once(rng, dtype):
+    """g[ids[i]] += d[i] with repeats: the exact (float64) sum rounded once,
+    where np.add.at in float16 rounds after every add."""
+    V, C, N = 11, 6, 500
+    ids = rng.integers(0, V, N)
+    ids[:40] = 3                                            # one id repeated many times
+    d = rng.standard_normal((N, C)).astype(dtype)
+    g0 = rng.standard_normal((V, C)).astype(dtype)
+    ref = g0.astype(np.float64)
+    np.add.at(ref, ids, d.astype(np.float64))               # the reference: float64 throughout
+    g = g0.copy()
+    Lr.segment_sum_rows(g, ids, d)
+    # half a unit in the last place of the rounding, plus the float64 prefix sums' own error
+    tol = 0.5 * np.spacing(np.abs(ref).astype(dtype)).astype(np.float64) + 1e-12 * np.abs(ref).max()
+    err = np.abs(g.astype(np.float64) - ref)
+    assert np.all(err <= tol), f"max error {err.max():.3g}, worst tolerance {tol.min():.3g}"
+    if dtype == np.float16:                                 # what the fp16 add-per-occurrence loses
+        naive = g0.copy()
+        np.add.at(naive, ids, d)
+        assert np.abs(naive - ref).mean() > 2 * np.abs(g - ref).mean()
+
+
+@pytest.mark.standin
+def test_segment_sum_rows_same_bits_on_device_and_every_run(standin, rng):
+    """Written once with xp: the device path gives NumPy's bits, run after run."""
+    V, C, N = 7, 5, 300
+    ids = rng.integers(0, V, N)
+    d = rng.standard_normal((N, C)).astype(np.float16)
+    g0 = rng.standard_normal((V, C)).astype(np.float32)
+    host = g0.copy()
+    Lr.segment_sum_rows(host, ids, d.astype(np.float32))
+    runs = []
+    for _ in range(3):
+        g = standin.asarray(g0)
+        Lr.segment_sum_rows(g, standin.asarray(ids), standin.asarray(d.astype(np.float32)),
+                            Lr.Layer(Lr.Pool()))
+        runs.append(g.get())
+    assert all(np.array_equal(r.view(np.uint32), host.view(np.uint32)) for r in runs)
+
+
+def test_embedding_default_grad_sum_on_host_is_add_at(rng):
+    """The CPU path is unchanged: NumPy's embedding gradient is np.add.at's, bit for bit."""
+    p = {"wte": rng.standard_normal((9, 4)).astype(np.float32), "wpe": rng.standard_normal((6, 4)).astype(np.float32)}
+    idx = rng.integers(0, 9, (3, 5))
+    lay = Lr.Embedding()
+    _, c = lay.forward(p, idx)
+    dy = rng.standard_normal((3, 5, 4)).astype(np.float32)
+    g = {"wte": np.ones((9, 4), np.float32), "wpe": np.zeros((6, 4), np.float32)}
+    lay.backward(dy, c, g)
+    want = np.ones((9, 4), np.float32)
+    np.add.at(want, idx.reshape(-1), dy.reshape(-1, 4))
+    assert np.array_equal(g["wte"].view(np.uint32), want.view(np.uint32))
+
+
+# ---- attention on the device: contiguous heads, one strided-batched GEMM per product ----------
+@pytest.mark.standin
+def test_attention_device_path_no_upcast_copies_and_no_steady_allocation(standin, rng):
+    """float16 attention under the stand-in: no cupy.matmul on >2-D arrays (which would copy
+    fp16 operands to fp32 and land results in temporaries), no new device allocation in the
+    second step beyond the softmax/bias reductions' (B, H, T, 1)-sized temporaries, and the
+    result close to float64 NumPy."""
+    import cupy_standin
+    B, T, C, H = 2, 8, 16, 4
+    p = {"attn.w": rng.standard_normal((C, 3 * C)) * 0.3, "attn.b": rng.standard_normal(3 * C) * 0.1,
+         "proj.w": rng.standard_normal((C, C)) * 0.3, "proj.b": rng.standard_normal(C) * 0.1}
+    x = rng.standard_normal((B, T, C))
+    R = rng.standard_normal((B, T, C))
+    ref = Lr.CausalSelfAttention(H)
+    y64, c64 = ref.forward(p, x)
+    g64 = {k: np.zeros_like(v) for k, v in p.items()}
+    dx64 = ref.backward(R, c64, g64)
+    lay = Lr.CausalSelfAttention(H, Lr.Pool())
+    pd = {k: standin.asarray(v.astype(np.float16)) for k, v in p.items()}
+    gd = {k: standin.zeros(v.shape, np.float16) for k, v in p.items()}
+    xd, Rd = standin.asarray(x.astype(np.float16)), standin.asarray(R.astype(np.float16))
+    for step in range(2):
+        before = cupy_standin.stats()
+        y, c = lay.forward(pd, xd)
+        dx = lay.backward(Rd, c, gd)
+        after = cupy_standin.stats()
+    assert after["matmul_nd_copies"] == 0
+    big = B * H * T * T * 2                                  # one (B, H, T, T) float16 buffer
+    assert after["high_bytes"] == before["high_bytes"], "the device pool grew in the second step"
+    assert (after["allocs"] - before["allocs"]) * 512 < big * 4, "per-step device allocations"
+    for got, want in ((y, y64), (dx, dx64), (gd["attn.w"], 2 * g64["attn.w"])):
+        got = got.get().astype(np.float64)
+        assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max(), np.abs(got - want).max()

@@ -263,3 +263,13 @@ def test_gpt_cupy_fp32_and_fp16_match_numpy_fp32():
                                                 for s in lay.slots.values()]):
                 e = np.linalg.norm(got[a:z] - gbuf[a:z]) / max(np.linalg.norm(gbuf[a:z]), 1e-12)
                 assert e <= tol, (dtype, ck, n, e)
+
+
+def test_check_tokens_on_the_host():
+    """Token ids are checked on the host (the device layers do not check)."""
+    m = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab=10))
+    m.check_tokens(np.zeros((2, 4), np.int64), np.full((2, 4), 9))
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 10\), got range \[10, 10\]"):
+        m.check_tokens(np.zeros((2, 4), np.int64), np.full((2, 4), 10))
+    with pytest.raises(TypeError, match="host"):
+        m.check_tokens([[1, 2]])

@@ -51,6 +51,11 @@ def prepare(cfg: Config, n: int):
     from ringzero.runtime.flat import Layout
     from ringzero.runtime.policy import StagePolicy
     from ringzero.runtime.zero import MemoryBudgetError, check_budget
+    if cfg.device == "cuda":           # before mpirun: not N ranks failing alike later
+        from ringzero.comm.backend import cupy_missing_reason, cupy_or_none
+        if cupy_or_none() is None:
+            raise ConfigError(f"--device cuda: expected CuPy with a visible GPU, got {cupy_missing_reason()}; "
+                              "HINT: pip install cupy-cuda12x on the GPU machine, or use --device cpu")
     try:
         corpus = load_corpus(cfg.data or None, cfg.seq_len)
     except (ValueError, OSError) as e:
@@ -148,6 +153,7 @@ def train_loop(cfg: Config, comm, engine, train, evaluate, writer, say, stop=Non
     t_start = time.perf_counter()
     for step in range(start, cfg.steps):
         x, y = train.get(step)
+        engine.model.check_tokens(x, y)          # on the host, where they start (no device reductions)
         lr = lr_at(cfg, step)
         engine.stop_request = stop.signum if stop is not None else 0
         comm.Barrier()          # step time is the slowest rank's
@@ -273,6 +279,7 @@ def run(cfg: Config, comm, stop=None) -> dict:
         tot = 0.0
         for k in range(cfg.eval_batches):
             x, y = held.get(k)
+            model.check_tokens(x, y)      # on the host: the device path does not check ids
             tot += engine.eval_loss(xp.asarray(x), xp.asarray(y))
         return tot / cfg.eval_batches
 

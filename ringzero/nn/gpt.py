@@ -13,7 +13,8 @@ import numpy as np
 from ringzero.nn.units import UnitModel
 from ringzero.runtime.flat import ParamSpec as P, Unit
 from ringzero.nn.layers import (GELU, CausalSelfAttention, Embedding, LayerNorm, Linear, Pool,
-                                Residual, SoftmaxCrossEntropy, Unembed, array_module, cache_nbytes)
+                                Residual, SoftmaxCrossEntropy, Unembed, array_module, cache_nbytes,
+                                check_ids)
 
 
 @dataclass(frozen=True)
@@ -266,6 +267,13 @@ class GPT(UnitModel):
         if self.checkpoint:
             _, cache = self._block_forward(u, pd, cache[0], recompute=True)
         return self._block_backward(u, dy, cache, gd)
+
+    def check_tokens(self, *arrays):
+        """Host check that token ids (and targets) lie in [0, vocab), before they
+        move to the device: on a GPU the layers do not check (a check there is a
+        blocking reduction per step, and CuPy's take wraps a bad id silently)."""
+        for a in arrays:
+            check_ids(a, self.cfg.vocab, "token ids")
 
     def backward_reads_params(self, u) -> bool:
         """False for the embedding unit: its backward scatters dy by token id

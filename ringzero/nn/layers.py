@@ -15,7 +15,9 @@ What it is
     model that may be handed fresh parameter views before backward (stage 3
     frees and re-gathers them) refills that same dict in place.
 
-    The arithmetic is the same for NumPy and CuPy: ``xp = array_module(x)``.
+    The arithmetic is the same for NumPy and CuPy: ``xp = array_module(x)``;
+    the few device-specific routes (embedding gradient, attention products)
+    call helpers in ``ringzero.nn.ops``.
     Statistics (layernorm mean/var, softmax sums, the loss) accumulate in
     float32 even when the compute dtype is float16 (float64 stays float64).
 
@@ -36,29 +38,12 @@ import math
 
 import numpy as np
 
+from ringzero.nn.ops import (_same_module, _take, acc_dtype, array_module, bmm,  # noqa: F401
+                            check_ids, segment_sum_rows)
+
 LN_EPS = 1e-5
 GELU_K = math.sqrt(2.0 / math.pi)
 GELU_A = 0.044715
-
-
-def array_module(x):
-    """numpy, or cupy for a cupy array (without importing cupy otherwise)."""
-    if type(x).__module__.split(".")[0] == "cupy":
-        import cupy
-        return cupy
-    return np
-
-
-def acc_dtype(dtype):
-    """Dtype that statistics accumulate in: float64 stays, anything else float32."""
-    return np.float64 if np.dtype(dtype) == np.float64 else np.float32
-
-
-def _same_module(xp, *arrays):
-    for a in arrays:
-        if array_module(a) is not xp:
-            raise TypeError(f"mixed array modules: expected {xp.__name__} arrays, got {type(a).__module__}."
-                            f"{type(a).__name__}; move data with the backend's staging, not implicitly")
 
 
 class Pool:
@@ -132,7 +117,21 @@ class Layer:
 
 
 class Embedding(Layer):
-    """Token + position embedding. p: wte (V, C), wpe (Tmax, C); x: idx int (B, T)."""
+    """Token + position embedding. p: wte (V, C), wpe (Tmax, C); x: idx int (B, T).
+
+    Token ids are range-checked here only when they are host (NumPy) arrays:
+    on a device the check would be a blocking reduction every step, so the
+    caller checks the tokens on the host, where they start
+    (``ringzero.nn.gpt.check_tokens``; CuPy's take would wrap a bad id).
+
+    The gradient of ``wte`` is a sum over repeated token ids. ``grad_sum``
+    picks how: "add_at" (NumPy's np.add.at: rows added one by one in token
+    order, the CPU default) or "segmented" (``segment_sum_rows``: ids sorted
+    stably, each row's sum accumulated in float64 in that order and rounded
+    once; no atomics, so bitwise the same on every run; the device default).
+    None means the default for the array module.
+    """
+    grad_sum = None
 
     def forward(self, p, idx):
         wte, wpe = p["wte"], p["wpe"]
@@ -144,8 +143,8 @@ class Embedding(Layer):
         V, C = wte.shape
         if T > wpe.shape[0]:
             raise ValueError(f"sequence length T={T} exceeds block_size={wpe.shape[0]}")
-        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= V):
-            raise ValueError(f"token ids must lie in [0, {V}), got range [{int(idx.min())}, {int(idx.max())}]")
+        if xp is np:
+            check_ids(idx, V, "token ids")
         ids = self.buf("idx", (B * T,), np.intp, xp)            # own copy: the caller may reuse idx
         xp.copyto(ids, idx.reshape(-1), casting="unsafe")
         y = self.buf("y", (B, T, C), wte.dtype, xp)             # (B, T, C)
@@ -160,12 +159,12 @@ class Embedding(Layer):
         p, idx = cache
         xp = array_module(dy)
         B, T, C = dy.shape
-        g["wpe"][:T] += dy.sum(axis=0, dtype=acc_dtype(dy.dtype))
-        if xp is np:
+        g["wpe"][:T] += dy.sum(axis=0, dtype=acc_dtype(dy.dtype), out=self.bbuf("dwpe", (T, C), acc_dtype(dy.dtype), xp))
+        how = self.grad_sum or ("add_at" if xp is np else "segmented")
+        if how == "add_at":
             np.add.at(g["wte"], idx, dy.reshape(B * T, C))
         else:
-            import cupyx
-            cupyx.scatter_add(g["wte"], idx, dy.reshape(B * T, C))
+            segment_sum_rows(g["wte"], idx, dy.reshape(B * T, C), self)
         return None
 
 
@@ -194,7 +193,7 @@ class Linear(Layer):
         dw = self.bbuf("dw", w.shape, w.dtype, xp)
         xp.matmul(x2.T, dy2, out=dw)
         g["w"] += dw
-        g["b"] += dy2.sum(axis=0, dtype=acc_dtype(dy.dtype))
+        g["b"] += dy2.sum(axis=0, dtype=acc_dtype(dy.dtype), out=self.bbuf("db", (n_out,), acc_dtype(dy.dtype), xp))
         dx = self.bbuf("dx", x.shape, x.dtype, xp)
         xp.matmul(dy2, w.T, out=dx.reshape(-1, n_in))
         return dx
@@ -239,13 +238,17 @@ class LayerNorm(Layer):
         C = x.shape[-1]
         x2 = x.reshape(-1, C)                                   # (N, C)
         ad = acc_dtype(x.dtype)
-        mean = x2.mean(axis=1, dtype=ad, keepdims=True)         # (N, 1) fp32 statistics
+        n1 = (x2.shape[0], 1)
+        mean = x2.mean(axis=1, dtype=ad, keepdims=True, out=self.bbuf("mean", n1, ad, xp))  # (N, 1) fp32 statistics
         xhat = self.buf("xhat", x2.shape, x.dtype, xp)
         xp.subtract(x2, mean, out=xhat, casting="unsafe")
         sq = self.bbuf("sq", x2.shape, ad, xp)                  # squares in fp32: fp16 overflows at 256^2
         xp.multiply(xhat, xhat, out=sq, dtype=ad)
-        var = sq.mean(axis=1, dtype=ad, keepdims=True)
-        rstd = 1.0 / xp.sqrt(var + LN_EPS)                      # (N, 1)
+        var = sq.mean(axis=1, dtype=ad, keepdims=True, out=self.bbuf("var", n1, ad, xp))
+        rstd = self.buf("rstd", n1, ad, xp)                     # (N, 1) 1/sqrt(var + eps), kept for backward
+        xp.add(var, LN_EPS, out=rstd)
+        xp.sqrt(rstd, out=rstd)
+        xp.divide(1.0, rstd, out=rstd)
         xp.multiply(xhat, rstd, out=xhat, casting="unsafe")
         y = self.buf("y", x.shape, x.dtype, xp)
         y2 = y.reshape(-1, C)
@@ -260,16 +263,18 @@ class LayerNorm(Layer):
         C = w.shape[0]
         dy2 = dy.reshape(-1, C)
         ad = acc_dtype(dy.dtype)
-        g["b"] += dy2.sum(axis=0, dtype=ad)
+        db = self.bbuf("db", (C,), ad, xp)
+        g["b"] += dy2.sum(axis=0, dtype=ad, out=db)
         t = self.bbuf("t", dy2.shape, dy.dtype, xp)
         xp.multiply(dy2, xhat, out=t)
-        g["w"] += t.sum(axis=0, dtype=ad)
+        g["w"] += t.sum(axis=0, dtype=ad, out=db)
         dxhat = self.bbuf("dx", dy.shape, dy.dtype, xp)
         d2 = dxhat.reshape(-1, C)
         xp.multiply(dy2, w, out=d2)                             # dxhat = dy * w
-        m1 = d2.mean(axis=1, dtype=ad, keepdims=True)           # mean(dxhat)
+        n1 = (d2.shape[0], 1)
+        m1 = d2.mean(axis=1, dtype=ad, keepdims=True, out=self.bbuf("m1", n1, ad, xp))   # mean(dxhat)
         xp.multiply(d2, xhat, out=t)
-        m2 = t.mean(axis=1, dtype=ad, keepdims=True)            # mean(dxhat * xhat)
+        m2 = t.mean(axis=1, dtype=ad, keepdims=True, out=self.bbuf("m2", n1, ad, xp))    # mean(dxhat * xhat)
         # dx = rstd * (dxhat - m1 - xhat * m2)
         xp.multiply(xhat, m2, out=t, casting="unsafe")
         d2 -= t
@@ -336,8 +341,15 @@ class CausalSelfAttention(Layer):
     """Multi-head causal self-attention with its projections.
 
     p: attn.w (C, 3C), attn.b (3C,), proj.w (C, C), proj.b (C,); x (B, T, C) -> (B, T, C).
-    Heads are batched matmuls over strided views of the fused qkv buffer: no
-    per-head Python loop and no transposing copies.
+
+    NumPy: heads are batched matmuls over strided (B, H, T, D) views of the
+    fused qkv buffer (no per-head loop, no transposing copies). CuPy: its
+    matmul on more than 2 dims copies float16 operands to float32 and lands
+    the result in a temporary (cupy/_core/_routines_linalg.pyx), so q, k, v
+    are copied once into contiguous (B*H, T, D) workspaces and every product
+    is one cuBLAS strided-batched GEMM with float32 accumulation into
+    preallocated outputs (``bmm``). The softmax statistics go to pool
+    buffers too.
     """
 
     def __init__(self, n_head: int, pool: Pool | None = None, tag: str = "", btag: str | None = None):
@@ -353,6 +365,15 @@ class CausalSelfAttention(Layer):
         v5 = qkv.reshape(B, T, 3, H, C // H)
         return (v5[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
 
+    def _heads(self, xp, views, names, B, T, D):
+        """Contiguous (B*H, T, D) copies of (B, H, T, D) views (device path only)."""
+        out = []
+        for v, n in zip(views, names):
+            c = self.bbuf(n, (B * self.n_head, T, D), v.dtype, xp)
+            c.reshape(v.shape)[...] = v
+            out.append(c)
+        return out
+
     def _mask(self, T, dtype, xp):
         k = (T, np.dtype(dtype).str, xp.__name__)
         if k not in self._masks:
@@ -360,23 +381,47 @@ class CausalSelfAttention(Layer):
             self._masks[k] = xp.asarray(m)
         return self._masks[k]
 
+    def _softmax_(self, xp, att, dtype):
+        """att (B, H, T, T) -> softmax over the last axis, in place; sums in float32."""
+        shape = att.shape[:-1] + (1,)
+        mx = self.bbuf("mx", shape, dtype, xp)
+        att.max(axis=-1, keepdims=True, out=mx)
+        att -= mx
+        xp.exp(att, out=att)
+        ad = acc_dtype(dtype)
+        s32 = self.bbuf("s32", shape, ad, xp)
+        att.sum(axis=-1, dtype=ad, keepdims=True, out=s32)
+        if ad != dtype:
+            xp.copyto(mx, s32, casting="unsafe")               # the sum rounded to att's dtype, as before
+            s32 = mx
+        att /= s32
+
     def forward(self, p, x, out=None):
         B, T, C = x.shape
         H = self.n_head
         if C % H:
             raise ValueError(f"width C={C} must be divisible by n_head={H}")
+        D = C // H
         xp = array_module(x)
         qkv, _ = self.qkv.forward({"w": p["attn.w"], "b": p["attn.b"]}, x)     # (B, T, 3C)
         q, k, v = self._split(qkv, B, T, C)                     # (B, H, T, D) views
         att = self.buf("att", (B, H, T, T), x.dtype, xp)
-        xp.matmul(q, k.transpose(0, 1, 3, 2), out=att)          # (B, H, T, T)
-        att *= 1.0 / math.sqrt(C // H)
-        att += self._mask(T, x.dtype, xp)
-        att -= att.max(axis=-1, keepdims=True)
-        xp.exp(att, out=att)
-        att /= att.sum(axis=-1, dtype=acc_dtype(x.dtype), keepdims=True).astype(x.dtype)
         yh = self.buf("yh", (B, T, C), x.dtype, xp)             # heads side by side
-        xp.matmul(att, v, out=yh.reshape(B, T, H, C // H).transpose(0, 2, 1, 3))
+        yh4 = yh.reshape(B, T, H, D).transpose(0, 2, 1, 3)     # (B, H, T, D) view
+        if xp is np:
+            xp.matmul(q, k.transpose(0, 1, 3, 2), out=att)      # (B, H, T, T)
+        else:
+            qc, kc, vc = self._heads(xp, (q, k, v), ("qc", "kc", "vc"), B, T, D)
+            bmm(qc, kc, att.reshape(B * H, T, T), tb=True)
+        att *= 1.0 / math.sqrt(D)
+        att += self._mask(T, x.dtype, xp)
+        self._softmax_(xp, att, x.dtype)
+        if xp is np:
+            xp.matmul(att, v, out=yh4)
+        else:
+            yc = self.bbuf("yc", (B * H, T, D), x.dtype, xp)
+            bmm(att.reshape(B * H, T, T), vc, yc)
+            yh4[...] = yc.reshape(B, H, T, D)
         y, _ = self.proj.forward({"w": p["proj.w"], "b": p["proj.b"]}, yh, out=out)
         return y, (p, x, qkv, att, yh)
 
@@ -391,17 +436,38 @@ class CausalSelfAttention(Layer):
         q, k, v = self._split(qkv, B, T, C)
         dqkv = self.bbuf("dqkv", (B, T, 3 * C), dy.dtype, xp)
         dq, dk, dv = self._split(dqkv, B, T, C)
-        xp.matmul(att.transpose(0, 1, 3, 2), dyh4, out=dv)      # dv = att^T dY
         datt = self.bbuf("datt", att.shape, dy.dtype, xp)
-        xp.matmul(dyh4, v.transpose(0, 1, 3, 2), out=datt)     # datt = dY v^T
+        if xp is np:
+            xp.matmul(att.transpose(0, 1, 3, 2), dyh4, out=dv)  # dv = att^T dY
+            xp.matmul(dyh4, v.transpose(0, 1, 3, 2), out=datt)  # datt = dY v^T
+        else:
+            qc, kc, vc, dyc = self._heads(xp, (q, k, v, dyh4), ("qc", "kc", "vc", "dyc"), B, T, D)
+            att3, datt3 = att.reshape(B * H, T, T), datt.reshape(B * H, T, T)
+            dc = self.bbuf("dc", (B * H, T, D), dy.dtype, xp)
+            bmm(att3, dyc, dc, ta=True)
+            dv[...] = dc.reshape(B, H, T, D)
+            bmm(dyc, vc, datt3, tb=True)
         # softmax backward: ds = att * (datt - sum(datt * att)), then the 1/sqrt(D) scale
         prod = self.bbuf("prod", att.shape, dy.dtype, xp)
         xp.multiply(datt, att, out=prod)
-        datt -= prod.sum(axis=-1, dtype=acc_dtype(dy.dtype), keepdims=True).astype(dy.dtype)
+        ad = acc_dtype(dy.dtype)
+        rs = self.bbuf("rs", att.shape[:-1] + (1,), ad, xp)
+        prod.sum(axis=-1, dtype=ad, keepdims=True, out=rs)
+        if ad != dy.dtype:
+            r16 = self.bbuf("rs16", rs.shape, dy.dtype, xp)
+            xp.copyto(r16, rs, casting="unsafe")
+            rs = r16
+        datt -= rs
         datt *= att
         datt *= 1.0 / math.sqrt(D)
-        xp.matmul(datt, k, out=dq)                              # dq = ds k
-        xp.matmul(datt.transpose(0, 1, 3, 2), q, out=dk)        # dk = ds^T q
+        if xp is np:
+            xp.matmul(datt, k, out=dq)                          # dq = ds k
+            xp.matmul(datt.transpose(0, 1, 3, 2), q, out=dk)    # dk = ds^T q
+        else:
+            bmm(datt3, kc, dc)
+            dq[...] = dc.reshape(B, H, T, D)
+            bmm(datt3, qc, dc, ta=True)
+            dk[...] = dc.reshape(B, H, T, D)
         return self.qkv.backward(dqkv, ({"w": p["attn.w"], "b": p["attn.b"]}, x),
                                  {"w": g["attn.w"], "b": g["attn.b"]})
 
@@ -421,26 +487,38 @@ class SoftmaxCrossEntropy(Layer):
         N, V = logits.shape
         if targets.shape != (N,) or targets.dtype.kind not in "iu":
             raise ValueError(f"targets must be integers of shape ({N},), got {targets.dtype} {tuple(targets.shape)}")
-        if N and (int(targets.min()) < 0 or int(targets.max()) >= V):
-            raise ValueError(f"targets must lie in [0, {V}), got range [{int(targets.min())}, {int(targets.max())}]")
+        if xp is np:                    # device targets: the caller checks them on the host
+            check_ids(targets, V, "targets")
         ad = acc_dtype(logits.dtype)
         pr = self.buf("probs", (N, V), ad, xp)                  # (N, V) fp32 statistics
         xp.copyto(pr, logits)
-        pr -= pr.max(axis=1, keepdims=True)
-        rows = xp.arange(N)
-        picked = pr[rows, targets]                              # (N,) shifted target logits
+        pr -= pr.max(axis=1, keepdims=True, out=self.bbuf("max", (N, 1), ad, xp))
+        at = self.buf("at", (N,), np.intp, xp)                  # flat index of each target: i*V + t_i
+        xp.multiply(self._rows(xp, N), V, out=at)
+        at += targets
+        picked = _take(xp, pr.reshape(-1), at, self.bbuf("picked", (N,), ad, xp))  # (N,) shifted target logits
         xp.exp(pr, out=pr)
-        s = pr.sum(axis=1)                                      # (N,)
-        loss = (xp.log(s) - picked).mean()
+        s = pr.sum(axis=1, out=self.bbuf("s", (N,), ad, xp))     # (N,)
+        lse = xp.log(s, out=self.bbuf("lse", (N,), ad, xp))
+        lse -= picked
+        loss = lse.mean()
         pr /= s[:, None]
-        return loss, (pr, targets, logits.dtype)
+        return loss, (pr, at, logits.dtype)
+
+    def _rows(self, xp, N):
+        """0..N-1 on xp, made once per (N, module)."""
+        cache = self.__dict__.setdefault("_row_ids", {})
+        k = (N, xp.__name__)
+        if k not in cache:
+            cache[k] = xp.arange(N)
+        return cache[k]
 
     def backward(self, dy, cache, g):
-        pr, targets, dtype = cache
+        pr, at, dtype = cache
         xp = array_module(pr)
         N = pr.shape[0]
         k = float(dy) / N
         dl = self.buf("dlogits", pr.shape, dtype, xp)
         xp.multiply(pr, k, out=dl, casting="unsafe")           # (p - onehot) * dy / N
-        dl[xp.arange(N), targets] -= k
+        dl.reshape(-1)[at] -= k                                 # one distinct target per row
         return dl

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ringzero.comm.backend import select_device, xp_for
+from ringzero.comm.backend import select_device, to_host, xp_for
 from ringzero.comm.ring import Ring
 from ringzero.runtime import reports
 from ringzero.runtime.flat import Layout
@@ -110,6 +110,8 @@ class Zero:
         self.scaler = scaler or LossScaler(dynamic=(precision == "fp16"),
                                            init=2.0 ** 16 if precision == "fp16" else 1.0)
         self._grad_scratch = aligned_empty(xp, max(L.piece_numel), np.float32)  # one unscaled grad piece
+        # squared norm of each gradient piece this rank holds: (pieces, units) fp32
+        self._dots = xp.zeros((len(self.state.held_ranks("master")), U), np.float32)
         self._decay = {(u, r): self.state.decay_runs(u, r) for u in range(U) for r in range(L.shards)}
         # [loss, sumsq, stop] of this rank; stop rides along so that a request
         # one rank raised (the trainer's preemption signal) reaches every rank
@@ -199,9 +201,18 @@ class Zero:
 
         # global squared norm: partial per piece r, summed over units in order,
         # the partials then added in rank order -- identical at every stage.
-        partial = {}
+        # Every dot stays on the device (one (pieces, units) fp32 buffer) and
+        # comes back in one copy per step: no host sync per unit per piece.
+        held = self.state.held_ranks("master")
         for u, r, g in self._grad_pieces():
-            partial[r] = partial.get(r, 0.0) + float(self.xp.dot(g, g))
+            self.xp.dot(g, g, out=self._dots[r - held[0], u:u + 1].reshape(()))
+        dots = to_host(self._dots)
+        partial = {}
+        for r in held:
+            acc = 0.0
+            for u in range(len(self.layout.units)):
+                acc += float(dots[r - held[0], u])
+            partial[r] = acc
         sumsq = self._share_scalars(loss, partial)
         loss = float(self._all_scalars[:, 0].sum() / n) if n > 1 else loss
         inv = 1.0 / (seed * K * n)                   # K = 1: 1 / (scale * n)

@@ -5,7 +5,7 @@ What it is
     allocates, once, the buffers the step loop works in:
 
         param_compute  compute-dtype params of a materialized unit   (when compute != storage dtype)
-        grad_compute   compute-dtype gradient of an open unit        (when compute != storage dtype)
+        grad_compute   fp32 gradient of an open unit                 (when storage is fp16/bf16)
         gather         storage-dtype landing slot of an all-gather   (params sharded: stage 3, hybrid)
         grad_bucket    storage-dtype gradient of one unit, reduce-scattered into the
                        grads shard                                    (grads sharded: 2, 3, hybrid)
@@ -53,18 +53,24 @@ class Workspaces:
     def __init__(self, layout, policy, plan, state, topology, compute_dtype, grad_accum: int = 1):
         self.layout, self.policy, self.state, self.topology = layout, policy, state, topology
         xp, cap, storage = state.xp, layout.max_unit_padded, state.params.dtype
-        self.cast = compute_dtype != storage
+        # params are cast when the compute dtype differs from storage (CPU: fp32
+        # compute over fp16/bf16 storage); gradients accumulate in fp32 whenever
+        # storage is narrower (on GPU too, where compute is fp16: a unit's
+        # gradient sums many terms, and fp16 would round after each)
+        self.param_cast = compute_dtype != storage
+        self.grad_cast = np.dtype(storage).itemsize < 4
         self.grad_accum = int(grad_accum)
         n_param = max(plan.param_slots, plan.forward_slots)
         self.bufs = {}
-        if self.cast:
+        if self.param_cast:
             self.bufs["param_compute"] = [xp.empty(cap, compute_dtype) for _ in range(n_param)]
-            self.bufs["grad_compute"] = [xp.empty(cap, compute_dtype) for _ in range(plan.grad_slots)]
+        if self.grad_cast:
+            self.bufs["grad_compute"] = [xp.empty(cap, np.float32) for _ in range(plan.grad_slots)]
         if policy.gather_params:
             # with a cast, one storage-dtype landing slot suffices (cast right after the gather)
-            self.bufs["gather"] = [xp.empty(cap, storage) for _ in range(1 if self.cast else n_param)]
+            self.bufs["gather"] = [xp.empty(cap, storage) for _ in range(1 if self.param_cast else n_param)]
         if policy.grad_bucket:
-            self.bufs["grad_bucket"] = [xp.empty(cap, storage) for _ in range(1 if self.cast else plan.grad_slots)]
+            self.bufs["grad_bucket"] = [xp.empty(cap, storage) for _ in range(1 if self.grad_cast else plan.grad_slots)]
         # K > 1, stage 3 / hybrid, 2-byte storage: one reduce-scattered piece widened to fp32
         # before it is added into the accumulator (a unit's piece at most)
         self._widen = None
@@ -90,15 +96,16 @@ class Workspaces:
 
     def param_source(self, w, slot):
         """Where unit w's compute-dtype params are read from when in ``slot``."""
-        if self.cast:
+        if self.param_cast:
             return self.bufs["param_compute"][slot]
         if self.policy.gather_params:
             return self.bufs["gather"][slot]
         return self.layout.unit_full(self.state.params, w)   # stages 0-2, no cast: the buffer itself
 
     def grad_target(self, w, slot):
-        """Where the model accumulates unit w's gradient (compute dtype) in ``slot``."""
-        if self.cast:
+        """Where the model accumulates unit w's gradient (fp32, or the storage dtype
+        when that is fp32 already) in ``slot``."""
+        if self.grad_cast:
             return self.bufs["grad_compute"][slot]
         if self.policy.full_grads:
             return self.layout.unit_full(self.state.grads, w)
@@ -111,7 +118,7 @@ class Workspaces:
         """Make unit w's full params available in the compute dtype, in ``slot``."""
         L, state = self.layout, self.state
         if self.policy.gather_params:
-            land = self.bufs["gather"][0 if self.cast else slot]
+            land = self.bufs["gather"][0 if self.param_cast else slot]
             seg = land[:L.unit_padded[w]]
             own = L.own(seg, w, state.shard_rank)
             own[...] = L.unit_shard(state.params, w)
@@ -119,7 +126,7 @@ class Workspaces:
             src = seg
         else:
             src = L.unit_full(state.params, w)
-        if self.cast:
+        if self.param_cast:
             cast_into(self.bufs["param_compute"][slot][:L.unit_padded[w]], src)
 
     def _storage_seg(self, w, slot):
@@ -127,12 +134,12 @@ class Workspaces:
         L = self.layout
         if self.policy.full_grads:
             return L.unit_full(self.state.grads, w)
-        return self.bufs["grad_bucket"][0 if self.cast else slot][:L.unit_padded[w]]
+        return self.bufs["grad_bucket"][0 if self.grad_cast else slot][:L.unit_padded[w]]
 
     def reduce_grad(self, w, slot):
         """Unit w's gradient is complete: cast to the storage dtype and reduce it."""
         seg = self._storage_seg(w, slot)
-        if self.cast:
+        if self.grad_cast:
             cast_into(seg, self.bufs["grad_compute"][slot][:self.layout.unit_padded[w]])
         self._reduce(w, seg)
 
@@ -161,7 +168,7 @@ class Workspaces:
             return self.reduce_grad(w, slot)
         L, state, topo = self.layout, self.state, self.topology
         n, last = L.unit_padded[w], k == K - 1
-        g = self.grad_target(w, slot)[:n]             # this micro-batch's gradient (compute dtype)
+        g = self.grad_target(w, slot)[:n]             # this micro-batch's gradient (fp32 workspace)
         if self.policy.accumulate_locally:            # stages 0-2: sum on the rank, reduce once
             acc = L.unit_full(state.accum, w)
             if k == 0:
@@ -175,7 +182,7 @@ class Workspaces:
             return
         # stage 3 / hybrid: reduce-scatter every micro-batch into the fp32 shard accumulator
         seg = self._storage_seg(w, slot)
-        if self.cast:
+        if self.grad_cast:
             cast_into(seg, g)
         out, acc = L.unit_shard(state.grads, w), L.unit_shard(state.accum, w)
         topo.ring.reduce_scatter(seg, out)

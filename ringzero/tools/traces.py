@@ -170,7 +170,8 @@ def plan_buffers(cfg: GPTConfig, stage: str = "0", nd: int = 1, device: str = "c
 
     Mirrors zero.py: five state buffers (full or shard by stage), the unit-sized
     workspaces of its plan, the optimizer's scratch. On the GPU the compute
-    dtype is the storage dtype, so no cast workspaces.
+    dtype is the storage dtype, so no param cast workspace; gradients still
+    accumulate in fp32 workspaces wherever storage is 2 bytes (workspace.py).
     """
     L = Layout(gpt_units(cfg), shards=nd)
     sb = 2 if precision == "fp16" else 4
@@ -182,15 +183,15 @@ def plan_buffers(cfg: GPTConfig, stage: str = "0", nd: int = 1, device: str = "c
     for k in ("master", "adam_m", "adam_v"):
         out[k] = 4 * (full if st == "0" else shard)
     n_param_slots, n_grad_slots = _slot_counts(cfg.n_layer)
-    cast = cb != sb
+    pcast, gcast = cb != sb, sb < 4
     gathers = st in ("3", "hybrid")
-    for i in range(n_param_slots if cast else 0):
+    for i in range(n_param_slots if pcast else 0):
         out[f"param_compute{i}"] = cb * cap
-    for i in range(n_grad_slots if cast else 0):
-        out[f"grad_compute{i}"] = cb * cap
-    for i in range((1 if cast else n_param_slots) if gathers else 0):
+    for i in range(n_grad_slots if gcast else 0):
+        out[f"grad_compute{i}"] = 4 * cap
+    for i in range((1 if pcast else n_param_slots) if gathers else 0):
         out[f"gather{i}"] = sb * cap
-    for i in range((1 if cast else n_grad_slots) if st not in ("0", "1") else 0):
+    for i in range((1 if gcast else n_grad_slots) if st not in ("0", "1") else 0):
         out[f"grad_bucket{i}"] = sb * cap
     out["adam_tmp"] = 4 * max(L.piece_numel)
     out["grad_scratch"] = 4 * max(L.piece_numel)
