@@ -98,7 +98,10 @@ def test_headline_conventional_ooms_with_30pct_free_ringzero_needs_its_bytes():
                        for b in (512 * -(-b // 512) for b in plan))
             assert rz["smallest_cap"] == segs
         assert rz["runs_at_smallest"] and rz["fails_below"]
-        assert rz["smallest_cap"] < cv["smallest_cap"]
+        # fragmentation is the cap above the live bytes: >= 10 % for the conventional
+        # step, the segment rounding alone (< 0.2 %) for ringzero's flat plan
+        assert cv["smallest_cap"] >= 1.10 * cv["peak_live"], (name, cv["smallest_cap"], cv["peak_live"])
+        assert rz["smallest_cap"] <= 1.002 * rz["peak_live"], (name, rz["smallest_cap"], rz["peak_live"])
         assert pol.name == name
 
 

@@ -278,10 +278,10 @@ def test_device_fp16_gradients_accumulate_in_fp32(cp):
     assert eng.work["grad_compute"][0].dtype == np.float32
     x, y = _batches(MPI.COMM_SELF, 1).get(0)
     eng.forward_backward(cp.asarray(x), cp.asarray(y))
-    got = eng.grads.get()
+    got = eng.state.grads.get()
     L = eng.layout
     g = cp.zeros(L.padded, np.float32)
-    GPT(GPTConfig(**TINY)).loss_and_grad(L.views(eng.params), L.views(g), cp.asarray(x), cp.asarray(y),
+    GPT(GPTConfig(**TINY)).loss_and_grad(L.views(eng.state.params), L.views(g), cp.asarray(x), cp.asarray(y),
                                          scale=eng.scaler.scale)
     want = g.get().astype(np.float16)
     assert np.array_equal(got.view(np.uint16), want.view(np.uint16))

@@ -264,8 +264,8 @@ def _no_decay(monkeypatch):
 
 
 def _no_clip(monkeypatch):
-    from ringzero.runtime import zero
-    monkeypatch.setattr(zero, "clip_coef", lambda norm, max_norm: 1.0)
+    from ringzero.runtime import engine
+    monkeypatch.setattr(engine, "clip_coef", lambda norm, max_norm: 1.0)
 
 
 @pytest.mark.mpi

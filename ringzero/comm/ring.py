@@ -215,6 +215,10 @@ class Ring:
             xp = self._check(name, send, recv, op)
             if xp is not np and not self._device_direct():
                 return self._staged(name, send, recv, op)
+            if xp is not np:
+                # building a plan hands the device buffers to MPI (persistent
+                # requests); the producer's kernels must be done by then
+                sync(send)
             plan = planmod.build(self, name, xp, send, recv, self._schedule(name, send, recv),
                                  lambda nb: self._scr(xp, nb))
             plan.post = op == "avg"

@@ -166,7 +166,9 @@ def print_fragmentation(r: dict, f=None):
               f"OOMs with {100 * w['free_share']:.1f} % of memory free: no cached block fits the "
               f"{w['request'] / MIB:.0f} MiB request (largest {w['largest_free_block'] / MIB:.0f} MiB) and "
               f"the device's unreserved {w['device_free'] / MIB:.0f} MiB cannot hold its segment; "
-              f"ringzero's plan at that cap: {'runs' if rz['at_worst_cap'] else 'does NOT fit'}")
+              f"ringzero's plan at that cap: {'runs' if rz['at_worst_cap'] else 'does NOT fit'} (it needs "
+              f"{rz['smallest_cap'] / rz['peak_live']:.4f}x its own {_b(rz['peak_live'])} of live bytes, "
+              f"the conventional step {cv['smallest_cap'] / cv['peak_live']:.4f}x its)")
     if r.get("cupy_device"):
         d = r["cupy_device"]
         p(f"\nCuPy's real MemoryPool at {_b(d['cap'])}: "
