@@ -1,6 +1,7 @@
 """Models and layers with hand-written forward/backward on flat-buffer views.
 
-``layers`` holds the layer pairs and the buffer ``Pool``; ``gpt`` the GPT
+``layers`` holds the layer pairs and the buffer ``Pool`` (``attention``, the
+longest, in its own module); ``gpt`` the GPT
 declaration (``GPTConfig``, ``gpt_units``) and model; ``mlp`` the MLP. The
 sharding runtime imports none of these: it is handed a model object.
 """

@@ -2,8 +2,9 @@
 
 What it is
     The building blocks of ringzero's models (token+position embedding,
-    linear, layernorm, GELU (tanh), causal multi-head self-attention, residual,
-    tied unembedding, fused softmax cross-entropy), each a small object with
+    linear, layernorm, GELU (tanh), causal multi-head self-attention (its own
+    module, ``ringzero.nn.attention``, re-exported here), residual, tied
+    unembedding, fused softmax cross-entropy), each a small object with
 
         forward(p, x)        -> (y, cache)
         backward(dy, cache, g) -> dx
@@ -337,141 +338,6 @@ class Residual(Layer):
         return dy, dy
 
 
-class CausalSelfAttention(Layer):
-    """Multi-head causal self-attention with its projections.
-
-    p: attn.w (C, 3C), attn.b (3C,), proj.w (C, C), proj.b (C,); x (B, T, C) -> (B, T, C).
-
-    NumPy: heads are batched matmuls over strided (B, H, T, D) views of the
-    fused qkv buffer (no per-head loop, no transposing copies). CuPy: its
-    matmul on more than 2 dims copies float16 operands to float32 and lands
-    the result in a temporary (cupy/_core/_routines_linalg.pyx), so q, k, v
-    are copied once into contiguous (B*H, T, D) workspaces and every product
-    is one cuBLAS strided-batched GEMM with float32 accumulation into
-    preallocated outputs (``bmm``). The softmax statistics go to pool
-    buffers too.
-    """
-
-    def __init__(self, n_head: int, pool: Pool | None = None, tag: str = "", btag: str | None = None):
-        super().__init__(pool, tag, btag)
-        self.n_head = n_head
-        self.qkv = Linear(self.pool, tag + ".qkv", self.btag + ".qkv")
-        self.proj = Linear(self.pool, tag + ".proj", self.btag + ".proj")
-        self._masks = {}
-
-    def _split(self, qkv, B, T, C):
-        """(B, T, 3C) -> three (B, H, T, D) strided views."""
-        H = self.n_head
-        v5 = qkv.reshape(B, T, 3, H, C // H)
-        return (v5[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
-
-    def _heads(self, xp, views, names, B, T, D):
-        """Contiguous (B*H, T, D) copies of (B, H, T, D) views (device path only)."""
-        out = []
-        for v, n in zip(views, names):
-            c = self.bbuf(n, (B * self.n_head, T, D), v.dtype, xp)
-            c.reshape(v.shape)[...] = v
-            out.append(c)
-        return out
-
-    def _mask(self, T, dtype, xp):
-        k = (T, np.dtype(dtype).str, xp.__name__)
-        if k not in self._masks:
-            m = np.triu(np.full((T, T), -np.inf, dtype=dtype), 1)   # (T, T): -inf above diagonal
-            self._masks[k] = xp.asarray(m)
-        return self._masks[k]
-
-    def _softmax_(self, xp, att, dtype):
-        """att (B, H, T, T) -> softmax over the last axis, in place; sums in float32."""
-        shape = att.shape[:-1] + (1,)
-        mx = self.bbuf("mx", shape, dtype, xp)
-        att.max(axis=-1, keepdims=True, out=mx)
-        att -= mx
-        xp.exp(att, out=att)
-        ad = acc_dtype(dtype)
-        s32 = self.bbuf("s32", shape, ad, xp)
-        att.sum(axis=-1, dtype=ad, keepdims=True, out=s32)
-        if ad != dtype:
-            xp.copyto(mx, s32, casting="unsafe")               # the sum rounded to att's dtype, as before
-            s32 = mx
-        att /= s32
-
-    def forward(self, p, x, out=None):
-        B, T, C = x.shape
-        H = self.n_head
-        if C % H:
-            raise ValueError(f"width C={C} must be divisible by n_head={H}")
-        D = C // H
-        xp = array_module(x)
-        qkv, _ = self.qkv.forward({"w": p["attn.w"], "b": p["attn.b"]}, x)     # (B, T, 3C)
-        q, k, v = self._split(qkv, B, T, C)                     # (B, H, T, D) views
-        att = self.buf("att", (B, H, T, T), x.dtype, xp)
-        yh = self.buf("yh", (B, T, C), x.dtype, xp)             # heads side by side
-        yh4 = yh.reshape(B, T, H, D).transpose(0, 2, 1, 3)     # (B, H, T, D) view
-        if xp is np:
-            xp.matmul(q, k.transpose(0, 1, 3, 2), out=att)      # (B, H, T, T)
-        else:
-            qc, kc, vc = self._heads(xp, (q, k, v), ("qc", "kc", "vc"), B, T, D)
-            bmm(qc, kc, att.reshape(B * H, T, T), tb=True)
-        att *= 1.0 / math.sqrt(D)
-        att += self._mask(T, x.dtype, xp)
-        self._softmax_(xp, att, x.dtype)
-        if xp is np:
-            xp.matmul(att, v, out=yh4)
-        else:
-            yc = self.bbuf("yc", (B * H, T, D), x.dtype, xp)
-            bmm(att.reshape(B * H, T, T), vc, yc)
-            yh4[...] = yc.reshape(B, H, T, D)
-        y, _ = self.proj.forward({"w": p["proj.w"], "b": p["proj.b"]}, yh, out=out)
-        return y, (p, x, qkv, att, yh)
-
-    def backward(self, dy, cache, g):                           # dy (B, T, C)
-        p, x, qkv, att, yh = cache          # p read now: it may hold re-gathered views
-        B, T, C = dy.shape
-        H, D = self.n_head, C // self.n_head
-        xp = array_module(dy)
-        dyh = self.proj.backward(dy, ({"w": p["proj.w"], "b": p["proj.b"]}, yh),
-                                 {"w": g["proj.w"], "b": g["proj.b"]})            # (B, T, C)
-        dyh4 = dyh.reshape(B, T, H, D).transpose(0, 2, 1, 3)    # (B, H, T, D)
-        q, k, v = self._split(qkv, B, T, C)
-        dqkv = self.bbuf("dqkv", (B, T, 3 * C), dy.dtype, xp)
-        dq, dk, dv = self._split(dqkv, B, T, C)
-        datt = self.bbuf("datt", att.shape, dy.dtype, xp)
-        if xp is np:
-            xp.matmul(att.transpose(0, 1, 3, 2), dyh4, out=dv)  # dv = att^T dY
-            xp.matmul(dyh4, v.transpose(0, 1, 3, 2), out=datt)  # datt = dY v^T
-        else:
-            qc, kc, vc, dyc = self._heads(xp, (q, k, v, dyh4), ("qc", "kc", "vc", "dyc"), B, T, D)
-            att3, datt3 = att.reshape(B * H, T, T), datt.reshape(B * H, T, T)
-            dc = self.bbuf("dc", (B * H, T, D), dy.dtype, xp)
-            bmm(att3, dyc, dc, ta=True)
-            dv[...] = dc.reshape(B, H, T, D)
-            bmm(dyc, vc, datt3, tb=True)
-        # softmax backward: ds = att * (datt - sum(datt * att)), then the 1/sqrt(D) scale
-        prod = self.bbuf("prod", att.shape, dy.dtype, xp)
-        xp.multiply(datt, att, out=prod)
-        ad = acc_dtype(dy.dtype)
-        rs = self.bbuf("rs", att.shape[:-1] + (1,), ad, xp)
-        prod.sum(axis=-1, dtype=ad, keepdims=True, out=rs)
-        if ad != dy.dtype:
-            r16 = self.bbuf("rs16", rs.shape, dy.dtype, xp)
-            xp.copyto(r16, rs, casting="unsafe")
-            rs = r16
-        datt -= rs
-        datt *= att
-        datt *= 1.0 / math.sqrt(D)
-        if xp is np:
-            xp.matmul(datt, k, out=dq)                          # dq = ds k
-            xp.matmul(datt.transpose(0, 1, 3, 2), q, out=dk)    # dk = ds^T q
-        else:
-            bmm(datt3, kc, dc)
-            dq[...] = dc.reshape(B, H, T, D)
-            bmm(datt3, qc, dc, ta=True)
-            dk[...] = dc.reshape(B, H, T, D)
-        return self.qkv.backward(dqkv, ({"w": p["attn.w"], "b": p["attn.b"]}, x),
-                                 {"w": g["attn.w"], "b": g["attn.b"]})
-
-
 class SoftmaxCrossEntropy(Layer):
     """Mean cross-entropy of logits (N, V) against targets int (N,), fused with softmax.
 
@@ -522,3 +388,9 @@ class SoftmaxCrossEntropy(Layer):
         xp.multiply(pr, k, out=dl, casting="unsafe")           # (p - onehot) * dy / N
         dl.reshape(-1)[at] -= k                                 # one distinct target per row
         return dl
+
+
+# Defined in its own module (the longest layer); re-exported so that
+# ``ringzero.nn.layers`` still names every layer. Imported last: attention.py
+# builds on Layer and Linear above.
+from ringzero.nn.attention import CausalSelfAttention  # noqa: E402,F401

@@ -10,7 +10,7 @@ What it is
 
 What it is not
     Layers: no parameters, no caches. The forward/backward pairs are in
-    layers.py.
+    layers.py and attention.py.
 """
 from __future__ import annotations
 

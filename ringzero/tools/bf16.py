@@ -5,7 +5,7 @@ What it is
     The underflow and overflow thresholds (bisection), the swamping ratio
     (exhaustion over every bf16 value), the share of small gradients a cast
     flushes to zero, and the toy run, each for fp16 and bf16 side by side,
-    using the dtype-generic experiments of ringzero.tools.explain. What they
+    using the dtype-generic experiments of ringzero.tools.precision. What they
     show: bf16 has fp32's exponent range (no underflow at 2^-24, no overflow
     at 65504: no loss scaler) and 8 significant bits (an update is lost at
     256x the weight instead of 2048x: the fp32 master matters more).
@@ -20,8 +20,8 @@ import sys
 
 import numpy as np
 
-from ringzero.tools.explain import (bf16_type, f16, f32, overflow_threshold, swamp_ratio, toy_run,
-                                    underflow_threshold)
+from ringzero.tools.precision import (bf16_type, f16, f32, overflow_threshold, swamp_ratio, toy_run,
+                                      underflow_threshold)
 
 
 def cast_gradients(dtype, n: int = 100000, seed: int = 0, lo: float = -34, hi: float = -14) -> dict:

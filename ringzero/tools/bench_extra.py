@@ -1,0 +1,152 @@
+"""``python -m ringzero.bench sched|dtypes``: the Ring timed against itself.
+
+What it is
+    Two words of ``ringzero.bench`` (``ringzero.tools.bench`` dispatches to them):
+
+    sched   For each op and size, every schedule of the Ring (ring; recursive
+            doubling "rd"; halving reduce-scatter / doubling all-gather "tree";
+            rd and tree only when the world size is a power of two) forced in
+            turn on the same buffers, and the MPI library's collective beside
+            them, interleaved iteration by iteration; the median of the slowest
+            rank's time, fastest Ring schedule marked with *. This is how
+            ``small_bytes`` and ``tree_bytes`` were placed.
+    dtypes  One op on the same element count in several dtypes, interleaved
+            (float16 against float32: the bytes halve, does the time?), each
+            checked first on integer-valued data (#wrong).
+
+    Both reuse the cases of ``ringzero.tools.bench`` (``_Case``: buffers,
+    fill, check), imported inside the functions so that bench.py can import
+    this module at its top. Only rank 0 prints; ``--json FILE`` writes the rows.
+
+What it is not
+    Not the nccl-tests-style sweep (that is ``coll``, in bench.py), and no
+    algbw/busbw: these rows compare times on identical buffers only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+
+def sched_parser() -> argparse.ArgumentParser:
+    from ringzero.tools.bench import parse_size
+    p = argparse.ArgumentParser(prog="python -m ringzero.bench sched",
+                                description="time every schedule of the Ring on the same buffers, interleaved, "
+                                            "to place the thresholds (small_bytes, tree_bytes)")
+    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("4K"))
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("16M"))
+    p.add_argument("-f", "--stepfactor", type=int, default=4)
+    p.add_argument("-n", "--iters", type=int, default=15)
+    p.add_argument("-d", "--dtype", default="float32")
+    p.add_argument("--json", default=None)
+    return p
+
+
+# (small_bytes, tree_bytes) that force each schedule
+_FORCE = {"ring": (0, 0), "rd": (1 << 62, 1 << 62), "tree": (0, 1 << 62)}
+
+
+def run_sched(args, comm) -> list:
+    """Median time of each schedule per op and size; rank 0 prints, best marked with *."""
+    from mpi4py import MPI
+
+    from ringzero.comm.ring import Ring
+    from ringzero.tools.bench import _Case, _dtype, human
+    n, rank = comm.size, comm.rank
+    dtype = _dtype(args.dtype)
+    ring = Ring(comm)
+    pow2 = n & (n - 1) == 0
+    variants = {"all_reduce": ["ring", "rd", "tree"], "reduce_scatter": ["ring", "tree"],
+                "all_gather": ["ring", "tree"]}
+    rows = []
+    if rank == 0:
+        print(f"# ringzero.bench sched: n={n} dtype={dtype.name}; time per call in us "
+              "(rd: recursive doubling; tree: halving RS / doubling AG; * fastest)")
+    for op, names in variants.items():
+        names = names if pow2 else ["ring"]
+        S = args.minbytes
+        while S <= args.maxbytes:
+            count = max(n, S // dtype.itemsize) // n * n
+            case = _Case(op, ring, comm, np, dtype, count, False)
+            impls = names + ["mpi"]
+            times = np.zeros((len(impls), args.iters + 2))
+            for i in range(args.iters + 2):
+                for k, name in enumerate(impls):
+                    if name != "mpi":
+                        ring.small_bytes, ring.tree_bytes = _FORCE[name]
+                    comm.Barrier()
+                    t0 = time.perf_counter()
+                    (case.mpi if name == "mpi" else case.ring)()
+                    times[k, i] = time.perf_counter() - t0
+            comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
+            med = {name: float(np.median(times[k, 2:])) * 1e6 for k, name in enumerate(impls)}
+            best = min(names, key=med.get)
+            for name in impls:
+                rows.append(dict(op=op, impl=name, n=n, bytes=count * dtype.itemsize, dtype=dtype.name,
+                                 time_us=round(med[name], 2)))
+            if rank == 0:
+                cells = " ".join(f"{name}={med[name]:9.1f}{'*' if name == best else ' '}" for name in impls)
+                print(f"  {op:>14} {human(count * dtype.itemsize):>6}  {cells}", flush=True)
+            S *= args.stepfactor
+    if args.json and rank == 0:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "meta": dict(n=n, dtype=dtype.name, kind="sched")}, f, indent=1)
+    ring.free()
+    return [dict(r, wrong=0) for r in rows]
+
+
+def dtypes_parser() -> argparse.ArgumentParser:
+    from ringzero.tools.bench import OP_NAMES, parse_size
+    p = argparse.ArgumentParser(prog="python -m ringzero.bench dtypes",
+                                description="one op on the same element count in several dtypes, interleaved "
+                                            "(e.g. float16 against float32 all_reduce at 16 MiB of float32)")
+    p.add_argument("--count", type=parse_size, default=parse_size("4M"), help="elements (4M = 16 MiB of float32)")
+    p.add_argument("-d", "--dtypes", default="float16,float32")
+    p.add_argument("-o", "--op", default="all_reduce", choices=OP_NAMES)
+    p.add_argument("-n", "--iters", type=int, default=15)
+    p.add_argument("-w", "--warmup_iters", type=int, default=2)
+    p.add_argument("--json", default=None)
+    return p
+
+
+def run_dtypes(args, comm) -> list:
+    from mpi4py import MPI
+
+    from ringzero.comm.ring import Ring
+    from ringzero.tools.bench import _Case, _dtype, human
+    n, rank = comm.size, comm.rank
+    ring = Ring(comm)
+    dts = [_dtype(d) for d in args.dtypes.split(",")]
+    count = max(n, args.count) // n * n
+    cases = [_Case(args.op, ring, comm, np, dt, count, False) for dt in dts]
+    wrong = [comm.allreduce(c.check("ring", comm, np, seed=1)) for c in cases]
+    for _ in range(args.warmup_iters):
+        for c in cases:
+            c.ring()
+    times = np.zeros((len(cases), args.iters))
+    for i in range(args.iters):
+        for k, c in enumerate(cases):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            c.ring()
+            times[k, i] = time.perf_counter() - t0
+    comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
+    rows = []
+    for k, dt in enumerate(dts):
+        t = float(np.median(times[k]))
+        rows.append(dict(op=args.op, impl="ring", n=n, bytes=count * dt.itemsize, count=count, dtype=dt.name,
+                         redop="sum", time_us=round(t * 1e6, 2), wrong=wrong[k]))
+    if rank == 0:
+        base = rows[-1]["time_us"]
+        print(f"# ringzero.bench dtypes: n={n} op={args.op} count={count} iters={args.iters} (interleaved)")
+        for r in rows:
+            print(f"  {r['dtype']:>9} {human(r['bytes']):>6} {r['time_us']:>11.1f} us  "
+                  f"x{r['time_us'] / base:.2f} of {rows[-1]['dtype']}  #wrong {r['wrong']}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"rows": rows, "meta": dict(n=n, kind="dtypes")}, f, indent=1)
+    ring.free()
+    return rows
