@@ -6,7 +6,7 @@ What it is
     mpirun forwards to the ranks without ending the job) and only records
     the signal number. The trainer hands that number to the engine before
     each step; the engine carries it as a third scalar in the per-step
-    Allgather it already makes ([loss, sumsq, stop]), and every rank reads
+    all-gather it already makes ([loss, sumsq, stop], on the control ring), and every rank reads
     the same maximum after the step. So the ranks stop at the same step
     boundary with no extra collective, even when only one rank was
     signalled. The trainer then saves a checkpoint and ends with

@@ -156,7 +156,7 @@ def train_loop(cfg: Config, comm, engine, train, evaluate, writer, say, stop=Non
         engine.model.check_tokens(x, y)          # on the host, where they start (no device reductions)
         lr = lr_at(cfg, step)
         engine.stop_request = stop.signum if stop is not None else 0
-        comm.Barrier()          # step time is the slowest rank's
+        engine.topology.barrier()   # step time is the slowest rank's (watched for stalls)
         t0 = time.perf_counter()
         res = engine.step(xp.asarray(x), xp.asarray(y), lr)
         dt = time.perf_counter() - t0

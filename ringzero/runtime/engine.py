@@ -233,15 +233,16 @@ class Zero:
         return StepResult(loss, gnorm, skipped, scale, int(self._all_scalars[:, 2].max()))
 
     def _share_scalars(self, loss, partial) -> float:
-        """Share [loss, my sumsq partial, stop_request] across ranks (MPI's own
-        Allgather, a scalar check); return the global squared norm summed in
-        shard-rank order."""
+        """Share [loss, my sumsq partial, stop_request] across ranks (an
+        all-gather on the control ring: copies only, so the values arrive
+        bit-exact, and a missing rank is named by the stall inspector); return
+        the global squared norm summed in shard-rank order."""
         mine = 0.0
         for r in self.state.held_ranks("master"):     # stage 0: every piece, in order
             mine += partial[r]
         self._scalars[:] = (loss, mine, self.stop_request)
         if self.topology.world_size > 1:
-            self.comm.Allgather(self._scalars, self._all_scalars)
+            self.topology.control.all_gather(self._scalars, self._all_scalars.reshape(-1))
         else:
             self._all_scalars[0] = self._scalars
         if self.policy.full_optimizer:
@@ -272,7 +273,7 @@ class Zero:
             loss += float(h)
         buf = np.array([loss / self.grad_accum], np.float64)
         allb = np.zeros(self.topology.world_size, np.float64)
-        self.comm.Allgather(buf, allb)
+        self.topology.control.all_gather(buf, allb)
         return float(allb.sum() / self.topology.world_size)
 
     def full_params(self, dtype=np.float32):

@@ -19,6 +19,8 @@ What it is not
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ringzero.comm.ring import Ring
 
 
@@ -33,7 +35,16 @@ class Topology:
         self.replica_rank = replica.rank if replica is not None else 0
         self.replica_ring = Ring(replica, timeout=timeout) if replica is not None else None
         self.ring = Ring(shard, timeout=timeout)
+        # the world's small exchanges (the step's [loss, sumsq, stop] scalars,
+        # eval losses, the trainer's step barrier) go through a Ring too, so the
+        # stall inspector watches them; its ledger is not the step's traffic
+        self.control = Ring(world, timeout=timeout)
+        self._one, self._all = np.zeros(1, np.float64), np.zeros(world.size, np.float64)
         self._members = None
+
+    def barrier(self):
+        """A barrier over the world, through the watched control ring."""
+        self.control.all_gather(self._one, self._all)
 
     @classmethod
     def build(cls, comm, policy, ranks_per_node=None, *, timeout=None) -> "Topology":
