@@ -30,28 +30,9 @@ import time
 import pytest
 
 from test_train import TINY, _text
+from trainer_cli import descendants
 
 RANKS, STOPPED, WARN, TIMEOUT = 4, 2, 2, 6
-
-
-def _descendants(pid):
-    """Every process under pid (from /proc)."""
-    kids = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                kids.setdefault(ppid, []).append(int(d))
-            except (OSError, IndexError, ValueError):
-                pass
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        for k in kids.get(p, []):
-            out.append(k)
-            todo.append(k)
-    return out
 
 
 def _rank_of(pid):
@@ -91,7 +72,7 @@ def test_sigstop_one_rank_warns_then_ends_the_job(tmp_path):
     try:
         deadline = time.monotonic() + 120
         while len(ranks) < RANKS and time.monotonic() < deadline:  # find the ranks' pids
-            ranks = {r: p for p in _descendants(job.pid) if (r := _rank_of(p)) is not None}
+            ranks = {r: p for p in descendants(job.pid) if (r := _rank_of(p)) is not None}
             time.sleep(0.2)
         assert len(ranks) == RANKS, f"found ranks {sorted(ranks)} under mpirun"
         while time.monotonic() < deadline and job.poll() is None:  # a few steps done (metrics lines)

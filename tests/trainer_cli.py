@@ -62,25 +62,36 @@ def run(args, cwd, n=2, env=None, timeout=300):
     return finish(start(args, cwd, n, env), timeout)
 
 
-def rank_pids(root: int) -> list:
-    """The python rank processes under process ``root`` (any depth), from /proc."""
+def descendants(root: int) -> list:
+    """Every process under process ``root`` (any depth), from /proc."""
     kids = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
                 with open(f"/proc/{d}/stat") as f:
                     ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                with open(f"/proc/{d}/cmdline", "rb") as f:
-                    cmd = f.read()
             except (OSError, IndexError, ValueError):
                 continue
-            kids.setdefault(ppid, []).append((int(d), cmd))
+            kids.setdefault(ppid, []).append(int(d))
     out, todo = [], [root]
     while todo:
-        for pid, cmd in kids.get(todo.pop(), []):
+        for pid in kids.get(todo.pop(), []):
+            out.append(pid)
             todo.append(pid)
-            if b"ringzero.train" in cmd and b"sh\x00-c" not in cmd:
-                out.append(pid)
+    return out
+
+
+def rank_pids(root: int) -> list:
+    """The python rank processes under process ``root`` (any depth), from /proc."""
+    out = []
+    for pid in descendants(root):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if b"ringzero.train" in cmd and b"sh\x00-c" not in cmd:
+            out.append(pid)
     return out
 
 
