@@ -35,13 +35,15 @@ def lengths(n):
     return sorted({0, 1, max(n - 1, 0), n, n + 1, 7, 13, 31, 97, 4099})
 
 
-# (small_bytes, tree_bytes) forcing each schedule: the ring; recursive doubling
-# all-reduce with halving RS / doubling AG; Rabenseifner all-reduce (halving + doubling)
-SCHEDULES = {"ring": (0, 0), "latency": (1 << 40, 1 << 40), "tree": (0, 1 << 40)}
+# (small_bytes, tree_bytes, direct_bytes) forcing each schedule: the ring; recursive
+# doubling all-reduce with halving RS / doubling AG; Rabenseifner all-reduce (halving +
+# doubling); direct (3 <= n <= 16; n = 2 and other n fall back to the rules below it)
+SCHEDULES = {"ring": (0, 0, 0), "latency": (1 << 40, 1 << 40, 0), "tree": (0, 1 << 40, 0),
+             "direct": (0, 0, 1 << 40)}
 
 
 def force(ring, schedule):
-    ring.small_bytes, ring.tree_bytes = SCHEDULES[schedule]
+    ring.small_bytes, ring.tree_bytes, ring.direct_bytes = SCHEDULES[schedule]
     return ring
 
 
@@ -149,7 +151,7 @@ def test_large_and_pipelined(comm):
 def _replay_f16(n, L, seed, schedule):
     """The float16 sum as documented: one float32 add and one rounding per hop (NumPy's float16 add)."""
     xs = [data(k, L, "float16", seed, ints=False) for k in range(n)]
-    if schedule != "ring":  # recursive doubling or halving: the same pairing, r^(n/2) first
+    if schedule not in ("ring", "direct"):  # recursive doubling or halving: the same pairing, r^(n/2) first
         vals = list(xs)
         d = n >> 1
         while d:
@@ -170,10 +172,10 @@ def _replay_f16(n, L, seed, schedule):
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_float16_order_and_determinism(comm, schedule):
     n, r = comm.size, comm.rank
-    if schedule != "ring" and n & (n - 1):
+    if schedule not in ("ring", "direct") and n & (n - 1):
         pytest.skip(f"latency schedule needs a power-of-two size, have {n}")
     ring = force(Ring(comm), schedule)
-    L = {"ring": 3001, "latency": 8 * n + 5, "tree": 375 * n}[schedule]
+    L = {"ring": 3001, "latency": 8 * n + 5, "tree": 375 * n, "direct": 1001 * n}[schedule]
     x = data(r, L, "float16", 7, ints=False)
     ring.all_reduce(x)
     want = _replay_f16(n, L, 7, schedule)
@@ -390,15 +392,21 @@ def test_disagreeing_lengths_raise_not_hang(comm):
 
 
 @pytest.mark.mpi
-def test_missing_peer_times_out(comm):
+@pytest.mark.parametrize("schedule,op", [("ring", "all_reduce"), ("direct", "all_reduce"),
+                                         ("direct", "all_gather")])
+def test_missing_peer_times_out(comm, schedule, op):
+    """The timeout names the rank that never came, also out of the direct schedule's one wait on all peers."""
     n, r = comm.size, comm.rank
     if n < 2:
         pytest.skip("needs world size >= 2")
-    ring = force(Ring(comm, timeout=1.5), "ring")  # rank 0's first message comes from its left: rank 0's first message comes from its left, the one that skips
+    # ring: rank 0's first message comes from its left, the one that skips
+    ring = force(Ring(comm, timeout=1.5), schedule)
     skipper = n - 1
+    call = (lambda: ring.all_reduce(np.ones(4 * n, np.float32))) if op == "all_reduce" else \
+        (lambda: ring.all_gather(np.ones(4, np.float32), np.empty(4 * n, np.float32)))
     if r != skipper:
-        e = _expect_failure(comm, lambda: ring.all_reduce(np.ones(4 * n, np.float32)), TimeoutError)
-        ok = isinstance(e, TimeoutError) and "all_reduce" in str(e) and "rank" in str(e)
+        e = _expect_failure(comm, call, TimeoutError)
+        ok = isinstance(e, TimeoutError) and op in str(e) and "rank" in str(e)
         if r == 0:
             ok = ok and f"rank {skipper};" in str(e)
     else:

@@ -13,13 +13,28 @@ What it is
                                                   count checked; w = (op, peer,
                                                   "recv"|"send", reqs) for the
                                                   stall inspector and errors
+        (XCHG,  [req, ...], statuses, checks, w)  START then WAIT on the same
+                                                  requests (one exchange)
+        (MWAIT, [req, ...], statuses, expect, w, done)
+                                                  Request.Waitsome until all are
+                                                  done; expect[i] = bytes req i
+                                                  receives (None: a send); w =
+                                                  (op, peers, dirs, reqs), one
+                                                  peer and direction per req;
+                                                  done[i] = 1 once req i is
         (ADD,   a, b, out, fn)                    fn(a, b, out): out = a + b
         (COPY,  dst, src)                         dst[...] = src
 
-    Every wait waits on ONE peer, so a stall names the rank it waits for.
+    A WAIT waits on ONE peer, so a stall names the rank it waits for. The
+    direct schedule's MWAIT waits on every peer at once, by Waitsome: each
+    return marks what completed, so the stall inspector names the peers
+    still open (Ring.resolve). (MPI_Request_get_status cannot tell it from
+    another thread: Open MPI reports a request complete while a wait in
+    another thread holds it.)
     The schedules and their summation order are the module docstring of
     ring.py; ``sched`` is "ring", "tree" (halving RS / doubling AG), "rd"
-    (recursive-doubling all-reduce) or "rab" (halving then doubling).
+    (recursive-doubling all-reduce), "rab" (halving then doubling) or
+    "direct" (every block to its owner at once, summed in the ring's order).
 
 What it is not
     It runs nothing (Ring._run does) and checks no argument (Ring._check did).
@@ -30,7 +45,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-START, WAIT, ADD, COPY = 0, 1, 2, 3
+START, WAIT, ADD, COPY, XCHG, MWAIT = 0, 1, 2, 3, 4, 5
 TAGS = {"all_reduce": 0, "reduce_scatter": 4, "all_gather": 8}  # + phase: ops never match each other
 
 
@@ -43,13 +58,17 @@ def blocks(length: int, n: int) -> list:
 class Plan:
     """One compiled call: its steps, requests, buffers kept alive and ledger increments."""
 
-    __slots__ = ("name", "steps", "reqs", "keep", "sent", "recvd", "msgs", "xp", "post")
+    __slots__ = ("name", "steps", "reqs", "keep", "sent", "recvd", "msgs", "xp", "post", "runs",
+                 "hot", "guard")
 
     def __init__(self, name, xp):
         self.name, self.xp = name, xp
         self.steps, self.reqs, self.keep = [], [], []
-        self.sent = self.recvd = self.msgs = 0
+        self.sent = self.recvd = self.msgs = 0   # per run: the ledger adds runs * these (Ledger.fold)
+        self.runs = 0
         self.post = None   # "avg": divide recv by n after the steps
+        self.hot = None    # the Ring's id-key for this plan's own send/recv objects, once kept
+        self.guard = None  # (send.dtype, send.shape, recv.shape): what the id-key cannot see
 
 
 class _Builder:
@@ -100,9 +119,23 @@ class _Builder:
 
     # ---- latency schedules (n a power of two) ------------------------------
     def exchange(self, sendbuf, recvbuf, peer):
+        """One START + WAIT pair with `peer`, as a single XCHG step."""
         rq, sq = self.recv(recvbuf, peer), self.send(sendbuf, peer)
-        self.start([rq, sq])
-        self.wait([rq, sq], peer, [recvbuf.nbytes, None])
+        sts = [MPI.Status(), MPI.Status()]
+        self.p.steps.append((XCHG, [rq, sq], sts, ((sts[0], recvbuf.nbytes),),
+                             (self.p.name, peer, "recv", [rq, sq])))
+
+    def wait_many(self, recvs, sends):
+        """One MWAIT on every (peer, req, nbytes) of recvs and (peer, req) of sends."""
+        if len(recvs) + len(sends) == 1:  # one peer: a plain WAIT
+            p, q, nb = recvs[0] if recvs else (*sends[0], None)
+            return self.wait([q], p, None if nb is None else [nb])
+        reqs = [q for _, q, _ in recvs] + [q for _, q in sends]
+        expect = tuple(nb for _, _, nb in recvs) + (None,) * len(sends)
+        peers = tuple(p for p, _, _ in recvs) + tuple(p for p, _ in sends)
+        dirs = ("recv",) * len(recvs) + ("send",) * len(sends)
+        self.p.steps.append((MWAIT, reqs, [MPI.Status() for _ in reqs], expect,
+                             (self.p.name, peers, dirs, reqs), bytearray(len(reqs))))
 
     def rd_allreduce(self, buf, tmp):
         """Recursive doubling, partners r^(n/2), ..., r^1: the halving RS's tree."""
@@ -136,13 +169,56 @@ class _Builder:
         while d < self.n:
             mine, theirs = (r & ~(d - 1)) * m, ((r ^ d) & ~(d - 1)) * m
             peer, rbuf = r ^ d, recv[theirs:theirs + d * m]
-            rq = self.recv(rbuf, peer)
-            sq = self.send(send if d == 1 and send is not None else recv[mine:mine + d * m], peer)
-            self.start([rq, sq])
             if d == 1 and send is not None:
+                rq, sq = self.recv(rbuf, peer), self.send(send, peer)
+                self.start([rq, sq])
                 self.copy(recv[r * m:(r + 1) * m], send)
-            self.wait([rq, sq], peer, [rbuf.nbytes, None])
+                self.wait([rq, sq], peer, [rbuf.nbytes, None])
+            else:
+                self.exchange(recv[mine:mine + d * m], rbuf, peer)
             d <<= 1
+
+    # ---- direct schedule (n >= 3): one round, every block straight to its owner
+    def direct_rs(self, src, out, off, tmp):
+        """Block `rank` of the sum over ranks of src into out, in ONE round.
+
+        Rank r sends block p of src to rank p (every p != r) and receives block
+        r of every other rank into tmp, slot k-1 holding rank (r+k) % n's. The
+        sum is the ring's: ((x[r+1] + x[r+2]) + ...) + x[r], so "direct" and
+        "ring" give the same bits. Each add runs as soon as its operand is in.
+        """
+        n, r = self.n, self.r
+        b = off[r + 1] - off[r]
+        recvs = [((r + k) % n, self.recv(tmp[(k - 1) * b:k * b], (r + k) % n)) for k in range(1, n)]
+        sends = [(p, self.send(src[off[p]:off[p + 1]], p)) for p in ((r - k) % n for k in range(1, n))]
+        self.start([q for _, q in recvs] + [q for _, q in sends])
+        own, isz = src[off[r]:off[r + 1]], src.itemsize
+        acc = tmp[:b]
+        for k, (p, q) in enumerate(recvs, start=1):
+            self.wait([q], p, [b * isz])
+            if k > 1:  # slot k-1 = acc + x[r+k]: the ring adds in this order too
+                nxt = tmp[(k - 1) * b:k * b]
+                self.add(acc, nxt, nxt)
+                acc = nxt
+        self.add(acc, own, out)
+        self.wait_many([], sends)
+
+    def direct_ag(self, buf, m, send=None):
+        """Every block of buf from its owner in ONE round: n-1 receives and n-1 sends, one wait.
+
+        send (not in place): our block goes out from it and is copied into buf
+        while the messages are on the wire.
+        """
+        n, r = self.n, self.r
+        own = buf[r * m:(r + 1) * m]
+        src = own if send is None else send
+        recvs = [(p, self.recv(buf[p * m:(p + 1) * m], p), m * buf.itemsize)
+                 for p in ((r - k) % n for k in range(1, n))]
+        sends = [(p, self.send(src, p)) for p in ((r + k) % n for k in range(1, n))]
+        self.start([q for _, q, _ in recvs] + [q for _, q in sends])
+        if send is not None:
+            self.copy(own, send)
+        self.wait_many(recvs, sends)
 
     # ---- ring schedule ------------------------------------------------------
     def ring_rs(self, src, out, off, tmp):
@@ -216,6 +292,11 @@ def build(ring, name, xp, send, recv, sched, scratch):
             if sched == "rd":
                 t0, _ = scratch(send.nbytes)
                 _Builder(ring, plan, 0).rd_allreduce(send, t0.view(send.dtype)[:L])
+            elif sched == "direct":
+                off = blocks(L, n)
+                t0, _ = scratch((L - (off[r + 1] - off[r])) * send.itemsize)
+                _Builder(ring, plan, 0).direct_rs(send, send[off[r]:off[r + 1]], off, t0.view(send.dtype))
+                _Builder(ring, plan, 1).direct_ag(send, L // n)
             elif sched == "rab":
                 m = L // n
                 t0, t1 = scratch(send.nbytes // 2)
@@ -233,6 +314,10 @@ def build(ring, name, xp, send, recv, sched, scratch):
         if n == 1 or m == 0:
             if m and ring.addr(send) != ring.addr(recv):
                 plan.steps.append((COPY, recv, send))
+        elif sched == "direct":
+            off = blocks(len(send), n)
+            t0, _ = scratch((n - 1) * m * send.itemsize)
+            _Builder(ring, plan, 0).direct_rs(send, recv, off, t0.view(send.dtype))
         elif sched == "tree":
             t0, t1 = scratch(send.nbytes // 2)
             _Builder(ring, plan, 0).halving_rs(send, recv, t0.view(send.dtype), t1.view(send.dtype))
@@ -246,6 +331,8 @@ def build(ring, name, xp, send, recv, sched, scratch):
         if n == 1 or not m:
             if apart:
                 plan.steps.append((COPY, recv, send))
+        elif sched == "direct":
+            _Builder(ring, plan, 0).direct_ag(recv, m, send if apart else None)
         elif sched == "tree":
             _Builder(ring, plan, 0).doubling_ag(recv, m, send if apart else None)
         else:

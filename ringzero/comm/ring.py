@@ -77,7 +77,7 @@ from mpi4py import MPI
 from ringzero.comm import kernels, plan as planmod
 from ringzero.comm.backend import Staging, cuda_aware, sync
 from ringzero.comm.checks import DTYPES, check_args  # noqa: F401 (DTYPES is public here)
-from ringzero.comm.plan import ADD, COPY, START, WAIT, blocks  # noqa: F401 (blocks is public here)
+from ringzero.comm.plan import ADD, COPY, MWAIT, START, WAIT, XCHG, blocks  # noqa: F401 (blocks is public here)
 from ringzero.comm.watchdog import WATCHDOG, get_context, set_context
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -85,9 +85,12 @@ OPS = ("all_reduce", "reduce_scatter", "all_gather")
 SMALL_BYTES = 256 * 1024   # all_reduce at or below: recursive doubling (power-of-two n)
 TREE_BYTES = 16 << 20      # at or below: halving/doubling (power-of-two n); above: the ring
 SEG_BYTES = 1 << 20
+DIRECT_BYTES = 4 << 20     # at or below, for 3 <= n <= DIRECT_RANKS: the direct schedule
+DIRECT_RANKS = 16          # more ranks than this never take it (n-1 messages in flight per rank)
 MAX_PLANS = 256
 _F16 = np.dtype(np.float16)
 _startall, _waitall, _testall, _BYTE = MPI.Prequest.Startall, MPI.Request.Waitall, MPI.Request.Testall, MPI.BYTE
+_waitsome, _testsome = MPI.Request.Waitsome, MPI.Request.Testsome
 
 
 def _poll(reqs, statuses):
@@ -96,23 +99,59 @@ def _poll(reqs, statuses):
         os.sched_yield()
 
 
-class Ledger:
-    """Cumulative per-op counters of this rank: bytes_sent, bytes_recv, messages, calls."""
+def _poll_some(reqs, statuses):
+    """Waitsome by Testsome and sched_yield (RINGZERO_WAIT=poll)."""
+    while True:
+        idx = _testsome(reqs, statuses)
+        if idx is None or idx:
+            return idx
+        os.sched_yield()
 
-    def __init__(self):
+
+class Ledger:
+    """Cumulative per-op counters of this rank: bytes_sent, bytes_recv, messages, calls.
+
+    A kept plan only counts its runs (the hot path adds 1); the counters are
+    base + runs * the plan's per-call figures, folded into base when a plan
+    is dropped. ``live`` is the container of kept plans (the Ring's LRU).
+    """
+
+    _KEYS = ("bytes_sent", "bytes_recv", "messages", "calls")
+
+    def __init__(self, live=()):
+        self._live = live
         self.reset()
 
     def reset(self):
-        self._d = {op: dict(bytes_sent=0, bytes_recv=0, messages=0, calls=0) for op in OPS}
+        self._d = {op: dict.fromkeys(self._KEYS, 0) for op in OPS}
+        for p in self._live:
+            p.runs = 0
+
+    def fold(self, plan):
+        """Move a plan's runs into the base counters (the plan is being dropped)."""
+        k, plan.runs = plan.runs, 0
+        if k:
+            d = self._d[plan.name]
+            d["bytes_sent"] += k * plan.sent
+            d["bytes_recv"] += k * plan.recvd
+            d["messages"] += k * plan.msgs
+            d["calls"] += k
 
     def __getitem__(self, op):
-        return self._d[op]
+        d = dict(self._d[op])
+        for p in self._live:
+            if p.name == op and p.runs:
+                d["bytes_sent"] += p.runs * p.sent
+                d["bytes_recv"] += p.runs * p.recvd
+                d["messages"] += p.runs * p.msgs
+                d["calls"] += p.runs
+        return d
 
     def total_sent(self) -> int:
-        return sum(v["bytes_sent"] for v in self._d.values())
+        return sum(self[op]["bytes_sent"] for op in OPS)
 
     def as_dict(self) -> dict:
-        return {op: dict(v) for op, v in self._d.items()}
+        return {op: self[op] for op in OPS}
 
 
 def _where(x):
@@ -142,36 +181,60 @@ class Ring:
         self.timeout = _env_float("RINGZERO_TIMEOUT", 600) if timeout is None else float(timeout)
         self.stall_warn = _env_float("RINGZERO_STALL_WARN", 60) if stall_warn is None else float(stall_warn)
         self.grace = max(2.0, min(30.0, self.timeout / 4))  # then abort a wait MPI could not cancel
-        self.small_bytes = int(os.environ.get("RINGZERO_SMALL_BYTES", SMALL_BYTES))
-        self.tree_bytes = int(os.environ.get("RINGZERO_TREE_BYTES", TREE_BYTES))
-        self.seg_bytes = max(64, int(os.environ.get("RINGZERO_SEG_BYTES", SEG_BYTES)))
+        self._hot = {}               # (id(send), id(recv), op name, op) -> kept Plan holding those objects
+        self._small_bytes = int(os.environ.get("RINGZERO_SMALL_BYTES", SMALL_BYTES))
+        self._tree_bytes = int(os.environ.get("RINGZERO_TREE_BYTES", TREE_BYTES))
+        self._seg_bytes = max(64, int(os.environ.get("RINGZERO_SEG_BYTES", SEG_BYTES)))
+        self._direct_bytes = int(os.environ.get("RINGZERO_DIRECT_BYTES", DIRECT_BYTES))
         self.max_plans = MAX_PLANS
         wait = os.environ.get("RINGZERO_WAIT", "block")
         if wait not in ("block", "poll"):
             raise ValueError(f"expected RINGZERO_WAIT=block or poll, got {wait!r}")
         self._wait = _waitall if wait == "block" else _poll   # block: inside MPI, GIL released
+        self._waitsome = _waitsome if wait == "block" else _poll_some
         self.pow2 = self.size & (self.size - 1) == 0
-        self.ledger = Ledger()
         self.scratch_growths = 0
         self._scratch = {}       # module name -> [uint8 array, uint8 array], grow-only
         self.staging = Staging()
         self._cuda_aware = None
         self._plans = OrderedDict()  # key -> Plan (LRU)
+        self.ledger = Ledger(self._plans.values())
         self._seen = set()           # keys met once: a plan is kept from the second call on
         self._broken = None
         self._orphans = []           # plans abandoned after an error (requests may be active)
         self._w, self._progress, self._hit = None, 0, None   # read by the stall inspector
+        self._wdone = None           # an MWAIT's done flags, for resolve()
         wg = MPI.COMM_WORLD.Get_group()
         self._world = MPI.Group.Translate_ranks(self.comm.Get_group(), list(range(self.size)), wg)
         WATCHDOG.add(self)
 
+    # ---- schedule knobs: setting one drops the id-keyed shortcut to kept plans
+    def _knob(name):
+        attr = "_" + name
+
+        def set_(self, v):
+            setattr(self, attr, int(v))
+            self._hot.clear()
+        return property(lambda self: getattr(self, attr), set_)
+
+    small_bytes = _knob("small_bytes")    # all_reduce at or below (power-of-two n): recursive doubling
+    tree_bytes = _knob("tree_bytes")      # at or below (power-of-two n): halving / doubling
+    seg_bytes = _knob("seg_bytes")        # the ring's pipeline segment
+    direct_bytes = _knob("direct_bytes")  # at or below (3 <= n <= DIRECT_RANKS): direct
+    del _knob
+
     def free(self):
         """Release the plans' requests and the communicator."""
         WATCHDOG.discard(self)
+        self._drop_plans()
+        self.comm.Free()
+
+    def _drop_plans(self):
         for p in self._plans.values():
+            self.ledger.fold(p)
             planmod.free_plan(p)
         self._plans.clear()
-        self.comm.Free()
+        self._hot.clear()
 
     # ---- public ops ------------------------------------------------------
     def all_reduce(self, buf, op: str = "sum"):
@@ -201,13 +264,26 @@ class Ring:
 
     # ---- dispatch: the cached plan, or check, build and maybe keep one ----
     def _call(self, name, send, recv, op):
+        # the hot path: these very objects ran before (the plan holds them, so
+        # their ids are theirs); the guard reads what an object can change in place
+        plan = self._hot.get((id(send), id(recv), name, op))
+        if plan is not None and self._broken is None:
+            g = plan.guard
+            if send.dtype is g[0] and send.shape == g[1] and recv.shape == g[2] \
+                    and (g[3] or recv.flags.writeable):
+                plan.runs += 1
+                self._run(plan)
+                return recv
+        return self._call_slow(name, send, recv, op)
+
+    def _call_slow(self, name, send, recv, op):
         if self._broken:
             raise RuntimeError(f"ring {name}: this Ring is unusable after an earlier error ({self._broken}); "
                                "HINT: make a new Ring")
         try:
             key = (name, op, type(send), send.dtype, send.shape, send.strides, _where(send),
                    type(recv), recv.shape, recv.strides, _where(recv),
-                   self.small_bytes, self.tree_bytes, self.seg_bytes)
+                   self._small_bytes, self._tree_bytes, self._seg_bytes, self._direct_bytes)
             plan = self._plans.get(key)
         except Exception:  # noqa: BLE001 (not an array MPI takes: _check says why)
             key = plan = None
@@ -222,56 +298,82 @@ class Ring:
             plan = planmod.build(self, name, xp, send, recv, self._schedule(name, send, recv),
                                  lambda nb: self._scr(xp, nb))
             plan.post = op == "avg"
+            plan.runs = 1
             if key in self._seen:
                 self._plans[key] = plan
                 if len(self._plans) > self.max_plans:
-                    planmod.free_plan(self._plans.popitem(last=False)[1])
+                    self._evict(self._plans.popitem(last=False)[1])
+                # the objects of this call are the plan's own (plan.keep holds them)
+                plan.hot = (id(send), id(recv), name, op)
+                plan.guard = (send.dtype, send.shape, recv.shape, xp is not np)
+                self._hot[plan.hot] = plan
             else:
                 if key is not None:
                     self._seen.add(key)
                 if len(self._seen) > 16 * self.max_plans:
                     self._seen.clear()
                 self._run(plan)
+                self.ledger.fold(plan)
                 planmod.free_plan(plan)
                 return recv
         else:
             self._plans.move_to_end(key)
+            plan.runs += 1
         self._run(plan)
         return recv
 
-    def _schedule(self, name, send, recv):
-        S = (recv if name == "all_gather" else send).nbytes
-        tree = self.pow2 and S <= self.tree_bytes
+    def _evict(self, plan):
+        self.ledger.fold(plan)
+        if plan.hot is not None:
+            self._hot.pop(plan.hot, None)
+        planmod.free_plan(plan)
+
+    def schedule(self, name: str, nbytes: int, length: int) -> str:
+        """The schedule a call of op `name` on S = nbytes (len = length) takes here.
+
+        direct  3 <= n <= DIRECT_RANKS and S <= direct_bytes (an all-reduce
+                also needs n | len): one round, the ring's summation order
+        rd      all-reduce, n a power of two, S <= small_bytes (and not direct)
+        tree    n a power of two and S <= tree_bytes (all-reduce: "rab", when n | len)
+        ring    otherwise
+        Reduce-scatter and all-reduce of one S always sum in the same order:
+        direct and ring share the ring's, rd/rab/tree the halving tree's, and
+        at n = 2 there is one pair to sum.
+        """
+        n = self.size
+        if 3 <= n <= DIRECT_RANKS and nbytes <= self._direct_bytes and (name != "all_reduce" or length % n == 0):
+            return "direct"
+        tree = self.pow2 and nbytes <= self._tree_bytes
         if name != "all_reduce":
             return "tree" if tree else "ring"
-        if tree and S <= self.small_bytes:
+        if tree and nbytes <= self._small_bytes:
             return "rd"
-        return "rab" if tree and len(send) % self.size == 0 else "ring"
+        return "rab" if tree and length % n == 0 else "ring"
+
+    def _schedule(self, name, send, recv):
+        big = recv if name == "all_gather" else send
+        return self.schedule(name, big.nbytes, len(send))
 
     def _run(self, plan):
-        """Run a plan's steps; the ledger counts what it posts."""
+        """Run a plan's steps (the caller counted the run in plan.runs)."""
         xp = plan.xp
         if xp is not np:
             sync(plan.keep[-1])  # a CuPy producer must be done before MPI reads the buffer
-        led = self.ledger._d[plan.name]
-        led["calls"] += 1
-        led["bytes_sent"] += plan.sent
-        led["bytes_recv"] += plan.recvd
-        led["messages"] += plan.msgs
+        wait = self._wait
         for st in plan.steps:
             kind = st[0]
-            if kind == START:
-                _startall(st[1])
-            elif kind == WAIT:
+            if kind == XCHG or kind == WAIT:
+                if kind == XCHG:
+                    _startall(st[1])
                 self._w = st[4]          # what we wait for, for the stall inspector
                 self._progress += 1
                 try:
-                    self._wait(st[1], st[2])
+                    wait(st[1], st[2])
                 except MPI.Exception as e:  # e.g. MPI_ERR_TRUNCATE: the peer sent more than we expect
                     self._w = None
                     self._fail(plan, st)
                     raise ValueError(f"ring {plan.name}: rank {self.rank} expected {st[3][0][1] if st[3] else 0} "
-                                     f"bytes from {self._who(st[4][1])}, got more ({e.Get_error_string()}); "
+                                     f"bytes from {self._who_of(st[4])}, got more ({e.Get_error_string()}); "
                                      "HINT: do all ranks pass the same length?") from None
                 self._w = None
                 if self._hit is not None:
@@ -281,16 +383,57 @@ class Ring:
                     if status.Get_count(_BYTE) != nb:
                         self._fail(plan, st)
                         raise ValueError(f"ring {plan.name}: rank {self.rank} expected {nb} bytes from "
-                                         f"{self._who(st[4][1])}, got {status.Get_count(_BYTE)}; "
+                                         f"{self._who(status.Get_source())}, got {status.Get_count(_BYTE)}; "
                                          "HINT: do all ranks pass the same length?")
             elif kind == ADD:
                 st[4](st[1], st[2], st[3])
+            elif kind == MWAIT:
+                self._mwait(plan, st)
+            elif kind == START:
+                _startall(st[1])
             else:
                 st[1][...] = st[2]
                 if xp is not np:
                     sync(st[1])
         if plan.post:
             self._avg(xp, plan.keep[-1])
+
+    def _mwait(self, plan, st):
+        """Waitsome until every request of an MWAIT step is done, marking each in st[5]."""
+        reqs, sts, expect, done = st[1], st[2], st[3], st[5]
+        left = len(reqs)
+        for i in range(left):
+            done[i] = 0
+        self._wdone = done
+        self._w = st[4]
+        waitsome = self._waitsome
+        while left:
+            self._progress += 1
+            try:
+                idx = waitsome(reqs, sts)
+            except MPI.Exception as e:
+                self._w = None
+                self._fail(plan, st)
+                raise ValueError(f"ring {plan.name}: rank {self.rank} got more bytes than it expects from one of "
+                                 f"{self._who_of(st[4])} ({e.Get_error_string()}); "
+                                 "HINT: do all ranks pass the same length?") from None
+            if self._hit is not None:
+                self._w = None
+                self._fail(plan, st)
+                raise TimeoutError(self.timeout_message(self._hit[0], self._hit[1]))
+            if idx is None:  # nothing active left
+                break
+            for k, i in enumerate(idx):  # sts[k] is the status of reqs[i]
+                done[i] = 1
+                nb = expect[i]
+                if nb is not None and sts[k].Get_count(_BYTE) != nb:
+                    self._w = None
+                    self._fail(plan, st)
+                    raise ValueError(f"ring {plan.name}: rank {self.rank} expected {nb} bytes from "
+                                     f"{self._who(st[4][1][i])}, got {sts[k].Get_count(_BYTE)}; "
+                                     "HINT: do all ranks pass the same length?")
+            left -= len(idx)
+        self._w = None
 
     # ---- checks (all before any message): checks.py ------------------------
     def _check(self, name, send, recv, op):
@@ -309,9 +452,7 @@ class Ring:
             cap = -(-max(nbytes, 2 * have[0].nbytes if have else 0, 4096) // 64) * 64  # any itemsize divides it
             self._scratch[key] = have = [xp.empty(cap, xp.uint8), xp.empty(cap, xp.uint8)]
             self.scratch_growths += 1
-            for p in self._plans.values():  # they hold views of the old scratch
-                planmod.free_plan(p)
-            self._plans.clear()
+            self._drop_plans()  # they hold views of the old scratch
         return have
 
     @staticmethod
@@ -341,19 +482,48 @@ class Ring:
         w = self._world[peer]
         return f"rank {peer}" if w == peer or w == MPI.UNDEFINED else f"rank {peer} (world rank {w})"
 
+    def _who_of(self, w):
+        return self._who(w[1]) if not isinstance(w[1], tuple) else "ranks " + ", ".join(map(str, w[1]))
+
+    def resolve(self, w):
+        """A wait on several peers (an MWAIT) narrowed to the requests not yet done.
+
+        Called by the stall inspector, on its own thread, once a wait has
+        stalled: the flags it reads are the ones _mwait set for this wait.
+        """
+        if not isinstance(w[1], tuple):
+            return w
+        done = self._wdone
+        left = [(p, d) for i, (p, d) in enumerate(zip(w[1], w[2])) if done is None or not done[i]]
+        if len(left) == 1:
+            return (w[0], left[0][0], left[0][1], w[3])
+        return (w[0], tuple(p for p, _ in left) or w[1], tuple(d for _, d in left) or w[2], w[3])
+
+    def _waiting_for(self, w):
+        if not isinstance(w[1], tuple):
+            what = "a message from" if w[2] == "recv" else "a send to be taken by"
+            return f"{what} {self._who(w[1])}", f"rank {w[1]}"
+        parts = []
+        for d, what in (("recv", "messages from"), ("send", "sends to be taken by")):
+            ps = sorted({p for p, x in zip(w[1], w[2]) if x == d})
+            if ps:
+                parts.append(f"{what} {', '.join(self._who(p) for p in ps)}")
+        peers = sorted(set(w[1]))
+        return " and ".join(parts), ("rank " if len(peers) == 1 else "each of ranks ") + ", ".join(map(str, peers))
+
     def stall_line(self, w, stalled):
         ctx = get_context()
-        what = "a message from" if w[2] == "recv" else "a send to be taken by"
+        waiting, _ = self._waiting_for(w)
         return (f"ringzero | rank {self._world[self.rank]}: {w[0]} has made no progress for {stalled:.3g} s"
-                f"{' at ' + ctx if ctx else ''}, waiting for {what} {self._who(w[1])} "
+                f"{' at ' + ctx if ctx else ''}, waiting for {waiting} "
                 f"(warning after RINGZERO_STALL_WARN={self.stall_warn:g} s; error at RINGZERO_TIMEOUT="
                 f"{self.timeout:g} s)")
 
     def timeout_message(self, w, stalled):
         ctx = get_context()
-        what = "a message from" if w[2] == "recv" else "a send to be taken by"
-        return (f"ring {w[0]}{' at ' + ctx if ctx else ''}: rank {self.rank} waited {self.timeout:g} s for {what} "
-                f"{self._who(w[1])}; is rank {w[1]} in the same call? (RINGZERO_TIMEOUT sets the limit)")
+        waiting, peers = self._waiting_for(w)
+        return (f"ring {w[0]}{' at ' + ctx if ctx else ''}: rank {self.rank} waited {self.timeout:g} s for "
+                f"{waiting}; is {peers} in the same call? (RINGZERO_TIMEOUT sets the limit)")
 
     def _fail(self, plan, step):
         """Mark the Ring broken; cancel what the plan left in flight up to `step`; keep its buffers alive."""
@@ -361,9 +531,9 @@ class Ring:
         i = next(k for k, st in enumerate(plan.steps) if st is step)
         active = []
         for st in plan.steps[:i + 1]:
-            if st[0] == START:
+            if st[0] == START or st[0] == XCHG:
                 active += st[1]
-            elif st[0] == WAIT:
+            if st[0] in (WAIT, MWAIT, XCHG):  # waited for (the failing wait: done or cancelled already)
                 active = [q for q in active if all(q is not d for d in st[1])]
         for q in active:
             try:
@@ -371,7 +541,11 @@ class Ring:
             except MPI.Exception:
                 pass
         self._orphans.append(plan)
-        self._plans.clear()  # kept plans may share the abandoned scratch
+        for p in self._plans.values():  # kept plans may share the abandoned scratch
+            self.ledger.fold(p)
+        self._plans.clear()
+        self._hot.clear()
+        self.ledger.fold(plan)
 
     # ---- CuPy -----------------------------------------------------------------
     def _device_direct(self) -> bool:

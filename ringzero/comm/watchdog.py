@@ -4,7 +4,9 @@ What it is
     A Ring waits inside MPI (``Request.Waitall``, which releases the GIL), so
     no Python code runs on that thread until the wait ends. Before each wait
     the Ring stores what it waits for in ``ring._w = (op, peer, "recv"|"send",
-    requests)`` and bumps ``ring._progress``; this thread samples both every
+    requests)`` (a wait on several peers: a peer and a direction per request,
+    narrowed by ``ring.resolve`` to the requests still open once it stalls)
+    and bumps ``ring._progress``; this thread samples both every
     ``period`` seconds. The same (wait, progress) seen for
 
     - ``stall_warn`` seconds (RINGZERO_STALL_WARN, default 60): the rank
@@ -102,10 +104,10 @@ class _Watchdog:
             stalled = now - st[2]
             if not st[3] and 0 < ring.stall_warn <= stalled < ring.timeout:
                 st[3] = True
-                _say(ring.stall_line(w, stalled))
+                _say(ring.stall_line(ring.resolve(w), stalled))
             if stalled >= ring.timeout and st[4] is None:
                 st[4] = now
-                ring._hit = (w, stalled)
+                ring._hit = (ring.resolve(w), stalled)
                 for q in w[3]:
                     try:
                         q.Cancel()

@@ -4,9 +4,15 @@ What it is
     For each size S (the whole array, bytes) from -b to -e by factor -f, and
     each op, it times the hand-written Ring and the MPI library's own
     collective (Allreduce / Reduce_scatter_block / Allgather) on the same
-    buffers, interleaving the two iteration by iteration so that noise hits
-    both alike. A time is the median over iterations of the slowest rank's
-    time (a barrier starts each iteration). As in nccl-tests,
+    buffers, in alternating blocks (``time_blocks``): each block is a barrier,
+    one untimed lead-in call, a barrier, then back-to-back calls of ONE
+    implementation timed as a loop, as nccl-tests and the OSU benchmarks do.
+    A time is the median over blocks of the slowest rank's loop time per
+    call. Alternating blocks lets noise hit both alike; timing each call
+    right after the other implementation's would not be fair: with ranks
+    sharing cores, a call that follows Open MPI's collective pays for work
+    that collective left behind (docs/collectives.md, "How the bench
+    times"). As in nccl-tests,
 
         algbw = S / time
         busbw = algbw * 2(n-1)/n   all_reduce
@@ -178,6 +184,39 @@ class _Case:
         return wrong
 
 
+def time_blocks(comm, fns: dict, calls: int, sync=None, rounds: int = 5):
+    """Per-call time of each fns[name]() in seconds: {name: array over blocks}, the slowest rank's.
+
+    `calls` timed calls per implementation, in `rounds` blocks (fewer when
+    calls < rounds); the implementations' blocks alternate, the first one
+    rotating. A block: Barrier, one untimed lead-in call (it absorbs what the
+    previous block left in flight), Barrier, then the loop, timed on each rank
+    without a closing barrier. `sync()` (a device stream) ends each call.
+    """
+    from mpi4py import MPI
+    names = list(fns)
+    rounds = max(1, min(rounds, calls))
+    block = max(1, calls // rounds)
+    times = np.zeros((len(names), rounds))
+    for i in range(rounds):
+        order = names[i % len(names):] + names[:i % len(names)]
+        for name in order:
+            fn = fns[name]
+            comm.Barrier()
+            fn()
+            if sync is not None:
+                sync()
+            comm.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(block):
+                fn()
+                if sync is not None:
+                    sync()
+            times[names.index(name), i] = (time.perf_counter() - t0) / block
+    comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
+    return {name: times[k] for k, name in enumerate(names)}
+
+
 def copy_refs(xp, sizes, iters=20) -> list:
     """Physical references on one GPU: device->device memcpy, pinned host<->device copies (GB/s).
 
@@ -270,19 +309,11 @@ def run_coll(args, comm) -> list:
                 fns[which]()
             probe = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
             iters = max(3, min(args.iters, int(args.max_seconds / max(probe, 1e-9))))
-            times = np.zeros((len(impls), iters))
-            for i in range(iters):
-                for k, which in enumerate(impls):
-                    comm.Barrier()
-                    t0 = time.perf_counter()
-                    fns[which]()
-                    if xp is not np:
-                        xp.cuda.get_current_stream().synchronize()
-                    times[k, i] = time.perf_counter() - t0
-            comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)  # the slowest rank's time per iteration
+            sync = None if xp is np else xp.cuda.get_current_stream().synchronize
+            times = time_blocks(comm, {which: fns[which] for which in impls}, iters, sync)
             res = {}
-            for k, which in enumerate(impls):
-                t = float(np.median(times[k]))
+            for which in impls:
+                t = float(np.median(times[which]))
                 alg = nbytes / t / 1e9
                 res[which] = dict(op=op, impl=which, n=n, bytes=nbytes, count=count, dtype=dtype.name,
                                   redop=args.redop, time_us=round(t * 1e6, 2), algbw_GBps=round(alg, 4),

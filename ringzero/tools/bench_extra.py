@@ -46,43 +46,43 @@ def sched_parser() -> argparse.ArgumentParser:
 
 
 # (small_bytes, tree_bytes) that force each schedule
-_FORCE = {"ring": (0, 0), "rd": (1 << 62, 1 << 62), "tree": (0, 1 << 62)}
+# (small_bytes, tree_bytes, direct_bytes) that force each schedule
+_FORCE = {"ring": (0, 0, 0), "rd": (1 << 62, 1 << 62, 0), "tree": (0, 1 << 62, 0), "direct": (0, 0, 1 << 62)}
 
 
 def run_sched(args, comm) -> list:
     """Median time of each schedule per op and size; rank 0 prints, best marked with *."""
     from mpi4py import MPI
 
-    from ringzero.comm.ring import Ring
-    from ringzero.tools.bench import _Case, _dtype, human
+    from ringzero.comm.ring import DIRECT_RANKS, Ring
+    from ringzero.tools.bench import _Case, _dtype, human, time_blocks
     n, rank = comm.size, comm.rank
     dtype = _dtype(args.dtype)
-    ring = Ring(comm)
+    rings = {}
     pow2 = n & (n - 1) == 0
-    variants = {"all_reduce": ["ring", "rd", "tree"], "reduce_scatter": ["ring", "tree"],
-                "all_gather": ["ring", "tree"]}
+    variants = {"all_reduce": ["ring", "rd", "tree", "direct"], "reduce_scatter": ["ring", "tree", "direct"],
+                "all_gather": ["ring", "tree", "direct"]}
     rows = []
     if rank == 0:
-        print(f"# ringzero.bench sched: n={n} dtype={dtype.name}; time per call in us "
-              "(rd: recursive doubling; tree: halving RS / doubling AG; * fastest)")
+        print(f"# ringzero.bench sched: n={n} dtype={dtype.name}; time per call in us, alternating blocks "
+              "(rd: recursive doubling; tree: halving RS / doubling AG; direct: one round; * fastest)")
     for op, names in variants.items():
-        names = names if pow2 else ["ring"]
+        names = [x for x in names if (pow2 or x not in ("rd", "tree")) and (3 <= n <= DIRECT_RANKS or x != "direct")]
         S = args.minbytes
         while S <= args.maxbytes:
             count = max(n, S // dtype.itemsize) // n * n
-            case = _Case(op, ring, comm, np, dtype, count, False)
+            fns = {}
+            for name in names:  # one Ring per schedule, its knobs set once
+                if name not in rings:
+                    rings[name] = Ring(comm)
+                    rings[name].small_bytes, rings[name].tree_bytes, rings[name].direct_bytes = _FORCE[name]
+                fns[name] = _Case(op, rings[name], comm, np, dtype, count, False).ring
             impls = names + ["mpi"]
-            times = np.zeros((len(impls), args.iters + 2))
-            for i in range(args.iters + 2):
-                for k, name in enumerate(impls):
-                    if name != "mpi":
-                        ring.small_bytes, ring.tree_bytes = _FORCE[name]
-                    comm.Barrier()
-                    t0 = time.perf_counter()
-                    (case.mpi if name == "mpi" else case.ring)()
-                    times[k, i] = time.perf_counter() - t0
-            comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
-            med = {name: float(np.median(times[k, 2:])) * 1e6 for k, name in enumerate(impls)}
+            fns["mpi"] = _Case(op, rings[names[0]], comm, np, dtype, count, False).mpi
+            for f in fns.values():
+                f()
+            times = time_blocks(comm, fns, args.iters)
+            med = {name: float(np.median(times[name])) * 1e6 for name in impls}
             best = min(names, key=med.get)
             for name in impls:
                 rows.append(dict(op=op, impl=name, n=n, bytes=count * dtype.itemsize, dtype=dtype.name,
@@ -94,7 +94,8 @@ def run_sched(args, comm) -> list:
     if args.json and rank == 0:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "meta": dict(n=n, dtype=dtype.name, kind="sched")}, f, indent=1)
-    ring.free()
+    for ring in rings.values():
+        ring.free()
     return [dict(r, wrong=0) for r in rows]
 
 
@@ -126,14 +127,8 @@ def run_dtypes(args, comm) -> list:
     for _ in range(args.warmup_iters):
         for c in cases:
             c.ring()
-    times = np.zeros((len(cases), args.iters))
-    for i in range(args.iters):
-        for k, c in enumerate(cases):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            c.ring()
-            times[k, i] = time.perf_counter() - t0
-    comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
+    from ringzero.tools.bench import time_blocks
+    times = time_blocks(comm, {k: c.ring for k, c in enumerate(cases)}, args.iters)
     rows = []
     for k, dt in enumerate(dts):
         t = float(np.median(times[k]))
