@@ -118,12 +118,22 @@ class _Builder:
         return [(a, min(a + seg, length)) for a in range(0, length, seg)]
 
     # ---- latency schedules (n a power of two) ------------------------------
-    def exchange(self, sendbuf, recvbuf, peer):
-        """One START + WAIT pair with `peer`, as a single XCHG step."""
-        rq, sq = self.recv(recvbuf, peer), self.send(sendbuf, peer)
-        sts = [MPI.Status(), MPI.Status()]
-        self.p.steps.append((XCHG, [rq, sq], sts, ((sts[0], recvbuf.nbytes),),
-                             (self.p.name, peer, "recv", [rq, sq])))
+    def exchange(self, sendbuf, recvbuf, peer, piece=0):
+        """One START + WAIT pair with `peer`, as a single XCHG step.
+
+        piece > 0: a buffer of up to 4 pieces is cut into messages of at most
+        `piece` bytes, so that a buffer just above the MPI's eager limit goes
+        as eager messages instead of paying a rendezvous round trip.
+        """
+        isz, L = sendbuf.itemsize, len(sendbuf)
+        k = -(-sendbuf.nbytes // piece) if 0 < piece < sendbuf.nbytes <= 4 * piece else 1  # messages, cut evenly
+        step = max(1, -(-L // k))
+        cuts = [(a, min(a + step, L)) for a in range(0, L, step)] or [(0, 0)]
+        rqs = [self.recv(recvbuf[a:e], peer) for a, e in cuts]
+        sqs = [self.send(sendbuf[a:e], peer) for a, e in cuts]
+        sts = [MPI.Status() for _ in rqs + sqs]
+        checks = tuple((sts[i], (e - a) * isz) for i, (a, e) in enumerate(cuts))
+        self.p.steps.append((XCHG, rqs + sqs, sts, checks, (self.p.name, peer, "recv", rqs + sqs)))
 
     def wait_many(self, recvs, sends):
         """One MWAIT on every (peer, req, nbytes) of recvs and (peer, req) of sends."""
@@ -141,7 +151,7 @@ class _Builder:
         """Recursive doubling, partners r^(n/2), ..., r^1: the halving RS's tree."""
         d = self.n >> 1
         while d:
-            self.exchange(buf, tmp, self.r ^ d)
+            self.exchange(buf, tmp, self.r ^ d, self.ring.eager_bytes)
             self.add(buf, tmp, buf)
             d >>= 1
 

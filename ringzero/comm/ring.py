@@ -82,7 +82,10 @@ from ringzero.comm.watchdog import WATCHDOG, get_context, set_context
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 # Measured with `python -m ringzero.bench`, see docs/collectives.md.
-SMALL_BYTES = 256 * 1024   # all_reduce at or below: recursive doubling (power-of-two n)
+SMALL_BYTES = 256 * 1024   # all_reduce at or below: recursive doubling (power-of-two n > 2)
+SMALL_BYTES_2 = 8 * 1024   # the same at n = 2, where halving + doubling wins from 16 KiB
+EAGER_BYTES = 4000         # recursive doubling cuts its buffer evenly into messages of at most this:
+                           # Open MPI's shared-memory eager limit is 4096 bytes, header included
 TREE_BYTES = 16 << 20      # at or below: halving/doubling (power-of-two n); above: the ring
 SEG_BYTES = 1 << 20
 DIRECT_BYTES = 4 << 20     # at or below, for 3 <= n <= DIRECT_RANKS: the direct schedule
@@ -182,7 +185,8 @@ class Ring:
         self.stall_warn = _env_float("RINGZERO_STALL_WARN", 60) if stall_warn is None else float(stall_warn)
         self.grace = max(2.0, min(30.0, self.timeout / 4))  # then abort a wait MPI could not cancel
         self._hot = {}               # (id(send), id(recv), op name, op) -> kept Plan holding those objects
-        self._small_bytes = int(os.environ.get("RINGZERO_SMALL_BYTES", SMALL_BYTES))
+        self._small_bytes = int(os.environ.get("RINGZERO_SMALL_BYTES", SMALL_BYTES_2 if self.size == 2 else SMALL_BYTES))
+        self._eager_bytes = int(os.environ.get("RINGZERO_EAGER_BYTES", EAGER_BYTES))
         self._tree_bytes = int(os.environ.get("RINGZERO_TREE_BYTES", TREE_BYTES))
         self._seg_bytes = max(64, int(os.environ.get("RINGZERO_SEG_BYTES", SEG_BYTES)))
         self._direct_bytes = int(os.environ.get("RINGZERO_DIRECT_BYTES", DIRECT_BYTES))
@@ -221,6 +225,7 @@ class Ring:
     tree_bytes = _knob("tree_bytes")      # at or below (power-of-two n): halving / doubling
     seg_bytes = _knob("seg_bytes")        # the ring's pipeline segment
     direct_bytes = _knob("direct_bytes")  # at or below (3 <= n <= DIRECT_RANKS): direct
+    eager_bytes = _knob("eager_bytes")    # recursive doubling's largest message (up to 4 of them)
     del _knob
 
     def free(self):
@@ -236,7 +241,7 @@ class Ring:
         self._plans.clear()
         self._hot.clear()
 
-    # ---- public ops ------------------------------------------------------
+    # ---- public ops (each opens with the hot path, see _call) ------------
     def all_reduce(self, buf, op: str = "sum"):
         """Sum (op="sum") or mean (op="avg") of `buf` over the ranks, in place; returns buf.
 
@@ -244,7 +249,15 @@ class Ring:
         (the same on every rank). Bitwise equal on every rank, and for len(buf)
         divisible by n bitwise equal to reduce_scatter then all_gather.
         """
-        return self._call("all_reduce", buf, buf, op)
+        plan = self._hot.get((id(buf), id(buf), "all_reduce", op))
+        if plan is not None:  # the hot path (_guard, inlined)
+            g = plan.guard
+            if self._broken is None and buf.dtype is g[0] and buf.shape == g[1] and buf.shape == g[2] \
+                    and (g[3] or buf.flags.writeable):
+                plan.runs += 1
+                self._run(plan)
+                return buf
+        return self._call_slow("all_reduce", buf, buf, op)
 
     def reduce_scatter(self, send, recv, op: str = "sum"):
         """recv = block `rank` of the sum (or mean) over ranks of send; returns recv.
@@ -252,7 +265,15 @@ class Ring:
         len(send) == n * len(recv); recv may be send[rank*m:(rank+1)*m] (in
         place); send is left unchanged otherwise.
         """
-        return self._call("reduce_scatter", send, recv, op)
+        plan = self._hot.get((id(send), id(recv), "reduce_scatter", op))
+        if plan is not None:  # the hot path (_guard, inlined)
+            g = plan.guard
+            if self._broken is None and send.dtype is g[0] and send.shape == g[1] and recv.shape == g[2] \
+                    and (g[3] or recv.flags.writeable):
+                plan.runs += 1
+                self._run(plan)
+                return recv
+        return self._call_slow("reduce_scatter", send, recv, op)
 
     def all_gather(self, send, recv):
         """recv = the concatenation of every rank's send, in rank order; returns recv.
@@ -260,21 +281,37 @@ class Ring:
         len(recv) == n * len(send); send may be recv[rank*m:(rank+1)*m] (in
         place: no local copy).
         """
-        return self._call("all_gather", send, recv, "sum")
-
-    # ---- dispatch: the cached plan, or check, build and maybe keep one ----
-    def _call(self, name, send, recv, op):
-        # the hot path: these very objects ran before (the plan holds them, so
-        # their ids are theirs); the guard reads what an object can change in place
-        plan = self._hot.get((id(send), id(recv), name, op))
-        if plan is not None and self._broken is None:
+        plan = self._hot.get((id(send), id(recv), "all_gather", "sum"))
+        if plan is not None:  # the hot path (_guard, inlined)
             g = plan.guard
-            if send.dtype is g[0] and send.shape == g[1] and recv.shape == g[2] \
+            if self._broken is None and send.dtype is g[0] and send.shape == g[1] and recv.shape == g[2] \
                     and (g[3] or recv.flags.writeable):
                 plan.runs += 1
                 self._run(plan)
                 return recv
+        return self._call_slow("all_gather", send, recv, "sum")
+
+    # ---- dispatch: the cached plan, or check, build and maybe keep one ----
+    def _call(self, name, send, recv, op):
+        plan = self._hot.get((id(send), id(recv), name, op))
+        if plan is not None and self._guard(plan, send, recv):
+            return recv
         return self._call_slow(name, send, recv, op)
+
+    def _guard(self, plan, send, recv):
+        """The hot path: run `plan` if these very objects still are what it was built for.
+
+        The objects ran before and the plan holds them, so their ids are
+        theirs; the guard reads what an array can change in place (dtype,
+        shape, writeable). False: nothing ran, take the slow path.
+        """
+        g = plan.guard
+        if self._broken is None and send.dtype is g[0] and send.shape == g[1] and recv.shape == g[2] \
+                and (g[3] or recv.flags.writeable):
+            plan.runs += 1
+            self._run(plan)
+            return True
+        return False
 
     def _call_slow(self, name, send, recv, op):
         if self._broken:
@@ -283,7 +320,7 @@ class Ring:
         try:
             key = (name, op, type(send), send.dtype, send.shape, send.strides, _where(send),
                    type(recv), recv.shape, recv.strides, _where(recv),
-                   self._small_bytes, self._tree_bytes, self._seg_bytes, self._direct_bytes)
+                   self._small_bytes, self._tree_bytes, self._seg_bytes, self._direct_bytes, self._eager_bytes)
             plan = self._plans.get(key)
         except Exception:  # noqa: BLE001 (not an array MPI takes: _check says why)
             key = plan = None
@@ -364,7 +401,7 @@ class Ring:
             kind = st[0]
             if kind == XCHG or kind == WAIT:
                 if kind == XCHG:
-                    _startall(st[1])
+                    _startall(st[1])  # noqa: E701
                 self._w = st[4]          # what we wait for, for the stall inspector
                 self._progress += 1
                 try:
