@@ -1,20 +1,27 @@
 """An older Ring against this one and the MPI library, interleaved call by call in ONE run.
 
-    git archive 16b42e7 | (mkdir -p /tmp/ring_old && tar -x -C /tmp/ring_old)
-    mpirun -n 4 python -m mpi4py benchmarks/ring_before_after.py /tmp/ring_old 3
+    git archive db3d859 ringzero/comm | tar -x -C /tmp/prev && mv /tmp/prev/ringzero /tmp/prev/ringzero_prev \
+      && touch /tmp/prev/ringzero_prev/__init__.py && sed -i 's/ringzero\.comm/ringzero_prev.comm/g' /tmp/prev/ringzero_prev/comm/*.py \
+      && cp ringzero/comm/_f16*.so /tmp/prev/ringzero_prev/comm/
+    mpirun -n 4 python -m mpi4py benchmarks/ring_before_after.py /tmp/prev 3
 
-For each op and size S (float32, 4 KiB to 64 MiB by 4): per iteration, a barrier
-then each of the three (old Ring, new Ring, MPI), rotating who goes first; time =
-median over iterations of the slowest rank; about BUDGET seconds per row. Prints
-MPI time / Ring time for old and new, i.e. busbw Ring/MPI (on a loaded machine the
-only figure that means anything is a ratio taken side by side like this).
+(The older comm package is loaded whole as ``ringzero_prev``: its ring.py needs its own
+plan.py. For a tree from before plan.py existed the same commands work.)
+
+For each op and size S (float32, 4 KiB to 64 MiB by 4): the three (old Ring, new
+Ring, MPI) timed in alternating blocks (ringzero.tools.bench.time_blocks); time =
+median over rounds of the slowest rank; about BUDGET seconds per row. Prints MPI
+time / Ring time for old and new, the median of the ratios within each round, i.e.
+busbw Ring/MPI (on a loaded machine the only figure that means anything is a ratio
+taken side by side like this).
 """
 import importlib.util, sys, time
 import numpy as np
 from mpi4py import MPI
-spec = importlib.util.spec_from_file_location("ring_old", sys.argv[1] + "/ringzero/comm/ring.py")
-old = importlib.util.module_from_spec(spec); spec.loader.exec_module(old)
+sys.path.insert(0, sys.argv[1])
+import ringzero_prev.comm.ring as old
 from ringzero.comm.ring import Ring
+from ringzero.tools.bench import paired_ratio, time_blocks
 comm = MPI.COMM_WORLD; n, r = comm.size, comm.rank
 rings = {"old": old.Ring(comm), "new": Ring(comm)}
 sizes = [4096 * 4 ** k for k in range(8)]
@@ -45,12 +52,9 @@ for op in ("all_reduce", "reduce_scatter", "all_gather"):
         for f in fns.values(): f()
         probe = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
         iters = int(max(15, min(400, budget / max(probe, 1e-9))))
-        order = list(fns); T = {k: [] for k in fns}
-        for it in range(iters):
-            for k in order[it % 3:] + order[:it % 3]:
-                comm.Barrier(); t = time.perf_counter(); fns[k](); T[k].append(time.perf_counter() - t)
-        arr = np.array([T[k] for k in order]); comm.Allreduce(MPI.IN_PLACE, arr, op=MPI.MAX)
-        med = {k: float(np.median(arr[i])) for i, k in enumerate(order)}
+        T = time_blocks(comm, fns, iters)   # alternating blocks, as python -m ringzero.bench
+        med = {k: float(np.median(v)) for k, v in T.items()}
         if r == 0:
             print(f"{op:>14} {S:>9} iters={iters:>4} old={med['old']*1e6:10.1f}us new={med['new']*1e6:10.1f}us "
-                  f"mpi={med['mpi']*1e6:10.1f}us  ratio old={med['mpi']/med['old']:.2f} new={med['mpi']/med['new']:.2f}", flush=True)
+                  f"mpi={med['mpi']*1e6:10.1f}us  ratio old={paired_ratio(T['mpi'], T['old']):.2f} "
+                  f"new={paired_ratio(T['mpi'], T['new']):.2f}", flush=True)

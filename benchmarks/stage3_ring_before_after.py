@@ -1,9 +1,12 @@
 """Stage-3 engine step on an older Ring against this one, interleaved in one run.
 
-    git archive 16b42e7 | (mkdir -p /tmp/ring_old && tar -x -C /tmp/ring_old)
-    mpirun -n 4 python -m mpi4py benchmarks/stage3_ring_before_after.py /tmp/ring_old 20
+    git archive db3d859 ringzero/comm | tar -x -C /tmp/prev && mv /tmp/prev/ringzero /tmp/prev/ringzero_prev \
+      && touch /tmp/prev/ringzero_prev/__init__.py && sed -i 's/ringzero\.comm/ringzero_prev.comm/g' /tmp/prev/ringzero_prev/comm/*.py \
+      && cp ringzero/comm/_f16*.so /tmp/prev/ringzero_prev/comm/
+    mpirun -n 4 python -m mpi4py benchmarks/stage3_ring_before_after.py /tmp/prev 20
 
-Two engines with the same weights; engine A gets the old Ring, engine B the new one.
+The older comm package is loaded whole as ``ringzero_prev`` (its ring.py needs its own
+plan.py). Two engines with the same weights; engine A gets the old Ring, engine B the new one.
 Steps alternate (rotating who goes first); each step's time is the slowest rank's, and the
 time spent inside Ring calls on each rank (max over ranks) gives the communication share.
 """
@@ -13,8 +16,8 @@ from mpi4py import MPI
 from ringzero.app.data import Batches
 from ringzero.nn.gpt import GPT, GPTConfig
 from ringzero.runtime.zero import Zero
-spec = importlib.util.spec_from_file_location("ring_old", sys.argv[1] + "/ringzero/comm/ring.py")
-old = importlib.util.module_from_spec(spec); spec.loader.exec_module(old)
+sys.path.insert(0, sys.argv[1])
+import ringzero_prev.comm.ring as old
 comm = MPI.COMM_WORLD
 L, C, T, B, iters = 4, 256, 128, 8, int(sys.argv[2]) if len(sys.argv) > 2 else 20
 data = np.random.default_rng(0).integers(0, 256, 1 << 20).astype(np.uint8)
@@ -23,7 +26,9 @@ engs = {}
 for name in ("old", "new"):
     e = Zero(GPT(GPTConfig(L, 4, C, T, 256)), comm, "3", seed=1)
     if name == "old":
-        e.ring.free(); e.ring = old.Ring(e.shard_comm)
+        mine = e.topology.ring   # the engine and its workspace reach the ring through the topology
+        e.topology.ring = e.ring = old.Ring(mine.comm)
+        mine.free()
     engs[name] = e
 commt = {k: 0.0 for k in engs}
 def wrap(name, ring):
@@ -44,10 +49,12 @@ for it in range(3 + iters):
         dt, c = comm.allreduce(dt, op=MPI.MAX), comm.allreduce(commt[k], op=MPI.MAX)
         if it >= 3: times[k].append(dt); shares[k].append(c)
         losses.setdefault(k, []).append(res.loss)
-assert losses["old"] == losses["new"], (losses["old"][:3], losses["new"][:3])  # same weights and batches: bitwise
+# same weights and batches: equal when both Rings sum in the same order, else within rounding
+dloss = max(abs(a - b) for a, b in zip(losses["old"], losses["new"]))
 if comm.rank == 0:
     mo, mn = np.median(times["old"]), np.median(times["new"])
-    print(f"stage 3, GPT {L}L {C}C T={T} batch {B}/rank, n={comm.size}, {iters} steps each, interleaved; losses bitwise equal")
+    print(f"stage 3, GPT {L}L {C}C T={T} batch {B}/rank, n={comm.size}, {iters} steps each, interleaved; "
+          f"largest loss difference {dloss:.3g}")
     for k in engs:
         print(f"  {k:>4} Ring: median step {np.median(times[k])*1e3:8.1f} ms, in Ring calls (slowest rank) "
               f"{np.median(shares[k])*1e3:8.1f} ms = {np.median(shares[k])/np.median(times[k]):.0%}")

@@ -195,7 +195,7 @@ class _Builder:
         Rank r sends block p of src to rank p (every p != r) and receives block
         r of every other rank into tmp, slot k-1 holding rank (r+k) % n's. The
         sum is the ring's: ((x[r+1] + x[r+2]) + ...) + x[r], so "direct" and
-        "ring" give the same bits. Each add runs as soon as its operand is in.
+        "ring" give the same bits.
         """
         n, r = self.n, self.r
         b = off[r + 1] - off[r]
@@ -203,15 +203,15 @@ class _Builder:
         sends = [(p, self.send(src[off[p]:off[p + 1]], p)) for p in ((r - k) % n for k in range(1, n))]
         self.start([q for _, q in recvs] + [q for _, q in sends])
         own, isz = src[off[r]:off[r + 1]], src.itemsize
+        # one wait on everything, then the adds: with ranks sharing cores this
+        # beat waiting peer by peer to overlap each add (4-10 %, bench sched)
+        self.wait_many([(p, q, b * isz) for p, q in recvs], sends)
         acc = tmp[:b]
-        for k, (p, q) in enumerate(recvs, start=1):
-            self.wait([q], p, [b * isz])
-            if k > 1:  # slot k-1 = acc + x[r+k]: the ring adds in this order too
-                nxt = tmp[(k - 1) * b:k * b]
-                self.add(acc, nxt, nxt)
-                acc = nxt
+        for k in range(2, n):  # slot k-1 = acc + x[r+k]: the ring adds in this order too
+            nxt = tmp[(k - 1) * b:k * b]
+            self.add(acc, nxt, nxt)
+            acc = nxt
         self.add(acc, own, out)
-        self.wait_many([], sends)
 
     def direct_ag(self, buf, m, send=None):
         """Every block of buf from its owner in ONE round: n-1 receives and n-1 sends, one wait.

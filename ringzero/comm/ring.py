@@ -451,9 +451,10 @@ class Ring:
             except MPI.Exception as e:
                 self._w = None
                 self._fail(plan, st)
-                raise ValueError(f"ring {plan.name}: rank {self.rank} got more bytes than it expects from one of "
-                                 f"{self._who_of(st[4])} ({e.Get_error_string()}); "
-                                 "HINT: do all ranks pass the same length?") from None
+                peers = sorted({p for p, nb in zip(st[4][1], expect) if nb is not None})
+                raise ValueError(f"ring {plan.name}: rank {self.rank} expected {max(x or 0 for x in expect)} bytes "
+                                 f"from each of ranks {', '.join(map(str, peers))}, got more from one of them "
+                                 f"({e.Get_error_string()}); HINT: do all ranks pass the same length?") from None
             if self._hit is not None:
                 self._w = None
                 self._fail(plan, st)
@@ -520,7 +521,7 @@ class Ring:
         return f"rank {peer}" if w == peer or w == MPI.UNDEFINED else f"rank {peer} (world rank {w})"
 
     def _who_of(self, w):
-        return self._who(w[1]) if not isinstance(w[1], tuple) else "ranks " + ", ".join(map(str, w[1]))
+        return self._who(w[1]) if not isinstance(w[1], tuple) else "ranks " + ", ".join(map(str, sorted(set(w[1]))))
 
     def resolve(self, w):
         """A wait on several peers (an MWAIT) narrowed to the requests not yet done.
@@ -532,8 +533,8 @@ class Ring:
             return w
         done = self._wdone
         left = [(p, d) for i, (p, d) in enumerate(zip(w[1], w[2])) if done is None or not done[i]]
-        if len(left) == 1:
-            return (w[0], left[0][0], left[0][1], w[3])
+        if len({p for p, _ in left}) == 1:  # one peer: what a WAIT on it would say
+            return (w[0], left[0][0], "recv" if any(d == "recv" for _, d in left) else "send", w[3])
         return (w[0], tuple(p for p, _ in left) or w[1], tuple(d for _, d in left) or w[2], w[3])
 
     def _waiting_for(self, w):

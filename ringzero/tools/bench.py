@@ -8,7 +8,8 @@ What it is
     one untimed lead-in call, a barrier, then back-to-back calls of ONE
     implementation timed as a loop, as nccl-tests and the OSU benchmarks do.
     A time is the median over blocks of the slowest rank's loop time per
-    call. Alternating blocks lets noise hit both alike; timing each call
+    call; the ratio column is the median over rounds of the ratio within each
+    round (``paired_ratio``). Alternating blocks lets noise hit both alike; timing each call
     right after the other implementation's would not be fair: with ranks
     sharing cores, a call that follows Open MPI's collective pays for work
     that collective left behind (docs/collectives.md, "How the bench
@@ -22,7 +23,8 @@ What it is
     exact in any order, and #wrong counts wrong elements over all ranks.
     Only rank 0 prints. ``--json FILE`` writes {"rows": [...], "meta": {...}};
     each row is {"op", "impl" ("ring"|"mpi"), "n", "bytes", "count", "dtype",
-    "redop", "time_us", "algbw_GBps", "busbw_GBps", "wrong"}.
+    "redop", "time_us", "algbw_GBps", "busbw_GBps", "wrong"}, and the ring row
+    also "busbw_ratio" (the printed ratio column).
 
     --device cuda: when MPI is not CUDA-aware both sides stage (device ->
     pinned host, collective, host -> device), so the ratio compares like with
@@ -184,18 +186,19 @@ class _Case:
         return wrong
 
 
-def time_blocks(comm, fns: dict, calls: int, sync=None, rounds: int = 5):
-    """Per-call time of each fns[name]() in seconds: {name: array over blocks}, the slowest rank's.
+def time_blocks(comm, fns: dict, calls: int, sync=None, rounds: int | None = None):
+    """Per-call time of each fns[name]() in seconds: {name: array over rounds}, the slowest rank's.
 
-    `calls` timed calls per implementation, in `rounds` blocks (fewer when
-    calls < rounds); the implementations' blocks alternate, the first one
-    rotating. A block: Barrier, one untimed lead-in call (it absorbs what the
+    `calls` timed calls per implementation, in `rounds` rounds (default: up
+    to 10, blocks of at least 2 calls); in each round every implementation
+    runs one block, the first one rotating, so entry i of every array comes
+    from the same stretch of time (``paired_ratio``). A block: Barrier, one untimed lead-in call (it absorbs what the
     previous block left in flight), Barrier, then the loop, timed on each rank
     without a closing barrier. `sync()` (a device stream) ends each call.
     """
     from mpi4py import MPI
     names = list(fns)
-    rounds = max(1, min(rounds, calls))
+    rounds = max(1, min(10, calls // 2)) if rounds is None else max(1, min(rounds, calls))
     block = max(1, calls // rounds)
     times = np.zeros((len(names), rounds))
     for i in range(rounds):
@@ -215,6 +218,16 @@ def time_blocks(comm, fns: dict, calls: int, sync=None, rounds: int = 5):
             times[names.index(name), i] = (time.perf_counter() - t0) / block
     comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
     return {name: times[k] for k, name in enumerate(names)}
+
+
+def paired_ratio(t_num, t_den) -> float:
+    """Median over rounds of t_num[i] / t_den[i]: a ratio taken within each round.
+
+    This machine's speed drifts by 2-5x over seconds; a ratio of medians taken
+    over different stretches mixes those modes, a median of paired ratios
+    does not.
+    """
+    return float(np.median(np.asarray(t_num) / np.asarray(t_den)))
 
 
 def copy_refs(xp, sizes, iters=20) -> list:
@@ -322,7 +335,8 @@ def run_coll(args, comm) -> list:
             rg = res["ring"]
             if "mpi" in res:
                 mp = res["mpi"]
-                ratio = rg["busbw_GBps"] / mp["busbw_GBps"] if mp["busbw_GBps"] else float("nan")
+                ratio = paired_ratio(times["mpi"], times["ring"])  # busbw ring/mpi = time mpi/ring
+                rg["busbw_ratio"] = round(ratio, 4)
                 mcol = f"{mp['time_us']:>10.1f} {mp['algbw_GBps']:>7.3f} {mp['busbw_GBps']:>7.3f} {mp['wrong']:>6}"
             else:
                 ratio, mcol = float("nan"), f"{'n/a':>10} {'':>7} {'':>7} {'':>6}"
