@@ -537,3 +537,81 @@ def test_plan_cache_keys_on_what_the_checks_read(comm):
         bad.append(f"{len(ring._plans)} plans kept, bound 2")
     ring.free()
     assert_all(comm, not bad, f"{bad}")
+
+
+# ---- the direct schedule, the hot path, recursive doubling's eager cut ----------
+
+@pytest.mark.mpi
+def test_ledger_direct_formula(comm):
+    """Direct: (n-1)/n of the buffer per pass, in n-1 messages per pass (one to each peer)."""
+    n = comm.size
+    if not 3 <= n <= 16:
+        pytest.skip(f"direct runs at 3 <= n <= 16, have {n}")
+    ring = force(Ring(comm), "direct")
+    m = 10
+    ring.all_reduce(np.ones(n * m, np.float64))
+    ring.reduce_scatter(np.ones(n * m, np.float64), np.empty(m))
+    ring.all_gather(np.ones(m), np.empty(n * m))
+    led = ring.ledger
+    ok = (led["all_reduce"]["bytes_sent"] == 8 * 2 * (n - 1) * m and led["all_reduce"]["messages"] == 2 * (n - 1)
+          and led["reduce_scatter"]["bytes_sent"] == 8 * (n - 1) * m
+          and led["all_gather"]["bytes_sent"] == 8 * (n - 1) * m and led["all_gather"]["messages"] == n - 1)
+    ring.free()
+    assert_all(comm, ok, f"direct ledger {led.as_dict()}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", ["float16", "float32", "int64"])
+def test_recursive_doubling_cut_into_eager_messages(comm, dtype):
+    """A buffer of up to 4 x eager_bytes goes as several messages; the sums are the NumPy sums."""
+    n, r = comm.size, comm.rank
+    if n & (n - 1):
+        pytest.skip(f"recursive doubling needs a power-of-two size, have {n}")
+    ring = force(Ring(comm), "latency")
+    ring.eager_bytes = 64
+    bad = []
+    for L in (1, 7, 31, 97, 100):   # up to 4 pieces of 64 bytes: cut; 100 x 8 bytes: not cut
+        x = data(r, L, dtype, seed=L)
+        ring.ledger.reset()
+        ring.all_reduce(x)
+        if not np.array_equal(x.astype(np.float64), exact_sum(n, L, dtype, seed=L)):
+            bad.append(f"L={L}")
+        nb = L * np.dtype(dtype).itemsize
+        pieces = -(-nb // 64) if 64 < nb <= 256 else 1
+        log2n = n.bit_length() - 1
+        got = ring.ledger["all_reduce"]
+        if n > 1 and (got["messages"] != pieces * log2n or got["bytes_sent"] != nb * log2n):
+            bad.append(f"L={L}: {got['messages']} messages, {got['bytes_sent']} bytes; want {pieces * log2n}, "
+                       f"{nb * log2n}")
+    ring.free()
+    assert_all(comm, not bad, f"{dtype}: {bad}")
+
+
+@pytest.mark.mpi
+def test_hot_path_sees_in_place_changes_and_knobs(comm):
+    """The id-keyed hot path: an in-place reshape is refused, a knob change takes effect."""
+    n, r = comm.size, comm.rank
+    ring = Ring(comm)
+    x = np.zeros(8 * n, np.float32)
+    for _ in range(3):
+        x[:] = r + 1
+        ring.all_reduce(x)
+    bad = [] if np.all(x == n * (n + 1) // 2) else ["sums"]
+    x.shape = (2, 4 * n)                 # same object, now 2-D: checked again, refused
+    try:
+        ring.all_reduce(x)
+        bad.append("2-D reshape accepted from the hot path")
+    except ValueError as e:
+        if "1-D" not in str(e):
+            bad.append(f"wrong error {e}")
+    x.shape = (8 * n,)
+    if n > 1:
+        force(ring, "ring")              # a knob: the next call must take the ring
+        ring.ledger.reset()
+        x[:] = 1
+        ring.all_reduce(x)
+        ok = ring.ledger["all_reduce"]["messages"] == 2 * (n - 1) and np.all(x == n)
+        if not ok:
+            bad.append(f"after forcing the ring: {ring.ledger['all_reduce']}")
+    ring.free()
+    assert_all(comm, not bad, f"{bad}")

@@ -16,17 +16,26 @@ from ringzero.tools import simulate as sm
 MIB = 1 << 20
 
 
-@pytest.mark.parametrize("op,n,S,want", [
-    ("reduce_scatter", 3, 3000, (2, 2000)),            # ring: n-1 steps, (n-1)/n of S
-    ("all_gather", 4, 4 * MIB, (2, 3 * MIB)),          # power of two, <= 16 MiB: log2 n steps
-    ("all_gather", 4, 32 * MIB, (3, 24 * MIB)),        # above the tree cutoff: the ring
-    ("all_reduce", 4, 1024, (2, 2048)),                # recursive doubling: log2 n, S·log2 n
-    ("all_reduce", 4, 1 * MIB, (4, 1.5 * MIB)),        # Rabenseifner: 2 log2 n, 2S(n-1)/n
-    ("all_reduce", 3, 1 * MIB, (4, 2 * MIB * 2 / 3)),  # ring: 2(n-1)
-    ("reduce_scatter", 1, 100, (0, 0.0)),
+NODIRECT = dict(direct_bytes=0)
+
+
+@pytest.mark.parametrize("op,n,S,knobs,want", [
+    ("reduce_scatter", 3, 3000, {}, (1, 2000)),                    # direct: one round, (n-1)/n of S
+    ("all_reduce", 8, 1 * MIB, {}, (2, 2 * MIB * 7 / 8)),           # direct: two rounds, 2S(n-1)/n
+    ("all_gather", 4, 8 * MIB, {}, (2, 6 * MIB)),                   # above direct_bytes: log2 n steps
+    ("all_gather", 32, 1 * MIB, {}, (5, 31 * MIB / 32)),            # more than 16 ranks: never direct
+    ("reduce_scatter", 3, 3000, NODIRECT, (2, 2000)),               # ring: n-1 steps, (n-1)/n of S
+    ("all_gather", 4, 4 * MIB, NODIRECT, (2, 3 * MIB)),             # power of two, <= 16 MiB: log2 n
+    ("all_gather", 4, 32 * MIB, {}, (3, 24 * MIB)),                 # above the tree cutoff: the ring
+    ("all_reduce", 4, 1024, NODIRECT, (2, 2048)),                   # recursive doubling: log2 n, S·log2 n
+    ("all_reduce", 2, 4096, {}, (1, 4096)),                         # n = 2: recursive doubling to 8 KiB
+    ("all_reduce", 2, 16384, {}, (2, 16384)),                       # ... then halving + doubling
+    ("all_reduce", 4, 1 * MIB, NODIRECT, (4, 1.5 * MIB)),           # Rabenseifner: 2 log2 n, 2S(n-1)/n
+    ("all_reduce", 3, 1 * MIB, NODIRECT, (4, 2 * MIB * 2 / 3)),     # ring: 2(n-1)
+    ("reduce_scatter", 1, 100, {}, (0, 0.0)),
 ])
-def test_steps_wire(op, n, S, want):
-    st, w = sm.steps_wire(op, n, S)
+def test_steps_wire(op, n, S, knobs, want):
+    st, w = sm.steps_wire(op, n, S, **knobs)
     assert st == want[0] and w == pytest.approx(want[1])
 
 

@@ -11,14 +11,22 @@ What it is
 
     Only point-to-point calls move data (a Ring never calls an MPI collective
     after its constructor's Dup). The schedule is chosen by S = the whole
-    array in bytes (len(buf), len(send) for RS, len(recv) for AG, times the
-    itemsize):
+    array in bytes and n (schedule.py holds the rule, its thresholds and the
+    rounds and bytes of each):
 
-    ring (n not a power of two, or S > tree_bytes)
+    direct (3 <= n <= 16 and S <= direct_bytes, 4 MiB; one round per pass)
+        Reduce-scatter: rank r sends block p to rank p for every p != r and
+        receives block r of every other rank, all posted at once, one wait;
+        it then sums them in the ring's order (below). All-gather: its block
+        to every peer and every peer's block, posted at once, one wait.
+        An all-reduce (n | len) is the two. Bytes sent: as the ring's.
+
+    ring (otherwise, when not the tree)
         The buffer is cut into n blocks; block i holds L//n elements, plus one
         for i < L % n. Reduce-scatter: at step s = 0..n-2 rank r sends block
         (r-s-1) % n to its right and adds what it gets from its left into block
-        (r-s-2) % n, so rank r ends owning block r. All-gather: at step s rank r
+        (r-s-2) % n, so rank r ends owning block r, summed as
+        ((x[r+1] + x[r+2]) + ...) + x[r]. All-gather: at step s rank r
         forwards block (r-s) % n. Each pass sends every block but one:
             RS sends  L - len(block r)          elements
             AG sends  L - len(block (r+1) % n)  elements
@@ -32,25 +40,31 @@ What it is
         of the buffer, like the ring, in log2 n steps instead of n-1.
         all-reduce is the two in place (Rabenseifner) when n divides L, and,
         when S <= small_bytes too, recursive doubling over the whole buffer in
-        the halving order (r ^ n/2 first): log2 n steps, S * log2 n bytes sent.
-        An all-reduce whose L is not a multiple of n and S > small_bytes takes
-        the ring.
+        the halving order (r ^ n/2 first): log2 n steps, S * log2 n bytes sent,
+        in messages of at most ``eager_bytes`` when S is up to 4 of them (a
+        4 KiB message would pay a rendezvous). An all-reduce whose L is not a
+        multiple of n and S > small_bytes takes the ring.
 
     Composition contract: for L divisible by n, all_reduce is bitwise equal to
-    reduce_scatter followed by all_gather. The ring all-reduce *is* the ring RS
-    then the ring AG, Rabenseifner *is* halving then doubling, and recursive
-    doubling pairs ranks in the halving order, so every element is summed over
-    the same tree in all three; the choice depends only on S, which is the
-    same for both calls. Sums are deterministic and bitwise equal on every
+    reduce_scatter followed by all_gather. The ring and direct all-reduces
+    *are* their RS then AG and sum in the ring's order, Rabenseifner *is*
+    halving then doubling, and recursive doubling pairs ranks in the halving
+    order, so every element is summed over the same tree; the choice depends
+    only on S and n, the same for both calls, and never mixes the two orders
+    at one S (at n = 2 the orders coincide). Sums are deterministic and bitwise equal on every
     rank: each element is reduced in a fixed order (adds commute bitwise).
     float16 hops add in float32 and round once (ringzero.comm.kernels.add_f16).
     "avg" divides the finished sum by n (float16: in float32, one rounding).
 
     The fast path (plan.py): a call compiles to persistent requests
     (Send_init/Recv_init) and views, made once per (buffers, op, schedule)
-    seen twice and kept in an LRU of ``max_plans``; a repeat call checks
-    nothing but that key and runs Startall / Waitall (blocking inside MPI,
-    the GIL released) / add per step. Arguments are checked once per key.
+    seen twice and kept in an LRU of ``max_plans``. A repeat call with the
+    very same array objects finds its plan by their ids (the plan holds them)
+    and checks only what an array can change in place (dtype, shape,
+    writeable); fresh views of the same memory find it by their addresses.
+    It then runs Startall / Waitall or Waitsome (blocking inside MPI, the GIL
+    released) / add per step. Arguments are checked once per key. The ledger
+    counts a kept plan's runs and multiplies on reading.
 
     Errors: bad arguments raise before any message. A received count that
     differs from the expected one raises ValueError on the rank that sees it;
@@ -78,18 +92,10 @@ from ringzero.comm import kernels, plan as planmod
 from ringzero.comm.backend import Staging, cuda_aware, sync
 from ringzero.comm.checks import DTYPES, check_args  # noqa: F401 (DTYPES is public here)
 from ringzero.comm.plan import ADD, COPY, MWAIT, START, WAIT, XCHG, blocks  # noqa: F401 (blocks is public here)
+from ringzero.comm.schedule import (DIRECT_BYTES, DIRECT_RANKS, EAGER_BYTES, OPS, SEG_BYTES,  # noqa: F401
+                                    SMALL_BYTES, SMALL_BYTES_2, TREE_BYTES, choose, defaults)
 from ringzero.comm.watchdog import WATCHDOG, get_context, set_context
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather")
-# Measured with `python -m ringzero.bench`, see docs/collectives.md.
-SMALL_BYTES = 256 * 1024   # all_reduce at or below: recursive doubling (power-of-two n > 2)
-SMALL_BYTES_2 = 8 * 1024   # the same at n = 2, where halving + doubling wins from 16 KiB
-EAGER_BYTES = 4000         # recursive doubling cuts its buffer evenly into messages of at most this:
-                           # Open MPI's shared-memory eager limit is 4096 bytes, header included
-TREE_BYTES = 16 << 20      # at or below: halving/doubling (power-of-two n); above: the ring
-SEG_BYTES = 1 << 20
-DIRECT_BYTES = 4 << 20     # at or below, for 3 <= n <= DIRECT_RANKS: the direct schedule
-DIRECT_RANKS = 16          # more ranks than this never take it (n-1 messages in flight per rank)
 MAX_PLANS = 256
 _F16 = np.dtype(np.float16)
 _startall, _waitall, _testall, _BYTE = MPI.Prequest.Startall, MPI.Request.Waitall, MPI.Request.Testall, MPI.BYTE
@@ -185,11 +191,12 @@ class Ring:
         self.stall_warn = _env_float("RINGZERO_STALL_WARN", 60) if stall_warn is None else float(stall_warn)
         self.grace = max(2.0, min(30.0, self.timeout / 4))  # then abort a wait MPI could not cancel
         self._hot = {}               # (id(send), id(recv), op name, op) -> kept Plan holding those objects
-        self._small_bytes = int(os.environ.get("RINGZERO_SMALL_BYTES", SMALL_BYTES_2 if self.size == 2 else SMALL_BYTES))
+        knobs = defaults(self.size)                      # schedule.py: the rule and its defaults
+        self._small_bytes = int(os.environ.get("RINGZERO_SMALL_BYTES", knobs["small_bytes"]))
         self._eager_bytes = int(os.environ.get("RINGZERO_EAGER_BYTES", EAGER_BYTES))
         self._tree_bytes = int(os.environ.get("RINGZERO_TREE_BYTES", TREE_BYTES))
         self._seg_bytes = max(64, int(os.environ.get("RINGZERO_SEG_BYTES", SEG_BYTES)))
-        self._direct_bytes = int(os.environ.get("RINGZERO_DIRECT_BYTES", DIRECT_BYTES))
+        self._direct_bytes = int(os.environ.get("RINGZERO_DIRECT_BYTES", knobs["direct_bytes"]))
         self.max_plans = MAX_PLANS
         wait = os.environ.get("RINGZERO_WAIT", "block")
         if wait not in ("block", "poll"):
@@ -366,26 +373,8 @@ class Ring:
         planmod.free_plan(plan)
 
     def schedule(self, name: str, nbytes: int, length: int) -> str:
-        """The schedule a call of op `name` on S = nbytes (len = length) takes here.
-
-        direct  3 <= n <= DIRECT_RANKS and S <= direct_bytes (an all-reduce
-                also needs n | len): one round, the ring's summation order
-        rd      all-reduce, n a power of two, S <= small_bytes (and not direct)
-        tree    n a power of two and S <= tree_bytes (all-reduce: "rab", when n | len)
-        ring    otherwise
-        Reduce-scatter and all-reduce of one S always sum in the same order:
-        direct and ring share the ring's, rd/rab/tree the halving tree's, and
-        at n = 2 there is one pair to sum.
-        """
-        n = self.size
-        if 3 <= n <= DIRECT_RANKS and nbytes <= self._direct_bytes and (name != "all_reduce" or length % n == 0):
-            return "direct"
-        tree = self.pow2 and nbytes <= self._tree_bytes
-        if name != "all_reduce":
-            return "tree" if tree else "ring"
-        if tree and nbytes <= self._small_bytes:
-            return "rd"
-        return "rab" if tree and length % n == 0 else "ring"
+        """The schedule a call of op `name` on S = nbytes (len(send) = length) takes here (schedule.choose)."""
+        return choose(name, self.size, nbytes, length, self._small_bytes, self._tree_bytes, self._direct_bytes)
 
     def _schedule(self, name, send, recv):
         big = recv if name == "all_gather" else send

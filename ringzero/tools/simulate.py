@@ -13,9 +13,10 @@ What it is
     read it (the engine's plan): a block twice, the last unit once, the tied
     embedding twice. Each collective costs, for S bytes over n ranks,
 
-        T = steps · α(op, n) + (n-1)/n · S · β(op, n)      (all-reduce: twice the wire)
-        steps = log2 n   when n is a power of two and S <= tree_bytes (halving/doubling)
-                n - 1    otherwise (the ring)
+        T = steps · α(op, n) + wire · β(op, n)
+        (steps, wire) = ringzero.comm.schedule.steps_wire(op, n, S): the Ring's own rule
+                  (1 round per pass for direct, log2 n for halving/doubling, n - 1 for
+                  the ring; wire (n-1)/n · S per pass, S·log2 n for recursive doubling)
 
     with α, β fitted per (op, n) on ``python -m ringzero.bench`` rows (the fitting
     routine of ringzero.fit), or given for a link (NVLink, InfiniBand figures).
@@ -46,11 +47,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ringzero.comm.schedule import TREE_BYTES, steps_wire as _ring_steps_wire  # (no MPI in it)
 from ringzero.runtime import accounting as acc
 from ringzero.runtime.flat import Layout
 
-TREE_BYTES = 16 << 20      # ringzero.comm.ring.TREE_BYTES
-SMALL_BYTES = 256 << 10    # ringzero.comm.ring.SMALL_BYTES (all-reduce by recursive doubling)
 OPS = ("reduce_scatter", "all_gather", "all_reduce")
 
 # Links given, not fitted (α in s, bandwidth in bytes/s per rank on the wire).
@@ -61,20 +61,11 @@ LINKS = {
 }
 
 
-def steps_wire(op: str, n: int, S: float, tree_bytes: int = TREE_BYTES,
-               small_bytes: int = SMALL_BYTES) -> tuple:
-    """(latency steps, bytes sent per rank) of one ringzero Ring call on S bytes."""
-    if n < 2:
-        return 0, 0.0
-    pow2 = n & (n - 1) == 0
-    lg = int(math.log2(n)) if pow2 else 0
-    if op in ("reduce_scatter", "all_gather"):
-        return (lg if pow2 and S <= tree_bytes else n - 1), S * (n - 1) / n
-    if op != "all_reduce":
+def steps_wire(op: str, n: int, S: float, tree_bytes: int = TREE_BYTES, **knobs) -> tuple:
+    """(latency steps, bytes sent per rank) of one ringzero Ring call on S bytes (schedule.steps_wire)."""
+    if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    if pow2 and S <= small_bytes:
-        return lg, S * lg
-    return (2 * lg if pow2 and S <= tree_bytes else 2 * (n - 1)), 2 * S * (n - 1) / n
+    return _ring_steps_wire(op, n, S, tree_bytes=tree_bytes, **knobs)
 
 
 # ---- links -----------------------------------------------------------------------

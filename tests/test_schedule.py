@@ -1,0 +1,36 @@
+"""The schedule rule (ringzero.comm.schedule), serial: the composition contract's precondition.
+
+For every n and S, a reduce-scatter and an all-reduce (n | len) must sum in the
+same order: both in the ring's order (direct, ring) or both in the halving
+tree's (rd, tree, rab); at n = 2 there is one pair, so any pairing holds. The
+families are written out here, apart from the code under test.
+"""
+import pytest
+
+from ringzero.comm import schedule as sch
+
+RING_ORDER, TREE_ORDER = {"direct", "ring"}, {"rd", "tree", "rab"}
+SIZES = [0, 1, 4096, 8192, 16384, 262144, 262145, 4 << 20, (4 << 20) + 8, 16 << 20, 64 << 20]
+
+
+def family(name):
+    return "ring" if name in RING_ORDER else "tree" if name in TREE_ORDER else pytest.fail(name)
+
+
+@pytest.mark.parametrize("n", list(range(2, 20)) + [32, 64])
+def test_reduce_scatter_and_all_reduce_sum_in_one_order(n):
+    k = sch.defaults(n)
+    for knobs in (k, {**k, "direct_bytes": 0}, {**k, "small_bytes": 1 << 40}, {**k, "tree_bytes": 0}):
+        for S in SIZES:
+            rs = sch.choose("reduce_scatter", n, S, n * 4, **knobs)
+            ar = sch.choose("all_reduce", n, S, n * 4, **knobs)
+            assert n == 2 or family(rs) == family(ar), (n, S, knobs, rs, ar)
+
+
+def test_direct_only_where_the_table_says():
+    assert sch.choose("all_gather", 8, 4 << 20, 8, **sch.defaults(8)) == "direct"
+    assert sch.choose("all_gather", 8, (4 << 20) + 1, 8, **sch.defaults(8)) == "tree"
+    assert sch.choose("all_gather", 2, 4096, 2, **sch.defaults(2)) == "tree"        # n = 2: never direct
+    assert sch.choose("all_gather", 17, 4096, 17, **sch.defaults(17)) == "ring"     # n > 16: never direct
+    assert sch.choose("all_reduce", 3, 4096, 7, **sch.defaults(3)) == "ring"        # 3 does not divide 7
+    assert sch.choose("all_reduce", 4, 4096, 7, **sch.defaults(4)) == "rd"
