@@ -293,18 +293,18 @@ class _Builder:
 
 
 def build(ring, name, xp, send, recv, sched, scratch):
-    """The Plan of one call; `scratch(nbytes)` gives two grow-only uint8 buffers."""
+    """The Plan of one call; `scratch(nbytes, k=2)` gives k grow-only uint8 buffers."""
     plan = Plan(name, xp)
     n, r = ring.size, ring.rank
     if name == "all_reduce":
         L = len(send)
         if n > 1 and L:
             if sched == "rd":
-                t0, _ = scratch(send.nbytes)
+                t0, = scratch(send.nbytes, 1)
                 _Builder(ring, plan, 0).rd_allreduce(send, t0.view(send.dtype)[:L])
             elif sched == "direct":
                 off = blocks(L, n)
-                t0, _ = scratch((L - (off[r + 1] - off[r])) * send.itemsize)
+                t0, = scratch((L - (off[r + 1] - off[r])) * send.itemsize, 1)
                 _Builder(ring, plan, 0).direct_rs(send, send[off[r]:off[r + 1]], off, t0.view(send.dtype))
                 _Builder(ring, plan, 1).direct_ag(send, L // n)
             elif sched == "rab":
@@ -326,7 +326,7 @@ def build(ring, name, xp, send, recv, sched, scratch):
                 plan.steps.append((COPY, recv, send))
         elif sched == "direct":
             off = blocks(len(send), n)
-            t0, _ = scratch((n - 1) * m * send.itemsize)
+            t0, = scratch((n - 1) * m * send.itemsize, 1)
             _Builder(ring, plan, 0).direct_rs(send, recv, off, t0.view(send.dtype))
         elif sched == "tree":
             t0, t1 = scratch(send.nbytes // 2)

@@ -14,7 +14,8 @@ What it is
     array in bytes and n (schedule.py holds the rule, its thresholds and the
     rounds and bytes of each):
 
-    direct (3 <= n <= 16 and S <= direct_bytes, 4 MiB; one round per pass)
+    direct (3 <= n <= 16; reductions only for S <= direct_bytes, 16 MiB; one
+            round per pass)
         Reduce-scatter: rank r sends block p to rank p for every p != r and
         receives block r of every other rank, all posted at once, one wait;
         it then sums them in the ring's order (below). All-gather: its block
@@ -205,7 +206,7 @@ class Ring:
         self._waitsome = _waitsome if wait == "block" else _poll_some
         self.pow2 = self.size & (self.size - 1) == 0
         self.scratch_growths = 0
-        self._scratch = {}       # module name -> [uint8 array, uint8 array], grow-only
+        self._scratch = {}       # module name -> [uint8 array, ...], each grow-only
         self.staging = Staging()
         self._cuda_aware = None
         self._plans = OrderedDict()  # key -> Plan (LRU)
@@ -231,7 +232,7 @@ class Ring:
     small_bytes = _knob("small_bytes")    # all_reduce at or below (power-of-two n): recursive doubling
     tree_bytes = _knob("tree_bytes")      # at or below (power-of-two n): halving / doubling
     seg_bytes = _knob("seg_bytes")        # the ring's pipeline segment
-    direct_bytes = _knob("direct_bytes")  # at or below (3 <= n <= DIRECT_RANKS): direct
+    direct_bytes = _knob("direct_bytes")  # reductions at or below (3 <= n <= 16): direct; 0: never direct
     eager_bytes = _knob("eager_bytes")    # recursive doubling's largest message (up to 4 of them)
     del _knob
 
@@ -340,7 +341,7 @@ class Ring:
                 # requests); the producer's kernels must be done by then
                 sync(send)
             plan = planmod.build(self, name, xp, send, recv, self._schedule(name, send, recv),
-                                 lambda nb: self._scr(xp, nb))
+                                 lambda nb, k=2: self._scr(xp, nb, k))
             plan.post = op == "avg"
             plan.runs = 1
             if key in self._seen:
@@ -471,16 +472,21 @@ class Ring:
         return x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
 
     # ---- plumbing ----------------------------------------------------------
-    def _scr(self, xp, nbytes):
-        """Two grow-only scratch buffers of >= nbytes each (uint8); growing drops the kept plans."""
-        key = xp.__name__
-        have = self._scratch.get(key)
-        if have is None or have[0].nbytes < nbytes:
-            cap = -(-max(nbytes, 2 * have[0].nbytes if have else 0, 4096) // 64) * 64  # any itemsize divides it
-            self._scratch[key] = have = [xp.empty(cap, xp.uint8), xp.empty(cap, xp.uint8)]
+    def _scr(self, xp, nbytes, k=2):
+        """k grow-only scratch buffers of >= nbytes each (uint8); growing drops the kept plans."""
+        have = self._scratch.setdefault(xp.__name__, [])
+        grew = False
+        for i in range(k):
+            if i == len(have) or have[i].nbytes < nbytes:
+                old = have[i].nbytes if i < len(have) else 0
+                cap = -(-max(nbytes, 2 * old, 4096) // 64) * 64  # any itemsize divides it
+                buf = xp.empty(cap, xp.uint8)
+                have[i:i + 1] = [buf]
+                grew = True
+        if grew:
             self.scratch_growths += 1
             self._drop_plans()  # they hold views of the old scratch
-        return have
+        return have[:k]
 
     @staticmethod
     def adder(xp, dtype):
