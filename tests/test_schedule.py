@@ -30,7 +30,7 @@ def test_reduce_scatter_and_all_reduce_sum_in_one_order(n):
 def test_direct_only_where_the_table_says():
     assert sch.choose("reduce_scatter", 8, 16 << 20, 8, **sch.defaults(8)) == "direct"
     assert sch.choose("reduce_scatter", 8, (16 << 20) + 8, 8, **sch.defaults(8)) == "ring"
-    assert sch.choose("all_gather", 8, 64 << 20, 8, **sch.defaults(8)) == "direct"  # no scratch: any S
+    assert sch.choose("all_gather", 8, 64 << 20, 8, **sch.defaults(8)) == "ring"
     assert sch.choose("all_gather", 2, 4096, 2, **sch.defaults(2)) == "tree"        # n = 2: never direct
     assert sch.choose("all_gather", 17, 4096, 17, **sch.defaults(17)) == "ring"     # n > 16: never direct
     assert sch.choose("all_reduce", 3, 4096, 7, **sch.defaults(3)) == "ring"        # 3 does not divide 7

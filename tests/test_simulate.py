@@ -22,12 +22,12 @@ NODIRECT = dict(direct_bytes=0)
 @pytest.mark.parametrize("op,n,S,knobs,want", [
     ("reduce_scatter", 3, 3000, {}, (1, 2000)),                    # direct: one round, (n-1)/n of S
     ("all_reduce", 8, 1 * MIB, {}, (2, 2 * MIB * 7 / 8)),           # direct: two rounds, 2S(n-1)/n
-    ("all_gather", 4, 32 * MIB, {}, (1, 24 * MIB)),                 # direct all-gather: any S
-    ("reduce_scatter", 4, 32 * MIB, {}, (3, 24 * MIB)),             # above direct_bytes: the ring
+    ("all_gather", 4, 16 * MIB, {}, (1, 12 * MIB)),                 # direct up to 16 MiB
+    ("reduce_scatter", 4, 32 * MIB, {}, (3, 24 * MIB)),             # above: the ring
     ("all_gather", 32, 1 * MIB, {}, (5, 31 * MIB / 32)),            # more than 16 ranks: never direct
     ("reduce_scatter", 3, 3000, NODIRECT, (2, 2000)),               # ring: n-1 steps, (n-1)/n of S
     ("all_gather", 4, 4 * MIB, NODIRECT, (2, 3 * MIB)),             # power of two, <= 16 MiB: log2 n
-    ("all_gather", 4, 32 * MIB, NODIRECT, (3, 24 * MIB)),           # above the tree cutoff: the ring
+    ("all_gather", 4, 32 * MIB, {}, (3, 24 * MIB)),                 # above the tree cutoff: the ring
     ("all_reduce", 4, 1024, NODIRECT, (2, 2048)),                   # recursive doubling: log2 n, S·log2 n
     ("all_reduce", 2, 4096, {}, (1, 4096)),                         # n = 2: recursive doubling to 8 KiB
     ("all_reduce", 2, 16384, {}, (2, 16384)),                       # ... then halving + doubling

@@ -14,8 +14,7 @@ What it is
     array in bytes and n (schedule.py holds the rule, its thresholds and the
     rounds and bytes of each):
 
-    direct (3 <= n <= 16; reductions only for S <= direct_bytes, 16 MiB; one
-            round per pass)
+    direct (3 <= n <= 16 and S <= direct_bytes, 16 MiB; one round per pass)
         Reduce-scatter: rank r sends block p to rank p for every p != r and
         receives block r of every other rank, all posted at once, one wait;
         it then sums them in the ring's order (below). All-gather: its block
@@ -232,7 +231,7 @@ class Ring:
     small_bytes = _knob("small_bytes")    # all_reduce at or below (power-of-two n): recursive doubling
     tree_bytes = _knob("tree_bytes")      # at or below (power-of-two n): halving / doubling
     seg_bytes = _knob("seg_bytes")        # the ring's pipeline segment
-    direct_bytes = _knob("direct_bytes")  # reductions at or below (3 <= n <= 16): direct; 0: never direct
+    direct_bytes = _knob("direct_bytes")  # at or below (3 <= n <= 16): direct
     eager_bytes = _knob("eager_bytes")    # recursive doubling's largest message (up to 4 of them)
     del _knob
 

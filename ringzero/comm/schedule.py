@@ -8,9 +8,8 @@ What it is
     times the itemsize); length = len(send).
 
         schedule  taken when                                     rounds         bytes sent
-        direct    3 <= n <= DIRECT_RANKS, and for a reduction    1 per pass     (n-1)/n S per pass
-                  S <= direct_bytes (all-reduce: also n | length);
-                  direct_bytes = 0 turns it off
+        direct    3 <= n <= DIRECT_RANKS, S <= direct_bytes      1 per pass     (n-1)/n S per pass
+                  (all-reduce: also n | length)
         rd        all-reduce, n a power of two, S <= small_bytes log2 n        S log2 n
         tree      n a power of two, S <= tree_bytes              log2 n / pass  (n-1)/n S per pass
                   (all-reduce "rab": also n | length)
@@ -19,10 +18,10 @@ What it is
     An all-reduce is two passes (reduce-scatter then all-gather) except rd.
     The defaults were placed with ``python -m ringzero.bench sched`` (alternating
     blocks, docs/collectives.md): direct won the reduce-scatter and all-gather
-    from 16 KiB to 64 MiB at n = 4 and 8 on this 2-core machine; a direct
-    reduce-scatter needs (n-1)/n S of scratch, hence direct_bytes for the
-    reductions (the all-gather needs none). At n = 2 recursive doubling loses
-    to halving/doubling from 16 KiB (SMALL_BYTES_2).
+    from 16 KiB to 16 MiB at n = 4 and 8 on this 2-core machine (at 64 MiB the
+    all-gather lost to the ring, 0.70 against 0.81-0.93 of MPI's busbw), and a
+    direct reduce-scatter needs (n-1)/n S of scratch. At n = 2 recursive
+    doubling loses to halving/doubling from 16 KiB (SMALL_BYTES_2).
 
     Summation order (the composition contract): direct and ring add in the
     ring's order, rd/tree/rab in the halving tree's; a reduce-scatter and an
@@ -40,7 +39,7 @@ SMALL_BYTES = 256 * 1024   # all_reduce at or below: recursive doubling (power-o
 SMALL_BYTES_2 = 8 * 1024   # the same at n = 2
 TREE_BYTES = 16 << 20      # at or below: halving/doubling (power-of-two n); above: the ring
 SEG_BYTES = 1 << 20        # the ring's pipeline segment
-DIRECT_BYTES = 16 << 20    # reductions at or below, for 3 <= n <= DIRECT_RANKS: direct (scratch (n-1)/n S)
+DIRECT_BYTES = 16 << 20    # at or below, for 3 <= n <= DIRECT_RANKS: direct (RS scratch (n-1)/n S)
 DIRECT_RANKS = 16          # more ranks than this never take it (n-1 messages in flight per rank)
 EAGER_BYTES = 4000         # recursive doubling cuts a buffer of up to 4x this evenly into messages
                            # of at most this: Open MPI's shared-memory eager limit is 4096 bytes,
@@ -57,8 +56,7 @@ def defaults(n: int) -> dict:
 def choose(op: str, n: int, nbytes: int, length: int, small_bytes: int, tree_bytes: int,
            direct_bytes: int) -> str:
     """"direct" | "rd" | "tree" | "rab" | "ring" for one call (the table above)."""
-    if 3 <= n <= DIRECT_RANKS and direct_bytes > 0 and (op == "all_gather" or nbytes <= direct_bytes) \
-            and (op != "all_reduce" or length % n == 0):
+    if 3 <= n <= DIRECT_RANKS and nbytes <= direct_bytes and (op != "all_reduce" or length % n == 0):
         return "direct"
     tree = n & (n - 1) == 0 and nbytes <= tree_bytes
     if op != "all_reduce":
