@@ -114,7 +114,7 @@ class _Watchdog:
                     except Exception:  # noqa: BLE001 (already complete, or MPI cannot cancel it)
                         pass
             elif st[4] is not None and now - st[4] >= ring.grace:
-                _say(ring.timeout_message(w, stalled) + " (the wait could not be cancelled: aborting the job)")
+                _say(ring.timeout_message(ring.resolve(w), stalled) + " (the wait could not be cancelled: aborting the job)")
                 MPI.COMM_WORLD.Abort(1)
         for k in list(seen):
             if k not in live:
