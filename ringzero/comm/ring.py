@@ -248,7 +248,7 @@ class Ring:
         self._plans.clear()
         self._hot.clear()
 
-    # ---- public ops (each opens with the hot path, see _call) ------------
+    # ---- public ops ------------------------------------------------------
     def all_reduce(self, buf, op: str = "sum"):
         """Sum (op="sum") or mean (op="avg") of `buf` over the ranks, in place; returns buf.
 
@@ -256,15 +256,7 @@ class Ring:
         (the same on every rank). Bitwise equal on every rank, and for len(buf)
         divisible by n bitwise equal to reduce_scatter then all_gather.
         """
-        plan = self._hot.get((id(buf), id(buf), "all_reduce", op))
-        if plan is not None:  # the hot path (_guard, inlined)
-            g = plan.guard
-            if self._broken is None and buf.dtype is g[0] and buf.shape == g[1] and buf.shape == g[2] \
-                    and (g[3] or buf.flags.writeable):
-                plan.runs += 1
-                self._run(plan)
-                return buf
-        return self._call_slow("all_reduce", buf, buf, op)
+        return self._call("all_reduce", buf, buf, op)
 
     def reduce_scatter(self, send, recv, op: str = "sum"):
         """recv = block `rank` of the sum (or mean) over ranks of send; returns recv.
@@ -272,15 +264,7 @@ class Ring:
         len(send) == n * len(recv); recv may be send[rank*m:(rank+1)*m] (in
         place); send is left unchanged otherwise.
         """
-        plan = self._hot.get((id(send), id(recv), "reduce_scatter", op))
-        if plan is not None:  # the hot path (_guard, inlined)
-            g = plan.guard
-            if self._broken is None and send.dtype is g[0] and send.shape == g[1] and recv.shape == g[2] \
-                    and (g[3] or recv.flags.writeable):
-                plan.runs += 1
-                self._run(plan)
-                return recv
-        return self._call_slow("reduce_scatter", send, recv, op)
+        return self._call("reduce_scatter", send, recv, op)
 
     def all_gather(self, send, recv):
         """recv = the concatenation of every rank's send, in rank order; returns recv.
@@ -288,15 +272,7 @@ class Ring:
         len(recv) == n * len(send); send may be recv[rank*m:(rank+1)*m] (in
         place: no local copy).
         """
-        plan = self._hot.get((id(send), id(recv), "all_gather", "sum"))
-        if plan is not None:  # the hot path (_guard, inlined)
-            g = plan.guard
-            if self._broken is None and send.dtype is g[0] and send.shape == g[1] and recv.shape == g[2] \
-                    and (g[3] or recv.flags.writeable):
-                plan.runs += 1
-                self._run(plan)
-                return recv
-        return self._call_slow("all_gather", send, recv, "sum")
+        return self._call("all_gather", send, recv, "sum")
 
     # ---- dispatch: the cached plan, or check, build and maybe keep one ----
     def _call(self, name, send, recv, op):
