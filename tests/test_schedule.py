@@ -10,7 +10,7 @@ import pytest
 from ringzero.comm import schedule as sch
 
 RING_ORDER, TREE_ORDER = {"direct", "ring"}, {"rd", "tree", "rab"}
-SIZES = [0, 1, 4096, 8192, 16384, 262144, 262145, 4 << 20, (4 << 20) + 8, 16 << 20, 64 << 20]
+SIZES = [0, 1, 4096, 8192, 16384, 65536, 65540, 262144, 262145, 4 << 20, (4 << 20) + 8, 16 << 20, 64 << 20]
 
 
 def family(name):
@@ -20,7 +20,8 @@ def family(name):
 @pytest.mark.parametrize("n", list(range(2, 20)) + [32, 64])
 def test_reduce_scatter_and_all_reduce_sum_in_one_order(n):
     k = sch.defaults(n)
-    for knobs in (k, {**k, "direct_bytes": 0}, {**k, "small_bytes": 1 << 40}, {**k, "tree_bytes": 0}):
+    for knobs in (k, {**k, "direct_bytes": 0}, {**k, "small_bytes": 1 << 40}, {**k, "tree_bytes": 0},
+                  {**k, "latency_bytes": 0}, {**k, "latency_bytes": 1 << 40}):
         for S in SIZES:
             rs = sch.choose("reduce_scatter", n, S, n * 4, **knobs)
             ar = sch.choose("all_reduce", n, S, n * 4, **knobs)
@@ -35,3 +36,16 @@ def test_direct_only_where_the_table_says():
     assert sch.choose("all_gather", 17, 4096, 17, **sch.defaults(17)) == "ring"     # n > 16: never direct
     assert sch.choose("all_reduce", 3, 4096, 7, **sch.defaults(3)) == "ring"        # 3 does not divide 7
     assert sch.choose("all_reduce", 4, 4096, 7, **sch.defaults(4)) == "rd"
+
+
+def test_power_of_two_takes_the_tree_up_to_latency_bytes():
+    for n in (4, 8, 16):
+        k = sch.defaults(n)
+        assert (k["small_bytes"], k["latency_bytes"]) == (64 << 10, 256 << 10)
+        pick = {op: [sch.choose(op, n, S, n * 4, **k) for S in (4096, 65536, 65540, 262144, 262148)]
+                for op in sch.OPS}
+        assert pick["all_reduce"] == ["rd", "rd", "rab", "rab", "direct"]
+        assert pick["reduce_scatter"] == ["tree"] * 4 + ["direct"]
+        assert pick["all_gather"] == ["tree"] * 4 + ["direct"]
+    for n in (3, 5, 6, 7):   # no halving tree: direct from the first byte
+        assert sch.choose("all_reduce", n, 4096, n * 4, **sch.defaults(n)) == "direct"

@@ -14,7 +14,8 @@ What it is
     array in bytes and n (schedule.py holds the rule, its thresholds and the
     rounds and bytes of each):
 
-    direct (3 <= n <= 16 and S <= direct_bytes, 16 MiB; one round per pass)
+    direct (3 <= n <= 16 and S <= direct_bytes, 16 MiB, and for a power-of-two
+            n also S > latency_bytes, 256 KiB; one round per pass)
         Reduce-scatter: rank r sends block p to rank p for every p != r and
         receives block r of every other rank, all posted at once, one wait;
         it then sums them in the ring's order (below). All-gather: its block
@@ -197,6 +198,7 @@ class Ring:
         self._tree_bytes = int(os.environ.get("RINGZERO_TREE_BYTES", TREE_BYTES))
         self._seg_bytes = max(64, int(os.environ.get("RINGZERO_SEG_BYTES", SEG_BYTES)))
         self._direct_bytes = int(os.environ.get("RINGZERO_DIRECT_BYTES", knobs["direct_bytes"]))
+        self._latency_bytes = int(os.environ.get("RINGZERO_LATENCY_BYTES", knobs["latency_bytes"]))
         self.max_plans = MAX_PLANS
         wait = os.environ.get("RINGZERO_WAIT", "block")
         if wait not in ("block", "poll"):
@@ -232,6 +234,7 @@ class Ring:
     tree_bytes = _knob("tree_bytes")      # at or below (power-of-two n): halving / doubling
     seg_bytes = _knob("seg_bytes")        # the ring's pipeline segment
     direct_bytes = _knob("direct_bytes")  # at or below (3 <= n <= 16): direct
+    latency_bytes = _knob("latency_bytes")  # at or below (power-of-two n): the tree, not direct
     eager_bytes = _knob("eager_bytes")    # recursive doubling's largest message (up to 4 of them)
     del _knob
 
@@ -303,7 +306,8 @@ class Ring:
         try:
             key = (name, op, type(send), send.dtype, send.shape, send.strides, _where(send),
                    type(recv), recv.shape, recv.strides, _where(recv),
-                   self._small_bytes, self._tree_bytes, self._seg_bytes, self._direct_bytes, self._eager_bytes)
+                   self._small_bytes, self._tree_bytes, self._seg_bytes, self._direct_bytes, self._eager_bytes,
+                   self._latency_bytes)
             plan = self._plans.get(key)
         except Exception:  # noqa: BLE001 (not an array MPI takes: _check says why)
             key = plan = None
@@ -350,7 +354,8 @@ class Ring:
 
     def schedule(self, name: str, nbytes: int, length: int) -> str:
         """The schedule a call of op `name` on S = nbytes (len(send) = length) takes here (schedule.choose)."""
-        return choose(name, self.size, nbytes, length, self._small_bytes, self._tree_bytes, self._direct_bytes)
+        return choose(name, self.size, nbytes, length, self._small_bytes, self._tree_bytes, self._direct_bytes,
+                      self._latency_bytes)
 
     def _schedule(self, name, send, recv):
         big = recv if name == "all_gather" else send

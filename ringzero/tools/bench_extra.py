@@ -45,9 +45,9 @@ def sched_parser() -> argparse.ArgumentParser:
     return p
 
 
-# (small_bytes, tree_bytes) that force each schedule
-# (small_bytes, tree_bytes, direct_bytes) that force each schedule
-_FORCE = {"ring": (0, 0, 0), "rd": (1 << 62, 1 << 62, 0), "tree": (0, 1 << 62, 0), "direct": (0, 0, 1 << 62)}
+# (small_bytes, tree_bytes, direct_bytes, latency_bytes) that force each schedule
+_FORCE = {"ring": (0, 0, 0, 0), "rd": (1 << 62, 1 << 62, 0, 0), "tree": (0, 1 << 62, 0, 0),
+          "direct": (0, 0, 1 << 62, 0)}
 
 
 def run_sched(args, comm) -> list:
@@ -75,7 +75,8 @@ def run_sched(args, comm) -> list:
             for name in names:  # one Ring per schedule, its knobs set once
                 if name not in rings:
                     rings[name] = Ring(comm)
-                    rings[name].small_bytes, rings[name].tree_bytes, rings[name].direct_bytes = _FORCE[name]
+                    (rings[name].small_bytes, rings[name].tree_bytes, rings[name].direct_bytes,
+                     rings[name].latency_bytes) = _FORCE[name]
                 fns[name] = _Case(op, rings[name], comm, np, dtype, count, False).ring
             impls = names + ["mpi"]
             fns["mpi"] = _Case(op, rings[names[0]], comm, np, dtype, count, False).mpi
