@@ -251,6 +251,25 @@ def test_ledger_ring_formula(comm, L):
 
 
 @pytest.mark.mpi
+def test_ring_all_gather_segments_only_what_it_forwards(comm):
+    """The ring all-gather cuts blocks into seg_bytes messages at n > 2 (to forward them as they
+    arrive) and sends each block whole at n = 2; the gathered data is every rank's, in order."""
+    n, r = comm.size, comm.rank
+    if n == 1:
+        pytest.skip("no messages at n = 1")
+    ring = force(Ring(comm), "ring")
+    ring.seg_bytes = 256                      # 64 float32 per message
+    m = 1000
+    out = np.empty(n * m, np.float32)
+    ring.all_gather(np.full(m, r, np.float32), out)
+    got = ring.ledger["all_gather"]["messages"]
+    want = 1 if n == 2 else (n - 1) * -(-m // 64)   # per rank: n-1 blocks of ceil(m/64) segments
+    ok = got == want and np.array_equal(out, np.repeat(np.arange(n, dtype=np.float32), m))
+    ring.free()
+    assert_all(comm, ok, f"n={n}: {got} messages, want {want}")
+
+
+@pytest.mark.mpi
 def test_ledger_latency_formula(comm):
     n = comm.size
     if n & (n - 1):
