@@ -37,9 +37,15 @@ def lengths(n):
 
 # (small_bytes, tree_bytes, direct_bytes, latency_bytes) forcing each schedule: the ring;
 # recursive doubling all-reduce with halving RS / doubling AG; Rabenseifner all-reduce
-# (halving + doubling); direct (3 <= n <= 16; n = 2 and other n fall back to the rules below it)
+# (halving + doubling); direct RS and AG (3 <= n <= 16; n = 2 falls back to the tree), with
+# the all-reduce direct too where n is not a power of two and Rabenseifner where it is
 SCHEDULES = {"ring": (0, 0, 0, 0), "latency": (1 << 40, 1 << 40, 0, 0), "tree": (0, 1 << 40, 0, 0),
-             "direct": (0, 0, 1 << 40, 0)}
+             "direct": (0, 1 << 40, 1 << 40, 0)}
+
+
+def tree_order(schedule, n):
+    """Does `schedule` (forced as above) add in the halving tree's order at n ranks?"""
+    return schedule != "ring" and n & (n - 1) == 0
 
 
 def force(ring, schedule):
@@ -151,7 +157,7 @@ def test_large_and_pipelined(comm):
 def _replay_f16(n, L, seed, schedule):
     """The float16 sum as documented: one float32 add and one rounding per hop (NumPy's float16 add)."""
     xs = [data(k, L, "float16", seed, ints=False) for k in range(n)]
-    if schedule not in ("ring", "direct"):  # recursive doubling or halving: the same pairing, r^(n/2) first
+    if tree_order(schedule, n):  # recursive doubling, halving, direct at 2^k: the same pairing, r^(n/2) first
         vals = list(xs)
         d = n >> 1
         while d:
@@ -183,6 +189,24 @@ def test_float16_order_and_determinism(comm, schedule):
     same = len(set(comm.allgather(x.tobytes()))) == 1
     ring.free()
     assert_all(comm, ok and same, f"float16 {schedule}: equal to replay {ok}, same on all ranks {same}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_float16_reduce_scatter_order(comm, schedule):
+    """The reduce-scatter adds in the order its all-reduce does (replayed here in NumPy):
+    at 2^k ranks the direct one replays the halving tree on the blocks it received."""
+    n, r = comm.size, comm.rank
+    if schedule != "ring" and schedule != "direct" and n & (n - 1):
+        pytest.skip(f"latency schedule needs a power-of-two size, have {n}")
+    ring = force(Ring(comm), schedule)
+    m = 1001
+    x = data(r, n * m, "float16", 9, ints=False)
+    got = ring.reduce_scatter(x, np.empty(m, np.float16))
+    want = _replay_f16(n, n * m, 9, schedule)[r * m:(r + 1) * m]
+    ok = np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    ring.free()
+    assert_all(comm, ok, f"float16 reduce_scatter {schedule}: differs from the replayed order")
 
 
 @pytest.mark.mpi
@@ -412,17 +436,20 @@ def test_disagreeing_lengths_raise_not_hang(comm):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("schedule,op", [("ring", "all_reduce"), ("direct", "all_reduce"),
-                                         ("direct", "all_gather")])
+                                         ("direct", "reduce_scatter"), ("direct", "all_gather")])
 def test_missing_peer_times_out(comm, schedule, op):
     """The timeout names the rank that never came, also out of the direct schedule's one wait on all peers."""
     n, r = comm.size, comm.rank
     if n < 2:
         pytest.skip("needs world size >= 2")
+    if (schedule, op) == ("direct", "all_reduce") and n & (n - 1) == 0:
+        pytest.skip(f"a 2^k all-reduce is never direct (n = {n})")
     # ring: rank 0's first message comes from its left, the one that skips
     ring = force(Ring(comm, timeout=1.5), schedule)
     skipper = n - 1
-    call = (lambda: ring.all_reduce(np.ones(4 * n, np.float32))) if op == "all_reduce" else \
-        (lambda: ring.all_gather(np.ones(4, np.float32), np.empty(4 * n, np.float32)))
+    call = {"all_reduce": lambda: ring.all_reduce(np.ones(4 * n, np.float32)),
+            "reduce_scatter": lambda: ring.reduce_scatter(np.ones(4 * n, np.float32), np.empty(4, np.float32)),
+            "all_gather": lambda: ring.all_gather(np.ones(4, np.float32), np.empty(4 * n, np.float32))}[op]
     if r != skipper:
         e = _expect_failure(comm, call, TimeoutError)
         ok = isinstance(e, TimeoutError) and op in str(e) and "rank" in str(e)
@@ -572,7 +599,8 @@ def test_ledger_direct_formula(comm):
     ring.reduce_scatter(np.ones(n * m, np.float64), np.empty(m))
     ring.all_gather(np.ones(m), np.empty(n * m))
     led = ring.ledger
-    ok = (led["all_reduce"]["bytes_sent"] == 8 * 2 * (n - 1) * m and led["all_reduce"]["messages"] == 2 * (n - 1)
+    ar_msgs = 2 * (n - 1) if n & (n - 1) else 2 * (n.bit_length() - 1)  # 2^k: Rabenseifner, log2 n per pass
+    ok = (led["all_reduce"]["bytes_sent"] == 8 * 2 * (n - 1) * m and led["all_reduce"]["messages"] == ar_msgs
           and led["reduce_scatter"]["bytes_sent"] == 8 * (n - 1) * m
           and led["all_gather"]["bytes_sent"] == 8 * (n - 1) * m and led["all_gather"]["messages"] == n - 1)
     ring.free()

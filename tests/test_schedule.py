@@ -9,11 +9,13 @@ import pytest
 
 from ringzero.comm import schedule as sch
 
-RING_ORDER, TREE_ORDER = {"direct", "ring"}, {"rd", "tree", "rab"}
+RING_ORDER, TREE_ORDER = {"ring"}, {"rd", "tree", "rab"}   # direct: the tree's at 2^k, else the ring's
 SIZES = [0, 1, 4096, 8192, 16384, 65536, 65540, 262144, 262145, 4 << 20, (4 << 20) + 8, 16 << 20, 64 << 20]
 
 
-def family(name):
+def family(name, n):
+    if name == "direct":
+        return "tree" if n & (n - 1) == 0 else "ring"
     return "ring" if name in RING_ORDER else "tree" if name in TREE_ORDER else pytest.fail(name)
 
 
@@ -21,11 +23,12 @@ def family(name):
 def test_reduce_scatter_and_all_reduce_sum_in_one_order(n):
     k = sch.defaults(n)
     for knobs in (k, {**k, "direct_bytes": 0}, {**k, "small_bytes": 1 << 40}, {**k, "tree_bytes": 0},
-                  {**k, "latency_bytes": 0}, {**k, "latency_bytes": 1 << 40}):
+                  {**k, "latency_bytes": 0}, {**k, "latency_bytes": 1 << 40}, {**k, "direct_bytes": 1 << 40},
+                  {**k, "direct_bytes": 1 << 40, "tree_bytes": 1 << 20}):
         for S in SIZES:
             rs = sch.choose("reduce_scatter", n, S, n * 4, **knobs)
             ar = sch.choose("all_reduce", n, S, n * 4, **knobs)
-            assert n == 2 or family(rs) == family(ar), (n, S, knobs, rs, ar)
+            assert n == 2 or family(rs, n) == family(ar, n), (n, S, knobs, rs, ar)
 
 
 def test_direct_only_where_the_table_says():
@@ -38,14 +41,15 @@ def test_direct_only_where_the_table_says():
     assert sch.choose("all_reduce", 4, 4096, 7, **sch.defaults(4)) == "rd"
 
 
-def test_power_of_two_takes_the_tree_up_to_latency_bytes():
+def test_power_of_two_schedules_per_op():
     for n in (4, 8, 16):
         k = sch.defaults(n)
-        assert (k["small_bytes"], k["latency_bytes"]) == (64 << 10, 256 << 10)
-        pick = {op: [sch.choose(op, n, S, n * 4, **k) for S in (4096, 65536, 65540, 262144, 262148)]
-                for op in sch.OPS}
-        assert pick["all_reduce"] == ["rd", "rd", "rab", "rab", "direct"]
-        assert pick["reduce_scatter"] == ["tree"] * 4 + ["direct"]
-        assert pick["all_gather"] == ["tree"] * 4 + ["direct"]
+        assert (k["small_bytes"], k["latency_bytes"], k["tree_bytes"]) == (64 << 10, 64 << 10, 16 << 20)
+        sizes = (4096, 65536, 65540, 1 << 20, 16 << 20, (16 << 20) + 8)
+        pick = {op: [sch.choose(op, n, S, n * 4, **k) for S in sizes] for op in sch.OPS}
+        assert pick["all_reduce"] == ["rd", "rd", "rab", "rab", "rab", "ring"]
+        assert pick["reduce_scatter"] == ["tree", "tree", "direct", "direct", "direct", "ring"]
+        assert pick["all_gather"] == ["tree", "tree", "direct", "direct", "direct", "ring"]
     for n in (3, 5, 6, 7):   # no halving tree: direct from the first byte
         assert sch.choose("all_reduce", n, 4096, n * 4, **sch.defaults(n)) == "direct"
+    assert sch.choose("reduce_scatter", 32, 1 << 20, 128, **sch.defaults(32)) == "tree"   # n > 16: no direct

@@ -21,7 +21,8 @@ NODIRECT = dict(direct_bytes=0)
 
 @pytest.mark.parametrize("op,n,S,knobs,want", [
     ("reduce_scatter", 3, 3000, {}, (1, 2000)),                    # direct: one round, (n-1)/n of S
-    ("all_reduce", 8, 1 * MIB, {}, (2, 2 * MIB * 7 / 8)),           # direct: two rounds, 2S(n-1)/n
+    ("all_reduce", 6, 1.5 * MIB, {}, (2, 2 * 1.5 * MIB * 5 / 6)),   # direct: two rounds, 2S(n-1)/n
+    ("all_reduce", 8, 1 * MIB, {}, (6, 2 * MIB * 7 / 8)),           # 2^k: Rabenseifner, 2 log2 n
     ("all_gather", 4, 16 * MIB, {}, (1, 12 * MIB)),                 # direct up to 16 MiB
     ("reduce_scatter", 4, 32 * MIB, {}, (3, 24 * MIB)),             # above: the ring
     ("all_gather", 32, 1 * MIB, {}, (5, 31 * MIB / 32)),            # more than 16 ranks: never direct

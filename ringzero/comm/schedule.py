@@ -7,33 +7,45 @@ What it is
     array (len(buf), len(send) for reduce-scatter, len(recv) for all-gather,
     times the itemsize); length = len(send).
 
-        schedule  taken when                                     rounds         bytes sent
-        direct    3 <= n <= DIRECT_RANKS, S <= direct_bytes      1 per pass     (n-1)/n S per pass
-                  (all-reduce: also n | length), and for a
-                  power-of-two n also S > latency_bytes
-        rd        all-reduce, n a power of two, S <= small_bytes log2 n        S log2 n
-        tree      n a power of two, S <= tree_bytes              log2 n / pass  (n-1)/n S per pass
-                  (all-reduce "rab": also n | length)
-        ring      otherwise                                      n-1 per pass   (n-1)/n S per pass
+        n          op       S                                  schedule  order
+        ---------  -------  ---------------------------------  --------  -----
+        not 2^k    any      S <= direct_bytes, 3 <= n <= 16    direct    ring
+                            (all-reduce: also n | length)
+                            otherwise                          ring      ring
+        2^k        AR       S <= small_bytes                   rd        tree
+                            S <= tree_bytes, n | length        rab       tree
+        2^k        RS, AG   S <= latency_bytes                 tree      tree
+                            S <= direct_bytes, 3 <= n <= 16    direct    tree
+                            S <= tree_bytes                    tree      tree
+        2^k        any      above tree_bytes (AR: or len % n)  ring      ring
 
-    An all-reduce is two passes (reduce-scatter then all-gather) except rd.
-    The defaults were placed with ``python -m ringzero.bench sched`` (alternating
-    blocks, docs/collectives.md) on this 2-core machine:
-      - at n = 4 and 8, up to 256 KiB, the halving tree's log2 n rounds beat
-        direct's n-1 messages per pass (all-reduce 4 KiB at n = 4: rd 34.5 us,
-        direct 63.8 us), and recursive doubling beats Rabenseifner up to
-        64 KiB only (LATENCY_BYTES, SMALL_BYTES);
-      - from 1 MiB to 16 MiB direct wins the reduce-scatter and all-gather (at
-        64 MiB the all-gather lost to the ring, 0.70 against 0.81-0.93 of
-        MPI's busbw); a direct reduce-scatter needs (n-1)/n S of scratch;
-      - at n = 2 recursive doubling loses to halving/doubling from 16 KiB
-        (SMALL_BYTES_2).
+        rounds and bytes sent per rank: direct 1 per pass, rd log2 n (S log2 n
+        bytes), tree/rab log2 n per pass, ring n-1 per pass; every pass but
+        rd's sends (n-1)/n S. An all-reduce is two passes, except rd.
 
-    Summation order (the composition contract): direct and ring add in the
-    ring's order, rd/tree/rab in the halving tree's; a reduce-scatter and an
-    all-reduce of one S always take the same family (latency_bytes and
-    direct_bytes bound both ops alike), and at n = 2 there is only one pair
-    to add.
+    Summation order (the composition contract): an all-reduce and a
+    reduce-scatter of one S (n | length) must add in one order. For a
+    power-of-two n every schedule up to tree_bytes adds in the halving
+    tree's order (level d = n/2 ... 1 adds x[q] + x[q ^ d]; the direct
+    reduce-scatter replays that tree on the blocks it received), and the
+    ring above it; for any other n, direct and the ring both add in the
+    ring's order. So each op is free to take its fastest schedule at every
+    size: at n = 4 and 8 the all-reduce takes Rabenseifner where the
+    reduce-scatter takes direct.
+
+    The defaults were placed with ``python -m ringzero.bench sched`` and
+    benchmarks-style side-by-side runs (alternating blocks,
+    docs/collectives.md) on this 2-core machine:
+      - recursive doubling beats Rabenseifner up to 64 KiB at n = 4 and 8
+        (all-reduce 4 KiB at n = 4: rd 34.5 us, direct 63.8 us), and only
+        below 16 KiB at n = 2 (SMALL_BYTES, SMALL_BYTES_2);
+      - Rabenseifner, reducing in place, beat the direct all-reduce from
+        256 KiB to 4 MiB at n = 4 and 8 and tied it at 16 MiB;
+      - the direct reduce-scatter and all-gather tie the tree up to 64 KiB
+        and beat it from 256 KiB to 16 MiB (reduce-scatter 1 MiB at n = 8:
+        600 us against 1404 us); at 64 MiB the direct all-gather lost to the
+        ring (0.70 against 0.81-0.93 of MPI's busbw). A direct
+        reduce-scatter needs (n-1)/n S of scratch.
 
 What it is not
     A cost model of the machine: rounds and bytes only (simulate.py fits α, β).
@@ -43,7 +55,7 @@ from __future__ import annotations
 import math
 
 SMALL_BYTES = 64 * 1024    # all_reduce at or below: recursive doubling (power-of-two n > 2)
-LATENCY_BYTES = 256 * 1024 # at or below, for a power-of-two n: the halving tree, not direct
+LATENCY_BYTES = 64 * 1024  # RS and AG at or below, for a power-of-two n: the tree, not direct
 SMALL_BYTES_2 = 8 * 1024   # the same at n = 2
 TREE_BYTES = 16 << 20      # at or below: halving/doubling (power-of-two n); above: the ring
 SEG_BYTES = 1 << 20        # the ring's pipeline segment
@@ -64,16 +76,14 @@ def defaults(n: int) -> dict:
 def choose(op: str, n: int, nbytes: int, length: int, small_bytes: int, tree_bytes: int,
            direct_bytes: int, latency_bytes: int) -> str:
     """"direct" | "rd" | "tree" | "rab" | "ring" for one call (the table above)."""
-    pow2 = n & (n - 1) == 0
-    if (3 <= n <= DIRECT_RANKS and nbytes <= direct_bytes and not (pow2 and nbytes <= latency_bytes)
-            and (op != "all_reduce" or length % n == 0)):
-        return "direct"
-    tree = pow2 and nbytes <= tree_bytes
-    if op != "all_reduce":
-        return "tree" if tree else "ring"
-    if tree and nbytes <= small_bytes:
-        return "rd"
-    return "rab" if tree and length % n == 0 else "ring"
+    direct = 3 <= n <= DIRECT_RANKS and nbytes <= direct_bytes and (op != "all_reduce" or length % n == 0)
+    if n & (n - 1):           # no halving tree: direct, else the ring (both in the ring's order)
+        return "direct" if direct else "ring"
+    if nbytes > tree_bytes:   # the ring's order from here up, for every op
+        return "ring"
+    if op == "all_reduce":    # the halving tree's order
+        return "rd" if nbytes <= small_bytes else "rab" if length % n == 0 else "ring"
+    return "direct" if direct and nbytes > latency_bytes else "tree"
 
 
 def steps_wire(op: str, n: int, S: float, **knobs) -> tuple:

@@ -47,7 +47,7 @@ def sched_parser() -> argparse.ArgumentParser:
 
 # (small_bytes, tree_bytes, direct_bytes, latency_bytes) that force each schedule
 _FORCE = {"ring": (0, 0, 0, 0), "rd": (1 << 62, 1 << 62, 0, 0), "tree": (0, 1 << 62, 0, 0),
-          "direct": (0, 0, 1 << 62, 0)}
+          "direct": (0, 1 << 62, 1 << 62, 0)}
 
 
 def run_sched(args, comm) -> list:
@@ -67,7 +67,9 @@ def run_sched(args, comm) -> list:
         print(f"# ringzero.bench sched: n={n} dtype={dtype.name}; time per call in us, alternating blocks "
               "(rd: recursive doubling; tree: halving RS / doubling AG; direct: one round; * fastest)")
     for op, names in variants.items():
-        names = [x for x in names if (pow2 or x not in ("rd", "tree")) and (3 <= n <= DIRECT_RANKS or x != "direct")]
+        # a 2^k all-reduce is never direct (the tree's order takes rd or rab): "direct" would time rab again
+        names = [x for x in names if (pow2 or x not in ("rd", "tree")) and (3 <= n <= DIRECT_RANKS or x != "direct")
+                 and not (pow2 and op == "all_reduce" and x == "direct")]
         S = args.minbytes
         while S <= args.maxbytes:
             count = max(n, S // dtype.itemsize) // n * n
