@@ -1,8 +1,9 @@
 """ringzero.tools.fit: the α–β model recovers known α and β from a synthetic bench file and
 predicts held-out points within the stated tolerance.
 
-The synthetic times are written here from the textbook ring costs (not from
-fit.steps_wire), with ±10 % deterministic noise, in the bench's row format.
+The synthetic times are written here from the Ring's schedule table as the docs state it
+(not from fit.steps_wire or ringzero.comm.schedule), with ±10 % deterministic noise, in the
+bench's row format.
 """
 import json
 import math
@@ -14,23 +15,34 @@ from ringzero.runtime import accounting as acc
 from ringzero.tools import fit
 
 ALPHA, BETA = 20e-6, 1 / 4e9          # 20 us per step, 4 GB/s
+MIB = 1 << 20
 
 
-def synthetic_rows(noise=0.10, seed=0, small=64 * 1024):
+def rounds_bytes(op, n, S, small=None):
+    """(rounds, bytes sent per rank) of one call, from docs/collectives.md's table (defaults:
+    recursive doubling to 64 KiB, 8 KiB at n = 2; tree RS/AG to 64 KiB; direct and tree to 16 MiB)."""
+    small = (8 << 10 if n == 2 else 64 << 10) if small is None else small
+    ar, lg, per = op == "allreduce", math.log2(n), S * (n - 1) / n
+    passes = 2 if ar else 1
+    if n & (n - 1):                                   # n = 3: direct up to 16 MiB, then the ring
+        return passes * (1 if S <= 16 * MIB else n - 1), passes * per
+    if S > 16 * MIB:                                  # the ring
+        return passes * (n - 1), passes * per
+    if ar:                                            # recursive doubling, then Rabenseifner
+        return (lg, S * lg) if S <= small else (2 * lg, 2 * per)
+    if n == 2 or S <= 64 << 10:                       # halving / doubling
+        return lg, per
+    return 1, per                                     # direct
+
+
+def synthetic_rows(noise=0.10, seed=0, small=None):
     rng = np.random.default_rng(seed)
     rows = []
     for n in (2, 3, 4, 8):
         for k in range(12, 27):                     # 4 KiB .. 64 MiB
             S = 2 ** k
-            pow2 = n & (n - 1) == 0
             for op in ("allreduce", "reduce_scatter", "all_gather"):
-                if pow2 and S <= small:             # recursive halving / doubling
-                    steps = math.log2(n)
-                    wire = S * math.log2(n) if op == "allreduce" else S * (n - 1) / n
-                elif op == "allreduce":
-                    steps, wire = 2 * (n - 1), 2 * S * (n - 1) / n
-                else:
-                    steps, wire = n - 1, S * (n - 1) / n
+                steps, wire = rounds_bytes(op.replace("_", ""), n, S, small)
                 t = (steps * ALPHA + wire * BETA) * (1 + noise * rng.uniform(-1, 1))
                 rows.append({"op": op, "impl": "ring", "n": n, "bytes": S, "count": S // 4,
                              "dtype": "float32", "redop": "sum", "time_us": t * 1e6,
@@ -70,9 +82,8 @@ def test_per_n_fit_handles_alpha_growing_with_n():
     rows = synthetic_rows(noise=0.0)
     for r in rows:
         if r["op"] == "allreduce":
-            n, S = r["n"], r["bytes"]
-            steps = math.log2(n) if (n & (n - 1) == 0 and S <= 64 * 1024) else 2 * (n - 1)
-            r["time_us"] += steps * ALPHA * 1e6 * (n ** 2 - 1)     # extra latency ~ n²
+            steps, _ = rounds_bytes("allreduce", r["n"], r["bytes"])
+            r["time_us"] += steps * ALPHA * 1e6 * (r["n"] ** 2 - 1)     # extra latency ~ n²
     rep = fit.report(rows, op="all_reduce")
     assert rep["max_abs_rel_err"] < 1e-6
     assert rep["pooled_median_abs_rel_err"] > 0.1
@@ -120,12 +131,14 @@ def test_ignores_wrong_and_other_impl_rows():
     assert acc.parse_stage("FULL_SHARD") in r["predict_step_comm_s"]
 
 
-def test_small_bytes_from_bench_meta(tmp_path):
-    """A file made with a 256 KiB cutoff is fitted with that cutoff, read from its meta."""
+def test_thresholds_from_bench_meta(tmp_path):
+    """A file made with a 256 KiB recursive-doubling cutoff is fitted with it, read from its meta."""
     rows = synthetic_rows(noise=0.0, small=256 * 1024)
     p = tmp_path / "b.json"
-    p.write_text(json.dumps({"rows": rows, "meta": {"small_bytes": 256 * 1024}}))
+    p.write_text(json.dumps({"rows": rows, "meta": {"small_bytes": 256 * 1024, "tree_bytes": 16 * MIB}}))
     r = fit.report(fit.load_rows(str(p)), op="all_reduce")
     assert r["max_abs_rel_err"] < 1e-9
     wrong = fit.report(synthetic_rows(noise=0.0, small=256 * 1024), op="all_reduce")
-    assert wrong["max_abs_rel_err"] > 0.05          # the 64 KiB default misreads 128-256 KiB
+    assert wrong["max_abs_rel_err"] > 0.05          # the default cutoff misreads 128-256 KiB
+
+

@@ -14,13 +14,16 @@ What it is
     array in bytes and n (schedule.py holds the rule, its thresholds and the
     rounds and bytes of each):
 
-    direct (3 <= n <= 16 and S <= direct_bytes, 16 MiB, and for a power-of-two
-            n also S > latency_bytes, 256 KiB; one round per pass)
+    direct (3 <= n <= 16 and S <= direct_bytes, 16 MiB; for a power-of-two n
+            only the reduce-scatter and all-gather, above latency_bytes, 64 KiB;
+            one round per pass)
         Reduce-scatter: rank r sends block p to rank p for every p != r and
         receives block r of every other rank, all posted at once, one wait;
-        it then sums them in the ring's order (below). All-gather: its block
-        to every peer and every peer's block, posted at once, one wait.
-        An all-reduce (n | len) is the two. Bytes sent: as the ring's.
+        it then adds them in the halving tree's order when n is a power of
+        two (below) and in the ring's otherwise. All-gather: its block to
+        every peer and every peer's block, posted at once, one wait. An
+        all-reduce (n | len, n not a power of two) is the two. Bytes sent:
+        as the ring's.
 
     ring (otherwise, when not the tree)
         The buffer is cut into n blocks; block i holds L//n elements, plus one
@@ -39,21 +42,23 @@ What it is
         reduce-scatter by recursive halving (partner r ^ n/2, then r ^ n/4 ...),
         all-gather by recursive doubling (r ^ 1, r ^ 2 ...); both send (n-1)/n
         of the buffer, like the ring, in log2 n steps instead of n-1.
-        all-reduce is the two in place (Rabenseifner) when n divides L, and,
-        when S <= small_bytes too, recursive doubling over the whole buffer in
-        the halving order (r ^ n/2 first): log2 n steps, S * log2 n bytes sent,
-        in messages of at most ``eager_bytes`` when S is up to 4 of them (a
-        4 KiB message would pay a rendezvous). An all-reduce whose L is not a
-        multiple of n and S > small_bytes takes the ring.
+        all-reduce: Rabenseifner (the two, reducing in place) when n divides
+        L, or, when S <= small_bytes, recursive doubling over the whole buffer
+        in the halving order (r ^ n/2 first): log2 n steps, S * log2 n bytes
+        sent, in messages of at most ``eager_bytes`` when S is up to 4 of them
+        (a 4 KiB message would pay a rendezvous). An all-reduce whose L is not
+        a multiple of n and S > small_bytes takes the ring.
 
     Composition contract: for L divisible by n, all_reduce is bitwise equal to
-    reduce_scatter followed by all_gather. The ring and direct all-reduces
-    *are* their RS then AG and sum in the ring's order, Rabenseifner *is*
-    halving then doubling, and recursive doubling pairs ranks in the halving
-    order, so every element is summed over the same tree; the choice depends
-    only on S and n, the same for both calls, and never mixes the two orders
-    at one S (at n = 2 the orders coincide). Sums are deterministic and bitwise equal on every
-    rank: each element is reduced in a fixed order (adds commute bitwise).
+    reduce_scatter followed by all_gather. Every element is summed over one
+    tree whichever schedule runs: for a power-of-two n and S <= tree_bytes
+    the halving tree (recursive doubling pairs ranks in its order,
+    Rabenseifner *is* halving then doubling, the direct reduce-scatter adds
+    its received blocks along it), and otherwise the ring's chain (the ring
+    and direct all-reduces *are* their RS then AG). The order depends only
+    on S and n, the same for both calls (at n = 2 the orders coincide).
+    Sums are deterministic and bitwise equal on every rank: each element is
+    reduced in a fixed order (adds commute bitwise).
     float16 hops add in float32 and round once (ringzero.comm.kernels.add_f16).
     "avg" divides the finished sum by n (float16: in float32, one rounding).
 
@@ -234,7 +239,7 @@ class Ring:
     tree_bytes = _knob("tree_bytes")      # at or below (power-of-two n): halving / doubling
     seg_bytes = _knob("seg_bytes")        # the ring's pipeline segment
     direct_bytes = _knob("direct_bytes")  # at or below (3 <= n <= 16): direct
-    latency_bytes = _knob("latency_bytes")  # at or below (power-of-two n): the tree, not direct
+    latency_bytes = _knob("latency_bytes")  # RS/AG at or below (power-of-two n): the tree, not direct
     eager_bytes = _knob("eager_bytes")    # recursive doubling's largest message (up to 4 of them)
     del _knob
 

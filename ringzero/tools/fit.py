@@ -1,19 +1,20 @@
 """``python -m ringzero.fit BENCH.json``: an α–β model of the ring, fitted to this machine.
 
 What it is
-    The textbook cost of a ring collective over n ranks on a buffer of S bytes:
+    The cost of one Ring call over n ranks on a buffer of S bytes:
 
         T = steps · α + wire · β
-        all-reduce      steps 2(n-1)   wire 2(n-1)/n · S
-        reduce-scatter  steps  (n-1)   wire  (n-1)/n · S
-        all-gather      steps  (n-1)   wire  (n-1)/n · S
+
+    where steps (latency rounds) and wire (bytes this rank sends) are the
+    Ring's own schedule, ``ringzero.comm.schedule.steps_wire``: e.g. a ring
+    all-reduce takes 2(n-1) steps and 2(n-1)/n · S bytes, a direct one 2
+    steps and the same bytes, recursive doubling log2 n steps and S·log2 n
+    bytes. The schedule's thresholds are those the bench ran with, read from
+    its file's meta (small_bytes, latency_bytes, tree_bytes, direct_bytes);
+    a file without them is read with the Ring's defaults for each n.
 
     α is the latency of one step (one send/recv pair and its Python overhead),
     β the seconds per byte a rank puts on the wire (the local add is folded in).
-    For buffers of at most ``small_bytes`` (read from the bench file's meta) at
-    a power-of-two n, ringzero's Ring switches to recursive halving/doubling
-    (log2 n steps; an all-reduce then sends S·log2 n bytes), and the model
-    counts those steps instead.
 
     The fit minimises the sum of |log(predicted / measured)| (or, with
     --method lsq, the squared relative error), so a 4 KiB point counts as much
@@ -40,9 +41,10 @@ import sys
 
 import numpy as np
 
+from ringzero.comm import schedule  # (no MPI in it)
 from ringzero.runtime import accounting as acc
 
-SMALL_BYTES = 64 * 1024   # default cutoff when a bench file's meta lacks small_bytes
+KNOBS = ("small_bytes", "latency_bytes", "tree_bytes", "direct_bytes")  # the schedule's thresholds
 OPS = {"allreduce": "all_reduce", "reducescatter": "reduce_scatter", "allgather": "all_gather"}
 TOLERANCE = 0.5           # held-out |relative error|, median must be below this (see README)
 
@@ -51,15 +53,15 @@ def norm_op(op: str) -> str | None:
     return OPS.get(str(op).lower().replace("_", "").replace("-", ""))
 
 
-def steps_wire(op: str, n: int, S: float, small_bytes: int = SMALL_BYTES) -> tuple:
-    """(steps, bytes sent per rank) of ringzero's schedule for one call."""
-    if n < 2:
-        return 0, 0.0
-    if n & (n - 1) == 0 and S <= small_bytes:            # latency schedule
-        lg = int(math.log2(n))
-        return lg, (S * lg if op == "all_reduce" else S * (n - 1) / n)
-    k = 2 if op == "all_reduce" else 1
-    return k * (n - 1), k * S * (n - 1) / n
+def steps_wire(op: str, n: int, S: float, knobs: dict | None = None) -> tuple:
+    """(steps, bytes sent per rank) of the Ring's schedule for one call; knobs: thresholds
+    that differ from the Ring's defaults for n (schedule.defaults)."""
+    return schedule.steps_wire(op, n, S, **(knobs or {}))
+
+
+def _knobs(row, knobs):
+    """The thresholds a row ran with: its file's meta, then the caller's (CLI), then defaults."""
+    return {**(knobs or {}), **row.get("knobs", {})}
 
 
 def load_rows(path: str) -> list:
@@ -74,9 +76,9 @@ def load_rows(path: str) -> list:
         raise ValueError(f"{path}: expected a JSON list of rows or {{\"rows\": [...]}}, "
                          f"got {type(d).__name__}")
     meta = (d.get("meta") or {}) if isinstance(d, dict) else {}
-    if isinstance(meta, dict) and meta.get("small_bytes") is not None:
-        # the cutoff the Ring ran with, recorded by the bench: it decides the schedule
-        rows = [{"small_bytes": int(meta["small_bytes"]), **r} for r in rows]
+    ran = {k: int(meta[k]) for k in KNOBS if isinstance(meta, dict) and meta.get(k) is not None}
+    if ran:  # the thresholds the Ring ran with, recorded by the bench: they decide the schedule
+        rows = [{"knobs": ran, **r} if isinstance(r, dict) else r for r in rows]
     for i, r in enumerate(rows):
         miss = [k for k in ("op", "impl", "n", "bytes", "time_us") if k not in r]
         if miss:
@@ -102,9 +104,8 @@ def split_alternate(rows) -> tuple:
     return fit, held
 
 
-def _design(rows, small_bytes):
-    X = np.array([steps_wire(norm_op(r["op"]), int(r["n"]), float(r["bytes"]),
-                             r.get("small_bytes", small_bytes))
+def _design(rows, knobs):
+    X = np.array([steps_wire(norm_op(r["op"]), int(r["n"]), float(r["bytes"]), _knobs(r, knobs))
                   for r in rows], np.float64)                 # (m, 2) steps, wire bytes
     t = np.array([float(r["time_us"]) * 1e-6 for r in rows])  # (m,) seconds
     return X, t
@@ -146,31 +147,30 @@ def _l1log(X, t):
     return best
 
 
-def fit_alpha_beta(rows, small_bytes: int = SMALL_BYTES, method: str = "l1log") -> dict:
+def fit_alpha_beta(rows, knobs: dict | None = None, method: str = "l1log") -> dict:
     """Fit α (s) and β (s/byte) to bench rows. method: "l1log" (robust, default) or "lsq"."""
     if len(rows) < 2:
         raise ValueError(f"need >= 2 bench rows to fit alpha and beta, got {len(rows)}")
     if method not in ("l1log", "lsq"):
         raise ValueError(f"method must be l1log or lsq, got {method!r}")
-    X, t = _design(rows, small_bytes)
+    X, t = _design(rows, knobs)
     sol = _l1log(X, t) if method == "l1log" else _lsq(X, t)
     alpha, beta = float(sol[0]), float(sol[1])
     return {"alpha_s": alpha, "beta_s_per_byte": beta, "method": method,
             "bandwidth_GBps": (1 / beta / 1e9) if beta > 0 else math.inf, "rows": len(rows)}
 
 
-def predict(model: dict, op: str, n: int, S: float, small_bytes: int = SMALL_BYTES) -> float:
+def predict(model: dict, op: str, n: int, S: float, knobs: dict | None = None) -> float:
     """Seconds for one call of ``op`` over n ranks on S bytes."""
-    st, w = steps_wire(op, n, S, small_bytes)
+    st, w = steps_wire(op, n, S, knobs)
     return st * model["alpha_s"] + w * model["beta_s_per_byte"]
 
 
-def errors(model: dict, rows, small_bytes: int = SMALL_BYTES) -> list:
+def errors(model: dict, rows, knobs: dict | None = None) -> list:
     """[(row, predicted_us, relative error)] for rows."""
     out = []
     for r in rows:
-        p = predict(model, norm_op(r["op"]), int(r["n"]), float(r["bytes"]),
-                    r.get("small_bytes", small_bytes)) * 1e6
+        p = predict(model, norm_op(r["op"]), int(r["n"]), float(r["bytes"]), _knobs(r, knobs)) * 1e6
         out.append((r, p, (p - float(r["time_us"])) / float(r["time_us"])))
     return out
 
@@ -193,7 +193,7 @@ def step_time(model: dict, stage, psi: int, nd: int, units: int = 1, ranks_per_n
     return steps * model["alpha_s"] + wire * model["beta_s_per_byte"]
 
 
-def report(rows, impl="ring", op="all_reduce", small_bytes=SMALL_BYTES, units=1,
+def report(rows, impl="ring", op="all_reduce", knobs=None, units=1,
            tolerance=TOLERANCE, method="l1log", predict_n=None) -> dict:
     """Fit per world size n (and pooled), check held-out sizes, predict from n = predict_n.
 
@@ -213,21 +213,21 @@ def report(rows, impl="ring", op="all_reduce", small_bytes=SMALL_BYTES, units=1,
         if len(fr) < 2 or not hr:
             raise ValueError(f"need >= 3 sizes of {op} (impl {impl!r}) at n={n} to fit and hold "
                              f"some out, got {len(rs)}")
-        m_n = fit_alpha_beta(fr, small_bytes, method)
-        per_n[str(n)] = {"fit_on_half": m_n, "fit_on_all": fit_alpha_beta(rs, small_bytes, method)}
-        held_rows += [(r, p, e) for r, p, e in errors(m_n, hr, small_bytes)]
+        m_n = fit_alpha_beta(fr, knobs, method)
+        per_n[str(n)] = {"fit_on_half": m_n, "fit_on_all": fit_alpha_beta(rs, knobs, method)}
+        held_rows += [(r, p, e) for r, p, e in errors(m_n, hr, knobs)]
     if not ns:
         raise ValueError(f"need >= 2 sizes per (op, n) to hold some out; got 0 {op} rows of "
                          f"impl {impl!r}")
     fit_rows, held = split_alternate(sel)
-    pooled = fit_alpha_beta(fit_rows, small_bytes, method)
-    pooled_err = np.abs([e for _, _, e in errors(pooled, held, small_bytes)])
+    pooled = fit_alpha_beta(fit_rows, knobs, method)
+    pooled_err = np.abs([e for _, _, e in errors(pooled, held, knobs)])
     rel = np.abs([e for _, _, e in held_rows])
     pn = predict_n if predict_n is not None else ns[0]
     if str(pn) not in per_n:
         raise ValueError(f"--predict-from n={pn} has no rows; measured n: {ns}")
     base = per_n[str(pn)]["fit_on_all"]
-    pred_ar = {f"{n}": {f"{psi / 1e9:g}B": predict(base, "all_reduce", n, 2 * psi, small_bytes)
+    pred_ar = {f"{n}": {f"{psi / 1e9:g}B": predict(base, "all_reduce", n, 2 * psi, knobs)
                         for psi in (1.5e9, 7.5e9, 100e9)} for n in (2, 8, 64, 256, 1024)}
     pred_step = {st: {f"{n}": {f"{psi / 1e9:g}B": step_time(base, st, int(psi), n, units)
                                for psi in (1.5e9, 7.5e9, 100e9)} for n in (8, 64, 1024)}
@@ -305,9 +305,9 @@ def main(argv=None):
                                              "(one per world size; their rows are pooled)")
     ap.add_argument("--op", default="all_reduce", choices=sorted(OPS.values()))
     ap.add_argument("--impl", default="ring", help="rows of this impl (ring or mpi)")
-    ap.add_argument("--small-bytes", type=int, default=SMALL_BYTES,
-                    help="the Ring's latency-schedule cutoff (RINGZERO_SMALL_BYTES), for rows "
-                         "whose file does not record it in meta.small_bytes")
+    ap.add_argument("--small-bytes", type=int, default=None,
+                    help="the Ring's recursive-doubling cutoff (RINGZERO_SMALL_BYTES) for rows whose "
+                         "file does not record it in meta.small_bytes (default: the Ring's for each n)")
     ap.add_argument("--units", type=int, default=1, help="units per model, for per-step latency")
     ap.add_argument("--method", default="l1log", choices=("l1log", "lsq"),
                     help="l1log: robust to the busy machine's outliers (default); lsq: relative "
@@ -319,7 +319,8 @@ def main(argv=None):
     try:
         if a.units < 1:
             raise ValueError(f"--units must be >= 1, got {a.units}")
-        r = report([row for b in a.bench for row in load_rows(b)], a.impl, a.op, a.small_bytes,
+        knobs = None if a.small_bytes is None else {"small_bytes": a.small_bytes}
+        r = report([row for b in a.bench for row in load_rows(b)], a.impl, a.op, knobs,
                    a.units, method=a.method, predict_n=a.predict_from)
     except (ValueError, OSError) as e:
         ap.error(str(e))

@@ -90,7 +90,8 @@ class Links:
                 sel = [r for r in fit.select(rows, op, impl) if int(r["n"]) == n]
                 if len(sel) < 2:
                     continue
-                X = np.array([steps_wire(op, n, float(r["bytes"]), tree_bytes) for r in sel], np.float64)
+                X = np.array([steps_wire(op, n, float(r["bytes"]), **{"tree_bytes": tree_bytes, **r.get("knobs", {})})
+                              for r in sel], np.float64)  # the thresholds the bench ran with (its meta)
                 t = np.array([float(r["time_us"]) * 1e-6 for r in sel])
                 a, b = fit._l1log(X, t)
                 fits[(op, n)] = (float(a), float(b))
