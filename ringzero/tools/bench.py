@@ -31,10 +31,11 @@ What it is
     like; after the sweep, rank 0 alone measures device->device memcpy and
     pinned host<->device copies (rows with op "copy") as physical references.
 
-    Two more words, in ringzero.tools.bench_extra: ``sched`` times every Ring
-    schedule against each other (how the thresholds were placed) and
+    Three more words, in ringzero.tools.bench_extra: ``sched`` times every
+    Ring schedule against each other (how the thresholds were placed),
     ``dtypes`` times one op on the same element count in several dtypes,
-    interleaved (float16 against float32).
+    interleaved (float16 against float32), and ``median`` reads the --json
+    files of several launches and prints the median ratio per cell.
 
 What it is not
     A model benchmark: main() dispatches on a first word so one can be added
@@ -52,7 +53,8 @@ import time
 import numpy as np
 
 # sched and dtypes live in their own module (the Ring timed against itself)
-from ringzero.tools.bench_extra import dtypes_parser, run_dtypes, run_sched, sched_parser
+from ringzero.tools.bench_extra import (dtypes_parser, median_parser, run_dtypes, run_median, run_sched,
+                                        sched_parser)
 
 OP_NAMES = ("all_reduce", "reduce_scatter", "all_gather")
 
@@ -375,16 +377,19 @@ def run_coll(args, comm) -> list:
 
 
 SUBCOMMANDS = {"coll": (coll_parser, run_coll), "sched": (sched_parser, run_sched),
-               "dtypes": (dtypes_parser, run_dtypes)}
+               "dtypes": (dtypes_parser, run_dtypes), "median": (median_parser, run_median)}
 
 
 def main(argv=None) -> int:
-    from mpi4py import MPI
-    from ringzero.comm.threads import set_blas_threads
     argv = sys.argv[1:] if argv is None else list(argv)
     name = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "coll"
     make_parser, run = SUBCOMMANDS[name]
     args = make_parser().parse_args(argv)
+    if name == "median":   # reads files: no MPI
+        run(args)
+        return 0
+    from mpi4py import MPI
+    from ringzero.comm.threads import set_blas_threads
     set_blas_threads(MPI.COMM_WORLD)   # this rank's share of the node's cores
     rows = run(args, MPI.COMM_WORLD)
     return 1 if any(r["wrong"] for r in rows) else 0

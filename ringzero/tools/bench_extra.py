@@ -1,26 +1,32 @@
-"""``python -m ringzero.bench sched|dtypes``: the Ring timed against itself.
+"""``python -m ringzero.bench sched|dtypes|median``: the Ring timed against itself, and many runs read as one.
 
 What it is
-    Two words of ``ringzero.bench`` (``ringzero.tools.bench`` dispatches to them):
+    Three words of ``ringzero.bench`` (``ringzero.tools.bench`` dispatches to them):
 
     sched   For each op and size, every schedule of the Ring (ring; recursive
             doubling "rd"; halving reduce-scatter / doubling all-gather "tree";
-            rd and tree only when the world size is a power of two) forced in
-            turn on the same buffers, and the MPI library's collective beside
-            them, interleaved iteration by iteration; the median of the slowest
-            rank's time, fastest Ring schedule marked with *. This is how
-            ``small_bytes`` and ``tree_bytes`` were placed.
+            "direct"; rd and tree only when the world size is a power of two,
+            direct only for 3 <= n <= 16 and never for a 2^k all-reduce) forced
+            in turn on its own buffers, and the MPI library's collective beside
+            them, in alternating blocks (bench.time_blocks); the median of the
+            slowest rank's time, fastest Ring schedule marked with *. This is
+            how the thresholds of ringzero/comm/schedule.py were placed.
     dtypes  One op on the same element count in several dtypes, interleaved
             (float16 against float32: the bytes halve, does the time?), each
             checked first on integer-valued data (#wrong).
+    median  No MPI: reads the ``--json`` files of several ``coll`` launches
+            and prints, per op, n and size, the median of their Ring/MPI busbw
+            ratios and their range, as a Markdown table. This machine's speed
+            changes between launches, so one launch's ratio is one sample.
 
-    Both reuse the cases of ``ringzero.tools.bench`` (``_Case``: buffers,
-    fill, check), imported inside the functions so that bench.py can import
-    this module at its top. Only rank 0 prints; ``--json FILE`` writes the rows.
+    sched and dtypes reuse the cases of ``ringzero.tools.bench`` (``_Case``:
+    buffers, fill, check), imported inside the functions so that bench.py can
+    import this module at its top. Only rank 0 prints; ``--json FILE`` writes
+    the rows.
 
 What it is not
     Not the nccl-tests-style sweep (that is ``coll``, in bench.py), and no
-    algbw/busbw: these rows compare times on identical buffers only.
+    algbw/busbw: sched and dtypes compare times on identical buffers only.
 """
 from __future__ import annotations
 
@@ -148,3 +154,55 @@ def run_dtypes(args, comm) -> list:
                 json.dump({"rows": rows, "meta": dict(n=n, kind="dtypes")}, f, indent=1)
     ring.free()
     return rows
+
+
+def median_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ringzero.bench median",
+                                description="the median over several `coll` launches (their --json files) of "
+                                            "the Ring/MPI busbw ratio, per op, n and size, as a Markdown table")
+    p.add_argument("files", nargs="+", help="JSON files written by python -m ringzero.bench --json")
+    p.add_argument("--target", type=float, default=None,
+                   help="bold the cells whose median is at least this")
+    return p
+
+
+def run_median(args, comm=None) -> list:
+    """Median and range of busbw_ratio per (op, n, bytes) over the files' ring rows; rank 0 prints."""
+    from ringzero.tools.bench import human
+    got = {}
+    for path in args.files:
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"ringzero.bench median: {path}: {e}") from None
+        rows = d.get("rows") if isinstance(d, dict) else d
+        if not isinstance(rows, list):
+            raise SystemExit(f"ringzero.bench median: {path}: expected {{\"rows\": [...]}} from bench --json")
+        for r in rows:
+            if r.get("impl") == "ring" and r.get("busbw_ratio") is not None:
+                got.setdefault((r["op"], int(r["n"]), int(r["bytes"])), []).append(float(r["busbw_ratio"]))
+    if not got:
+        raise SystemExit("ringzero.bench median: no ring rows with busbw_ratio in "
+                         f"{', '.join(args.files)} (files from python -m ringzero.bench --json)")
+    sizes = sorted({b for _, _, b in got})
+    order = {"all_reduce": 0, "reduce_scatter": 1, "all_gather": 2}
+    keys = sorted({(op, n) for op, n, _ in got}, key=lambda k: (order.get(k[0], 9), k[0], k[1]))
+    out = []
+    if comm is None or comm.rank == 0:
+        print("| op | n | " + " | ".join(human(b) for b in sizes) + " |")
+        print("|---|---|" + "---|" * len(sizes))
+    for op, n in keys:
+        cells = []
+        for b in sizes:
+            v = got.get((op, n, b))
+            if not v:
+                cells.append("")
+                continue
+            med = float(np.median(v))
+            out.append(dict(op=op, n=n, bytes=b, median=med, lo=min(v), hi=max(v), runs=len(v), wrong=0))
+            txt = f"{med:.2f}" + (f" ({min(v):.2f}–{max(v):.2f})" if len(v) > 1 else "")
+            cells.append(f"**{txt}**" if args.target is not None and med >= args.target else txt)
+        if comm is None or comm.rank == 0:
+            print(f"| {op} | {n} | " + " | ".join(cells) + " |")
+    return out
