@@ -36,16 +36,18 @@ What it is
     The defaults were placed with ``python -m ringzero.bench sched`` and
     benchmarks-style side-by-side runs (alternating blocks,
     docs/collectives.md) on this 2-core machine:
-      - recursive doubling beats Rabenseifner up to 64 KiB at n = 4 and 8
-        (all-reduce 4 KiB at n = 4: rd 34.5 us, direct 63.8 us), and only
-        below 16 KiB at n = 2 (SMALL_BYTES, SMALL_BYTES_2);
-      - Rabenseifner, reducing in place, beat the direct all-reduce from
-        256 KiB to 4 MiB at n = 4 and 8 and tied it at 16 MiB;
+      - recursive doubling beats Rabenseifner up to 16 KiB at n = 4 and 8 and
+        ties it at 64 KiB (all-reduce 4 KiB at n = 4: 50.6 us against 69.4
+        us), and beats it only below 16 KiB at n = 2 (SMALL_BYTES,
+        SMALL_BYTES_2);
+      - Rabenseifner (reducing in place) and a direct all-reduce are within
+        the launch-to-launch spread from 256 KiB to 16 MiB (16 launches of
+        benchmarks/allreduce_schedules.py: 28 cells to 36); Rabenseifner
+        needs S/2 of scratch, direct (n-1)/n S;
       - the direct reduce-scatter and all-gather tie the tree up to 64 KiB
-        and beat it from 256 KiB to 16 MiB (reduce-scatter 1 MiB at n = 8:
-        600 us against 1404 us); at 64 MiB the direct all-gather lost to the
-        ring (0.70 against 0.81-0.93 of MPI's busbw). A direct
-        reduce-scatter needs (n-1)/n S of scratch.
+        (LATENCY_BYTES) and beat it from 256 KiB (reduce-scatter 1 MiB at
+        n = 4: 290 us against 650 us); DIRECT_BYTES caps direct's scratch
+        and its n-1 messages in flight.
 
 What it is not
     A cost model of the machine: rounds and bytes only (simulate.py fits α, β).

@@ -1,0 +1,91 @@
+"""Where one Ring call's time goes, step kind by step kind, beside the MPI library's collective.
+
+    OMP_NUM_THREADS=1 mpirun --oversubscribe --bind-to none -n 8 \
+        python -m mpi4py benchmarks/plan_profile.py all_reduce 256K [CALLS]
+
+The Ring compiles the call into a plan (ringzero/comm/plan.py); this script runs that
+plan's steps itself, CALLS times (default 300), with a clock around each: "start"
+(Startall), "wait" (Waitall / the Waitsome loop, i.e. time inside MPI until the data is
+there), "check" (received counts), "add" (the reductions), "copy"; "python" is what is
+left of the wall time (the loop, the step dispatch). Then the Ring's own call and the
+MPI collective are timed in alternating blocks on the same buffers. Rank 0 prints one
+line per rank, in microseconds per call.
+"""
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from ringzero.comm.plan import ADD, COPY, MWAIT, START, WAIT, XCHG
+from ringzero.comm.ring import Ring
+from ringzero.tools.bench import parse_size, time_blocks
+
+comm = MPI.COMM_WORLD
+n, r = comm.size, comm.rank
+op = sys.argv[1] if len(sys.argv) > 1 else "all_reduce"
+S = parse_size(sys.argv[2]) if len(sys.argv) > 2 else 256 << 10
+calls = int(sys.argv[3]) if len(sys.argv) > 3 else 300
+m = max(1, S // 4 // n)
+big, part = np.zeros(n * m, np.float32), np.zeros(m, np.float32)
+ring = Ring(comm)
+run = {"all_reduce": lambda: ring.all_reduce(big), "reduce_scatter": lambda: ring.reduce_scatter(big, part),
+       "all_gather": lambda: ring.all_gather(part, big)}[op]
+mpi = {"all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, big, MPI.SUM),
+       "reduce_scatter": lambda: comm.Reduce_scatter_block(big, part, MPI.SUM),
+       "all_gather": lambda: comm.Allgather(part, big)}[op]
+for _ in range(3):
+    run()                                   # kept from the second call on
+plan = next(p for p in ring._plans.values() if p.name == op)
+sched = ring.schedule(op, big.nbytes, len(part) if op == "all_gather" else len(big))
+clock = time.perf_counter
+acc = dict(start=0.0, wait=0.0, check=0.0, add=0.0, copy=0.0)
+waitall, startall, byte = MPI.Request.Waitall, MPI.Prequest.Startall, MPI.BYTE
+comm.Barrier()
+t_all = clock()
+for _ in range(calls):
+    for st in plan.steps:
+        k = st[0]
+        if k == XCHG or k == WAIT:
+            t0 = clock()
+            if k == XCHG:
+                startall(st[1])
+            t1 = clock()
+            waitall(st[1], st[2])
+            t2 = clock()
+            for status, _nb in st[3]:
+                status.Get_count(byte)
+            acc["start"] += t1 - t0
+            acc["wait"] += t2 - t1
+            acc["check"] += clock() - t2
+        elif k == START:
+            t0 = clock()
+            startall(st[1])
+            acc["start"] += clock() - t0
+        elif k == MWAIT:
+            t0 = clock()
+            ring._mwait(plan, st)
+            acc["wait"] += clock() - t0
+        elif k == ADD:
+            t0 = clock()
+            st[4](st[1], st[2], st[3])
+            acc["add"] += clock() - t0
+        elif k == COPY:
+            t0 = clock()
+            st[1][...] = st[2]
+            acc["copy"] += clock() - t0
+t_all = clock() - t_all
+t = time_blocks(comm, {"ring": run, "mpi": mpi}, 40)
+rows = comm.gather((t_all, acc), root=0)
+if r == 0:
+    kinds = {XCHG: "xchg", WAIT: "wait", START: "start", MWAIT: "mwait", ADD: "add", COPY: "copy"}
+    print(f"# {op} {S >> 10} KiB float32, n={n}, schedule {sched}: {len(plan.steps)} steps "
+          f"({' '.join(kinds.get(s[0], '?') for s in plan.steps)}); us per call, {calls} calls")
+    for k, (tt, a) in enumerate(rows):
+        rest = tt - sum(a.values())
+        print(f"  rank {k}: total {tt / calls * 1e6:8.1f}  " +
+              " ".join(f"{name}={v / calls * 1e6:7.1f}" for name, v in a.items()) +
+              f"  python={rest / calls * 1e6:6.1f}")
+    print(f"  Ring call {np.median(t['ring']) * 1e6:.1f} us, MPI {np.median(t['mpi']) * 1e6:.1f} us "
+          "(alternating blocks, slowest rank)")
+ring.free()
