@@ -20,8 +20,8 @@ MIB = 1 << 20
 
 def rounds_bytes(op, n, S, small=None):
     """(rounds, bytes sent per rank) of one call, from docs/collectives.md's table (defaults:
-    recursive doubling to 64 KiB, 8 KiB at n = 2; tree RS/AG to 64 KiB; direct and tree to 16 MiB)."""
-    small = (8 << 10 if n == 2 else 64 << 10) if small is None else small
+    recursive doubling to 64 KiB; tree RS/AG to 64 KiB; direct and tree to 16 MiB)."""
+    small = 64 << 10 if small is None else small
     ar, lg, per = op == "allreduce", math.log2(n), S * (n - 1) / n
     passes = 2 if ar else 1
     if n & (n - 1):                                   # n = 3: direct up to 16 MiB, then the ring

@@ -30,8 +30,8 @@ NODIRECT = dict(direct_bytes=0)
     ("all_gather", 4, 4 * MIB, NODIRECT, (2, 3 * MIB)),             # power of two, <= 16 MiB: log2 n
     ("all_gather", 4, 32 * MIB, {}, (3, 24 * MIB)),                 # above the tree cutoff: the ring
     ("all_reduce", 4, 1024, NODIRECT, (2, 2048)),                   # recursive doubling: log2 n, S·log2 n
-    ("all_reduce", 2, 4096, {}, (1, 4096)),                         # n = 2: recursive doubling to 8 KiB
-    ("all_reduce", 2, 16384, {}, (2, 16384)),                       # ... then halving + doubling
+    ("all_reduce", 2, 65536, {}, (1, 65536)),                       # n = 2: recursive doubling to 64 KiB
+    ("all_reduce", 2, 131072, {}, (2, 131072)),                     # ... then halving + doubling
     ("all_reduce", 4, 1 * MIB, NODIRECT, (4, 1.5 * MIB)),           # Rabenseifner: 2 log2 n, 2S(n-1)/n
     ("all_reduce", 3, 1 * MIB, NODIRECT, (4, 2 * MIB * 2 / 3)),     # ring: 2(n-1)
     ("reduce_scatter", 1, 100, {}, (0, 0.0)),

@@ -99,7 +99,7 @@ from ringzero.comm.backend import Staging, cuda_aware, sync
 from ringzero.comm.checks import DTYPES, check_args  # noqa: F401 (DTYPES is public here)
 from ringzero.comm.plan import ADD, COPY, MWAIT, START, WAIT, XCHG, blocks  # noqa: F401 (blocks is public here)
 from ringzero.comm.schedule import (DIRECT_BYTES, DIRECT_RANKS, EAGER_BYTES, OPS, SEG_BYTES,  # noqa: F401
-                                    SMALL_BYTES, SMALL_BYTES_2, TREE_BYTES, choose, defaults)
+                                    SMALL_BYTES, TREE_BYTES, choose, defaults)
 from ringzero.comm.watchdog import WATCHDOG, get_context, set_context
 
 MAX_PLANS = 256
