@@ -34,7 +34,8 @@ What it is
     The schedules and their summation order are the module docstring of
     ring.py; ``sched`` is "ring", "tree" (halving RS / doubling AG), "rd"
     (recursive-doubling all-reduce), "rab" (halving then doubling) or
-    "direct" (every block to its owner at once, summed in the ring's order).
+    "direct" (every block to its owner at once, summed in the halving tree's
+    order for a power-of-two n and in the ring's otherwise).
 
 What it is not
     It runs nothing (Ring._run does) and checks no argument (Ring._check did).

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import math
 
-SMALL_BYTES = 64 * 1024    # all_reduce at or below: recursive doubling (power-of-two n > 2)
+SMALL_BYTES = 64 * 1024    # all_reduce at or below: recursive doubling (power-of-two n)
 LATENCY_BYTES = 64 * 1024  # RS and AG at or below, for a power-of-two n: the tree, not direct
 TREE_BYTES = 16 << 20      # at or below: halving/doubling (power-of-two n); above: the ring
 SEG_BYTES = 1 << 20        # the ring's pipeline segment
