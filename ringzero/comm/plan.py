@@ -161,9 +161,8 @@ class _Builder:
 
         acc None (the all-reduce, recv = send's block r): each partial sum goes
         back into send's kept half, so scratch is tmp alone and the working set
-        stays S + S/2 instead of 2S (at 4 MiB and n = 8 the separate
-        accumulator cost about a fifth of the call). The adds and their
-        operands are the same either way, so the bits are too.
+        stays S + S/2 instead of 2S. The adds and their operands are the same
+        either way, so the bits are too.
         """
         n, r, m = self.n, self.r, len(recv)
         lo, hi, d, cur = 0, n, n >> 1, send  # cur holds blocks [lo, hi) from its offset 0
