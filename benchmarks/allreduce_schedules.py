@@ -15,23 +15,24 @@ in the halving tree's order). This is how schedule.SMALL_BYTES was placed and wh
 2^k all-reduce takes rab rather than direct; this machine's speed changes between
 launches, so run it several times and read the ratios, not the times.
 """
-import os
 import sys
+from argparse import ArgumentTypeError
 
 import numpy as np
 from mpi4py import MPI
 
+from ringzero.app.exits import leave
 from ringzero.comm.ring import Ring
 from ringzero.tools.bench import paired_ratio, parse_size, time_blocks
 
 comm = MPI.COMM_WORLD
 n, r = comm.size, comm.rank
-if n & (n - 1) or n < 4:   # every rank sees it; rank 0 says it; all leave MPI cleanly (no abort)
-    if r == 0:
-        print(f"allreduce_schedules: needs a power-of-two n >= 4, got {n}", file=sys.stderr, flush=True)
-    MPI.Finalize()
-    os._exit(2)
-sizes = [parse_size(x) for x in sys.argv[1:]] or [parse_size(x) for x in ("64K", "256K", "1M", "4M", "16M")]
+if n & (n - 1) or n < 4:   # every rank sees it: one line from rank 0, MPI left cleanly (no abort)
+    leave(comm, 2, f"allreduce_schedules: needs a power-of-two n >= 4, got {n}")
+try:
+    sizes = [parse_size(x) for x in sys.argv[1:] or ("64K", "256K", "1M", "4M", "16M")]
+except (ValueError, ArgumentTypeError) as e:
+    leave(comm, 2, f"allreduce_schedules: {e}")
 rd, rab, direct = Ring(comm), Ring(comm), Ring(comm)
 rd.small_bytes = 1 << 62                              # recursive doubling at every size
 rab.small_bytes = 0                                   # Rabenseifner

@@ -13,19 +13,28 @@ line per rank, in microseconds per call.
 """
 import sys
 import time
+from argparse import ArgumentTypeError
 
 import numpy as np
 from mpi4py import MPI
 
+from ringzero.app.exits import leave
 from ringzero.comm.plan import ADD, COPY, MWAIT, START, WAIT, XCHG
 from ringzero.comm.ring import Ring
-from ringzero.tools.bench import parse_size, time_blocks
+from ringzero.tools.bench import OP_NAMES, parse_size, time_blocks
 
 comm = MPI.COMM_WORLD
 n, r = comm.size, comm.rank
-op = sys.argv[1] if len(sys.argv) > 1 else "all_reduce"
-S = parse_size(sys.argv[2]) if len(sys.argv) > 2 else 256 << 10
-calls = int(sys.argv[3]) if len(sys.argv) > 3 else 300
+try:   # every rank parses the same argv: a bad one is one line from rank 0 and exit 2 everywhere
+    op = sys.argv[1] if len(sys.argv) > 1 else "all_reduce"
+    if op not in OP_NAMES:
+        raise ValueError(f"op must be one of {', '.join(OP_NAMES)}, got {op!r}")
+    S = parse_size(sys.argv[2]) if len(sys.argv) > 2 else 256 << 10
+    calls = int(sys.argv[3]) if len(sys.argv) > 3 else 300
+    if n < 2 or calls < 1:
+        raise ValueError(f"needs n >= 2 ranks and CALLS >= 1, got n = {n}, CALLS = {calls}")
+except (ValueError, ArgumentTypeError) as e:
+    leave(comm, 2, f"plan_profile: {e}")
 m = max(1, S // 4 // n)
 big, part = np.zeros(n * m, np.float32), np.zeros(m, np.float32)
 ring = Ring(comm)
