@@ -166,8 +166,8 @@ def median_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_median(args, comm=None) -> list:
-    """Median and range of busbw_ratio per (op, n, bytes) over the files' ring rows; rank 0 prints."""
+def run_median(args) -> list:
+    """Median and range of busbw_ratio per (op, n, bytes) over the files' ring rows, printed as Markdown."""
     from ringzero.tools.bench import human
     got = {}
     for path in args.files:
@@ -180,7 +180,7 @@ def run_median(args, comm=None) -> list:
         if not isinstance(rows, list):
             raise SystemExit(f"ringzero.bench median: {path}: expected {{\"rows\": [...]}} from bench --json")
         for r in rows:
-            if r.get("impl") == "ring" and r.get("busbw_ratio") is not None:
+            if isinstance(r, dict) and r.get("impl") == "ring" and r.get("busbw_ratio") is not None:
                 got.setdefault((r["op"], int(r["n"]), int(r["bytes"])), []).append(float(r["busbw_ratio"]))
     if not got:
         raise SystemExit("ringzero.bench median: no ring rows with busbw_ratio in "
@@ -189,9 +189,8 @@ def run_median(args, comm=None) -> list:
     order = {"all_reduce": 0, "reduce_scatter": 1, "all_gather": 2}
     keys = sorted({(op, n) for op, n, _ in got}, key=lambda k: (order.get(k[0], 9), k[0], k[1]))
     out = []
-    if comm is None or comm.rank == 0:
-        print("| op | n | " + " | ".join(human(b) for b in sizes) + " |")
-        print("|---|---|" + "---|" * len(sizes))
+    print("| op | n | " + " | ".join(human(b) for b in sizes) + " |")
+    print("|---|---|" + "---|" * len(sizes))
     for op, n in keys:
         cells = []
         for b in sizes:
@@ -200,9 +199,8 @@ def run_median(args, comm=None) -> list:
                 cells.append("")
                 continue
             med = float(np.median(v))
-            out.append(dict(op=op, n=n, bytes=b, median=med, lo=min(v), hi=max(v), runs=len(v), wrong=0))
+            out.append(dict(op=op, n=n, bytes=b, median=med, lo=min(v), hi=max(v), runs=len(v)))
             txt = f"{med:.2f}" + (f" ({min(v):.2f}–{max(v):.2f})" if len(v) > 1 else "")
             cells.append(f"**{txt}**" if args.target is not None and med >= args.target else txt)
-        if comm is None or comm.rank == 0:
-            print(f"| {op} | {n} | " + " | ".join(cells) + " |")
+        print(f"| {op} | {n} | " + " | ".join(cells) + " |")
     return out
