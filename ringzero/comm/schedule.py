@@ -66,12 +66,12 @@ EAGER_BYTES = 4000         # recursive doubling cuts a buffer of up to 4x this e
                            # of at most this: Open MPI's shared-memory eager limit is 4096 bytes,
                            # header included, and a 4 KiB message pays a rendezvous round trip
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
+KNOBS = ("small_bytes", "tree_bytes", "direct_bytes", "latency_bytes")  # choose()'s thresholds, by name
 
 
 def defaults(n: int) -> dict:
     """The knobs a Ring over n ranks starts with (before RINGZERO_* variables)."""
-    return dict(small_bytes=SMALL_BYTES, tree_bytes=TREE_BYTES,
-                direct_bytes=DIRECT_BYTES, latency_bytes=LATENCY_BYTES)
+    return dict(zip(KNOBS, (SMALL_BYTES, TREE_BYTES, DIRECT_BYTES, LATENCY_BYTES)))
 
 
 def choose(op: str, n: int, nbytes: int, length: int, small_bytes: int, tree_bytes: int,

@@ -52,7 +52,8 @@ import time
 
 import numpy as np
 
-# sched and dtypes live in their own module (the Ring timed against itself)
+from ringzero.comm.schedule import KNOBS  # (no MPI in it)
+# sched, dtypes and median live in their own module (the Ring timed against itself)
 from ringzero.tools.bench_extra import (dtypes_parser, median_parser, run_dtypes, run_median, run_sched,
                                         sched_parser)
 
@@ -365,8 +366,7 @@ def run_coll(args, comm) -> list:
     if args.json and rank == 0:
         from ringzero.comm.backend import cuda_support
         meta = dict(n=n, dtype=dtype.name, device=args.device, iters=args.iters, warmup=args.warmup_iters,
-                    small_bytes=ring.small_bytes, latency_bytes=ring.latency_bytes, tree_bytes=ring.tree_bytes,
-                    direct_bytes=ring.direct_bytes, seg_bytes=ring.seg_bytes, mpi=MPI.Get_library_version().split(",")[0],
+                    **{k: getattr(ring, k) for k in KNOBS}, seg_bytes=ring.seg_bytes, mpi=MPI.Get_library_version().split(",")[0],
                     mpi_on_host=mpi_on_host, mpi_staged=mpi_on_host,
                     cuda_aware=cuda_support()[1] if args.device == "cuda" else None,
                     argv=sys.argv[1:], time=time.strftime("%Y-%m-%dT%H:%M:%S"))

@@ -44,7 +44,6 @@ import numpy as np
 from ringzero.comm import schedule  # (no MPI in it)
 from ringzero.runtime import accounting as acc
 
-KNOBS = ("small_bytes", "latency_bytes", "tree_bytes", "direct_bytes")  # the schedule's thresholds
 OPS = {"allreduce": "all_reduce", "reducescatter": "reduce_scatter", "allgather": "all_gather"}
 TOLERANCE = 0.5           # held-out |relative error|, median must be below this (see README)
 
@@ -76,7 +75,7 @@ def load_rows(path: str) -> list:
         raise ValueError(f"{path}: expected a JSON list of rows or {{\"rows\": [...]}}, "
                          f"got {type(d).__name__}")
     meta = (d.get("meta") or {}) if isinstance(d, dict) else {}
-    ran = {k: int(meta[k]) for k in KNOBS if isinstance(meta, dict) and meta.get(k) is not None}
+    ran = {k: int(meta[k]) for k in schedule.KNOBS if isinstance(meta, dict) and meta.get(k) is not None}
     if ran:  # the thresholds the Ring ran with, recorded by the bench: they decide the schedule
         rows = [{"knobs": ran, **r} if isinstance(r, dict) else r for r in rows]
     for i, r in enumerate(rows):
