@@ -149,32 +149,52 @@ class _Builder:
                              (self.p.name, peers, dirs, reqs), bytearray(len(reqs))))
 
     def rd_allreduce(self, buf, tmp):
-        """Recursive doubling, partners r^(n/2), ..., r^1: the halving RS's tree."""
-        d = self.n >> 1
-        while d:
+        """Recursive doubling, partners r^(n/2), ..., r^1: the halving RS's tree.
+
+        After the first level, each add writes into the view the partner's
+        vector just arrived in, so the sum alternates between tmp and buf. The
+        first level adds in place when the level count is odd, so the last sum
+        lands in buf with no copy.
+        """
+        d, cur, land = self.n >> 1, buf, tmp
+        if self.n.bit_length() % 2 == 0:   # log2 n odd
             self.exchange(buf, tmp, self.r ^ d, self.ring.eager_bytes)
             self.add(buf, tmp, buf)
+            d >>= 1
+        while d:
+            self.exchange(cur, land, self.r ^ d, self.ring.eager_bytes)
+            self.add(cur, land, land)
+            cur, land = land, cur
             d >>= 1
 
     def halving_rs(self, send, recv, acc, tmp):
         """Recursive halving: keep the half of the blocks whose bit d matches ours.
 
-        acc None (the all-reduce, recv = send's block r): each partial sum goes
-        back into send's kept half, so scratch is tmp alone and the working set
-        stays S + S/2 instead of 2S. The adds and their operands are the same
-        either way, so the bits are too.
+        Each level but the last adds into the view the partner's half has just
+        arrived in; the last adds into recv. The views alternate between tmp
+        and a second buffer: acc (the reduce-scatter, which may not write
+        send), or for the all-reduce (acc None, recv = send's block r) the
+        half of send given away at the first level, free once sent, so
+        scratch is S/2. No add writes a line a peer has read since we last
+        wrote it (adding in place did, and cost up to 10 % at n = 4,
+        docs/collectives.md). The adds and their operands are the same either
+        way, so the bits are too.
         """
         n, r, m = self.n, self.r, len(recv)
-        lo, hi, d, cur = 0, n, n >> 1, send  # cur holds blocks [lo, hi) from its offset 0
+        lo, hi, d, cur, other = 0, n, n >> 1, send, acc  # cur holds blocks [lo, hi) from its offset 0
+        level = 0
         while d:
             mid = (lo + hi) // 2
             keep, give = ((mid, hi), (lo, mid)) if r & d else ((lo, mid), (mid, hi))
             h = (hi - lo) // 2 * m
             ks, gs = (keep[0] - lo) * m, (give[0] - lo) * m  # offsets inside cur
-            self.exchange(cur[gs:gs + h], tmp[:h], r ^ d)
-            dst = recv if d == 1 else cur[ks:ks + h] if acc is None else acc[:h]
-            self.add(cur[ks:ks + h], tmp[:h], dst)
-            cur, (lo, hi), d = dst, keep, d >> 1
+            land = tmp[:h] if level % 2 == 0 else other[:h]
+            self.exchange(cur[gs:gs + h], land, r ^ d)
+            if other is None:
+                other = cur[gs:gs + h]
+            dst = recv if d == 1 else land
+            self.add(cur[ks:ks + h], land, dst)
+            cur, (lo, hi), d, level = dst, keep, d >> 1, level + 1
 
     def doubling_ag(self, recv, m, send=None):
         """Recursive doubling: swap the 2^k blocks we hold with partner r^(2^k).
