@@ -12,10 +12,8 @@ plan.py. For a tree from before plan.py existed the same commands work.)
 For each op and size S (float32; default 4 KiB to 64 MiB by 4) the three (old Ring, new
 Ring, MPI) run on ONE set of buffers, timed in alternating blocks
 (ringzero.tools.bench.time_blocks), and the cell is repeated on --allocs fresh sets of
-buffers. Where a buffer lies matters on its own: in one launch at n = 4, MPI's 4 MiB
-Allgather took 470-520 us on some allocations and 640-720 us on others, each
-allocation keeping its speed over three passes. Two Rings on two sets of buffers can
-therefore differ by that much with identical code, so they share theirs here.
+buffers. The Rings share the buffers so that both see the same memory: where a
+buffer lies can move a cell on its own (MPI's time per allocation is printed too).
 
 Prints, per cell, MPI time / Ring time for old and new: the median over allocations of
 the median over rounds of the ratio within each round (busbw Ring/MPI), with each
