@@ -20,12 +20,16 @@ MIB = 1 << 20
 
 def rounds_bytes(op, n, S, small=None):
     """(rounds, bytes sent per rank) of one call, from docs/collectives.md's table (defaults:
-    recursive doubling to 64 KiB; tree RS/AG to 64 KiB; direct and tree to 16 MiB)."""
+    recursive doubling to 64 KiB; tree RS/AG to 64 KiB; direct to 16 MiB, for the all-gather
+    at every size; n = 2 the tree to 16 MiB)."""
     small = 64 << 10 if small is None else small
     ar, lg, per = op == "allreduce", math.log2(n), S * (n - 1) / n
     passes = 2 if ar else 1
+    ag_direct = op == "allgather" and n >= 3
     if n & (n - 1):                                   # n = 3: direct up to 16 MiB, then the ring
-        return passes * (1 if S <= 16 * MIB else n - 1), passes * per
+        return passes * (1 if S <= 16 * MIB or ag_direct else n - 1), passes * per
+    if ag_direct and S > 64 << 10:                    # the all-gather: direct at any size
+        return 1, per
     if S > 16 * MIB:                                  # the ring
         return passes * (n - 1), passes * per
     if ar:                                            # recursive doubling, then Rabenseifner

@@ -34,7 +34,12 @@ def test_reduce_scatter_and_all_reduce_sum_in_one_order(n):
 def test_direct_only_where_the_table_says():
     assert sch.choose("reduce_scatter", 8, 16 << 20, 8, **sch.defaults(8)) == "direct"
     assert sch.choose("reduce_scatter", 8, (16 << 20) + 8, 8, **sch.defaults(8)) == "ring"
-    assert sch.choose("all_gather", 8, 64 << 20, 8, **sch.defaults(8)) == "ring"
+    assert sch.choose("all_gather", 8, 64 << 20, 8, **sch.defaults(8)) == "direct"   # no scratch: no cap
+    assert sch.choose("all_gather", 6, 1 << 30, 6, **sch.defaults(6)) == "direct"
+    assert sch.choose("all_gather", 8, 64 << 20, 8, **{**sch.defaults(8), "direct_bytes": 0}) == "ring"
+    assert sch.choose("all_gather", 6, 4096, 6, **{**sch.defaults(6), "direct_bytes": 0}) == "ring"
+    assert sch.choose("all_gather", 8, 1 << 20, 8, **{**sch.defaults(8), "direct_bytes": 1024}) == "direct"
+    assert sch.choose("all_gather", 2, 64 << 20, 2, **sch.defaults(2)) == "ring"    # n = 2: above tree_bytes
     assert sch.choose("all_gather", 2, 4096, 2, **sch.defaults(2)) == "tree"        # n = 2: never direct
     assert sch.choose("all_gather", 17, 4096, 17, **sch.defaults(17)) == "ring"     # n > 16: never direct
     assert sch.choose("all_reduce", 3, 4096, 7, **sch.defaults(3)) == "ring"        # 3 does not divide 7
@@ -49,7 +54,7 @@ def test_power_of_two_schedules_per_op():
         pick = {op: [sch.choose(op, n, S, n * 4, **k) for S in sizes] for op in sch.OPS}
         assert pick["all_reduce"] == ["rd", "rd", "rab", "rab", "rab", "ring"]
         assert pick["reduce_scatter"] == ["tree", "tree", "direct", "direct", "direct", "ring"]
-        assert pick["all_gather"] == ["tree", "tree", "direct", "direct", "direct", "ring"]
+        assert pick["all_gather"] == ["tree", "tree", "direct", "direct", "direct", "direct"]
     for n in (3, 5, 6, 7):   # no halving tree: direct from the first byte
         assert sch.choose("all_reduce", n, 4096, n * 4, **sch.defaults(n)) == "direct"
     assert sch.choose("reduce_scatter", 32, 1 << 20, 128, **sch.defaults(32)) == "tree"   # n > 16: no direct

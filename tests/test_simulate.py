@@ -23,12 +23,13 @@ NODIRECT = dict(direct_bytes=0)
     ("reduce_scatter", 3, 3000, {}, (1, 2000)),                    # direct: one round, (n-1)/n of S
     ("all_reduce", 6, 1.5 * MIB, {}, (2, 2 * 1.5 * MIB * 5 / 6)),   # direct: two rounds, 2S(n-1)/n
     ("all_reduce", 8, 1 * MIB, {}, (6, 2 * MIB * 7 / 8)),           # 2^k: Rabenseifner, 2 log2 n
-    ("all_gather", 4, 16 * MIB, {}, (1, 12 * MIB)),                 # direct up to 16 MiB
+    ("all_gather", 4, 16 * MIB, {}, (1, 12 * MIB)),                 # direct: one round
+    ("all_gather", 4, 64 * MIB, {}, (1, 48 * MIB)),                 # at any size (no scratch)
     ("reduce_scatter", 4, 32 * MIB, {}, (3, 24 * MIB)),             # above: the ring
     ("all_gather", 32, 1 * MIB, {}, (5, 31 * MIB / 32)),            # more than 16 ranks: never direct
     ("reduce_scatter", 3, 3000, NODIRECT, (2, 2000)),               # ring: n-1 steps, (n-1)/n of S
     ("all_gather", 4, 4 * MIB, NODIRECT, (2, 3 * MIB)),             # power of two, <= 16 MiB: log2 n
-    ("all_gather", 4, 32 * MIB, {}, (3, 24 * MIB)),                 # above the tree cutoff: the ring
+    ("all_gather", 4, 32 * MIB, NODIRECT, (3, 24 * MIB)),           # above the tree cutoff: the ring
     ("all_reduce", 4, 1024, NODIRECT, (2, 2048)),                   # recursive doubling: log2 n, S·log2 n
     ("all_reduce", 2, 65536, {}, (1, 65536)),                       # n = 2: recursive doubling to 64 KiB
     ("all_reduce", 2, 131072, {}, (2, 131072)),                     # ... then halving + doubling

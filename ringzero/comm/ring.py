@@ -14,9 +14,10 @@ What it is
     array in bytes and n (schedule.py holds the rule, its thresholds and the
     rounds and bytes of each):
 
-    direct (3 <= n <= 16 and S <= direct_bytes, 16 MiB; for a power-of-two n
-            only the reduce-scatter and all-gather, above latency_bytes, 64 KiB;
-            one round per pass)
+    direct (3 <= n <= 16 and S <= direct_bytes, 16 MiB, which caps its
+            scratch; the all-gather needs none and takes it at any S; for a
+            power-of-two n only the reduce-scatter and all-gather, above
+            latency_bytes, 64 KiB; one round per pass)
         Reduce-scatter: rank r sends block p to rank p for every p != r and
         receives block r of every other rank, all posted at once, one wait;
         it then adds them in the halving tree's order when n is a power of
@@ -238,7 +239,7 @@ class Ring:
     small_bytes = _knob("small_bytes")    # all_reduce at or below (power-of-two n): recursive doubling
     tree_bytes = _knob("tree_bytes")      # at or below (power-of-two n): halving / doubling
     seg_bytes = _knob("seg_bytes")        # the ring's pipeline segment
-    direct_bytes = _knob("direct_bytes")  # at or below (3 <= n <= 16): direct
+    direct_bytes = _knob("direct_bytes")  # RS/AR at or below (3 <= n <= 16): direct; AG any S; 0: never
     latency_bytes = _knob("latency_bytes")  # RS/AG at or below (power-of-two n): the tree, not direct
     eager_bytes = _knob("eager_bytes")    # recursive doubling's largest message (up to 4 of them)
     del _knob

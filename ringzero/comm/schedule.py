@@ -9,15 +9,26 @@ What it is
 
         n          op       S                                  schedule  order
         ---------  -------  ---------------------------------  --------  -----
-        not 2^k    any      S <= direct_bytes, 3 <= n <= 16    direct    ring
+        not 2^k    AR, RS   S <= direct_bytes, 3 <= n <= 16    direct    ring
                             (all-reduce: also n | length)
                             otherwise                          ring      ring
+        not 2^k    AG       3 <= n <= 16 (any S)               direct    -
+                            otherwise                          ring      -
         2^k        AR       S <= small_bytes                   rd        tree
                             S <= tree_bytes, n | length        rab       tree
-        2^k        RS, AG   S <= latency_bytes                 tree      tree
+        2^k        RS       S <= latency_bytes                 tree      tree
                             S <= direct_bytes, 3 <= n <= 16    direct    tree
                             S <= tree_bytes                    tree      tree
-        2^k        any      above tree_bytes (AR: or len % n)  ring      ring
+        2^k        AG       S <= latency_bytes                 tree      -
+                            3 <= n <= 16 (any S)               direct    -
+                            S <= tree_bytes                    tree      -
+        2^k        AR, RS   above tree_bytes (AR: or len % n)  ring      ring
+                   AG       above tree_bytes, n = 2 or n > 16  ring      -
+
+        direct_bytes caps what needs scratch, (n-1)/n S for a direct
+        reduce-scatter or all-reduce. The all-gather adds nothing and needs no
+        scratch, so it has no cap and no order to keep: direct_bytes = 0 turns
+        direct off for it too, any other value leaves it on at every S.
 
         rounds and bytes sent per rank: direct 1 per pass, rd log2 n (S log2 n
         bytes), tree/rab log2 n per pass, ring n-1 per pass; every pass but
@@ -46,8 +57,11 @@ What it is
         needs S/2 of scratch, direct (n-1)/n S;
       - the direct reduce-scatter and all-gather tie the tree up to 64 KiB
         (LATENCY_BYTES) and beat it from 256 KiB (reduce-scatter 1 MiB at
-        n = 4: 290 us against 650 us); DIRECT_BYTES caps direct's scratch
-        and its n-1 messages in flight.
+        n = 4: 290 us against 650 us); DIRECT_BYTES caps the reduce-scatter's
+        scratch;
+      - the direct all-gather beat the ring and the tree at 64 MiB in three
+        launches of ``sched -o all_gather -b 4M -e 64M`` each at n = 4 and 8
+        (n = 8: 18.7-20.7 ms against ring 28.2-31.3 ms, tree 23.0-29.8 ms).
 
 What it is not
     A cost model of the machine: rounds and bytes only (simulate.py fits α, β).
@@ -60,7 +74,8 @@ SMALL_BYTES = 64 * 1024    # all_reduce at or below: recursive doubling (power-o
 LATENCY_BYTES = 64 * 1024  # RS and AG at or below, for a power-of-two n: the tree, not direct
 TREE_BYTES = 16 << 20      # at or below: halving/doubling (power-of-two n); above: the ring
 SEG_BYTES = 1 << 20        # the ring's pipeline segment
-DIRECT_BYTES = 16 << 20    # at or below, for 3 <= n <= DIRECT_RANKS: direct (RS scratch (n-1)/n S)
+DIRECT_BYTES = 16 << 20    # RS/AR at or below, for 3 <= n <= DIRECT_RANKS: direct (scratch (n-1)/n S);
+                           # the all-gather (no scratch) ignores it, except that 0 turns direct off
 DIRECT_RANKS = 16          # more ranks than this never take it (n-1 messages in flight per rank)
 EAGER_BYTES = 4000         # recursive doubling cuts a buffer of up to 4x this evenly into messages
                            # of at most this: Open MPI's shared-memory eager limit is 4096 bytes,
@@ -77,9 +92,12 @@ def defaults(n: int) -> dict:
 def choose(op: str, n: int, nbytes: int, length: int, small_bytes: int, tree_bytes: int,
            direct_bytes: int, latency_bytes: int) -> str:
     """"direct" | "rd" | "tree" | "rab" | "ring" for one call (the table above)."""
-    direct = 3 <= n <= DIRECT_RANKS and nbytes <= direct_bytes and (op != "all_reduce" or length % n == 0)
+    direct = (3 <= n <= DIRECT_RANKS and direct_bytes > 0 and (op == "all_gather" or nbytes <= direct_bytes)
+              and (op != "all_reduce" or length % n == 0))
     if n & (n - 1):           # no halving tree: direct, else the ring (both in the ring's order)
         return "direct" if direct else "ring"
+    if op == "all_gather" and direct and nbytes > latency_bytes:   # no sums: free of tree_bytes
+        return "direct"
     if nbytes > tree_bytes:   # the ring's order from here up, for every op
         return "ring"
     if op == "all_reduce":    # the halving tree's order

@@ -7,10 +7,12 @@ What it is
             doubling "rd"; halving reduce-scatter / doubling all-gather "tree";
             "direct"; rd and tree only when the world size is a power of two,
             direct only for 3 <= n <= 16 and never for a 2^k all-reduce) forced
-            in turn on its own buffers, and the MPI library's collective beside
-            them, in alternating blocks (bench.time_blocks); the median of the
-            slowest rank's time, fastest Ring schedule marked with *. This is
-            how the thresholds of ringzero/comm/schedule.py were placed.
+            in turn, and the MPI library's collective beside them, all on ONE
+            set of buffers per op and size (where a buffer lies can move a
+            time by itself), in alternating blocks (bench.time_blocks); the
+            median of the slowest rank's time, fastest Ring schedule marked
+            with *. ``-o OP`` times one op. This is how the thresholds of
+            ringzero/comm/schedule.py were placed.
     dtypes  One op on the same element count in several dtypes, interleaved
             (float16 against float32: the bytes halve, does the time?), each
             checked first on integer-valued data (#wrong).
@@ -46,6 +48,7 @@ def sched_parser() -> argparse.ArgumentParser:
     p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("16M"))
     p.add_argument("-f", "--stepfactor", type=int, default=4)
     p.add_argument("-n", "--iters", type=int, default=15)
+    p.add_argument("-o", "--op", choices=["all_reduce", "reduce_scatter", "all_gather", "all"], default="all")
     p.add_argument("-d", "--dtype", default="float32")
     p.add_argument("--json", default=None)
     return p
@@ -73,21 +76,27 @@ def run_sched(args, comm) -> list:
         print(f"# ringzero.bench sched: n={n} dtype={dtype.name}; time per call in us, alternating blocks "
               "(rd: recursive doubling; tree: halving RS / doubling AG; direct: one round; * fastest)")
     for op, names in variants.items():
+        if args.op not in ("all", op):
+            continue
         # a 2^k all-reduce is never direct (the tree's order takes rd or rab): "direct" would time rab again
         names = [x for x in names if (pow2 or x not in ("rd", "tree")) and (3 <= n <= DIRECT_RANKS or x != "direct")
                  and not (pow2 and op == "all_reduce" and x == "direct")]
         S = args.minbytes
         while S <= args.maxbytes:
             count = max(n, S // dtype.itemsize) // n * n
-            fns = {}
             for name in names:  # one Ring per schedule, its knobs set once
                 if name not in rings:
                     rings[name] = Ring(comm)
                     (rings[name].small_bytes, rings[name].tree_bytes, rings[name].direct_bytes,
                      rings[name].latency_bytes) = _FORCE[name]
-                fns[name] = _Case(op, rings[name], comm, np, dtype, count, False).ring
+            # ONE set of buffers for every schedule and MPI: where a buffer lies can move a cell on its own
+            case = _Case(op, rings[names[0]], comm, np, dtype, count, False)
+            a, b = case.a, case.b
+            fns = {name: {"all_reduce": lambda R=rings[name]: R.all_reduce(a),
+                          "reduce_scatter": lambda R=rings[name]: R.reduce_scatter(a, b),
+                          "all_gather": lambda R=rings[name]: R.all_gather(a, b)}[op] for name in names}
             impls = names + ["mpi"]
-            fns["mpi"] = _Case(op, rings[names[0]], comm, np, dtype, count, False).mpi
+            fns["mpi"] = case.mpi
             for f in fns.values():
                 f()
             times = time_blocks(comm, fns, args.iters)
