@@ -175,10 +175,11 @@ class _Builder:
         and a second buffer: acc (the reduce-scatter, which may not write
         send), or for the all-reduce (acc None, recv = send's block r) the
         half of send given away at the first level, free once sent, so
-        scratch is S/2. No add writes a line a peer has read since we last
-        wrote it (adding in place did, and cost up to 10 % at n = 4,
-        docs/collectives.md). The adds and their operands are the same either
-        way, so the bits are too.
+        scratch is S/2. So an add does not write the lines a peer read in
+        the previous call, as adding in place did (the all-reduce at n = 4,
+        16-64 KiB, took up to 12 % longer that way; docs/collectives.md).
+        The adds and their operands are the same either way, so the bits are
+        too.
         """
         n, r, m = self.n, self.r, len(recv)
         lo, hi, d, cur, other = 0, n, n >> 1, send, acc  # cur holds blocks [lo, hi) from its offset 0
