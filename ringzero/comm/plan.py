@@ -170,30 +170,33 @@ class _Builder:
     def halving_rs(self, send, recv, acc, tmp):
         """Recursive halving: keep the half of the blocks whose bit d matches ours.
 
-        Each level but the last adds into the view the partner's half has just
-        arrived in; the last adds into recv. The views alternate between tmp
-        and a second buffer: acc (the reduce-scatter, which may not write
-        send), or for the all-reduce (acc None, recv = send's block r) the
-        half of send given away at the first level, free once sent, so
-        scratch is S/2. So an add does not write the lines a peer read in
-        the previous call, as adding in place did (the all-reduce at n = 4,
-        16-64 KiB, took up to 12 % longer that way; docs/collectives.md).
+        The reduce-scatter (acc given): each level but the last adds into the
+        view the partner's half has just arrived in, alternating between tmp
+        and acc, and the last into recv; no add writes the lines a peer read
+        at the level before (the reduce-scatter at n = 4, 64 KiB, gained
+        about 6 %; docs/collectives.md).
+
+        The all-reduce (acc None, recv = send's block r, Rabenseifner): each
+        partial sum goes back into send's kept half, so scratch is tmp alone
+        (S/2). Alternating with the half of send given away at the first
+        level kept S/2 as well, but over TCP it cost 4-10 % from 1 MiB at
+        n = 4 in one side-by-side launch and gained nothing on shared memory
+        there, so it was not kept.
+
         The adds and their operands are the same either way, so the bits are
         too.
         """
         n, r, m = self.n, self.r, len(recv)
-        lo, hi, d, cur, other = 0, n, n >> 1, send, acc  # cur holds blocks [lo, hi) from its offset 0
+        lo, hi, d, cur = 0, n, n >> 1, send  # cur holds blocks [lo, hi) from its offset 0
         level = 0
         while d:
             mid = (lo + hi) // 2
             keep, give = ((mid, hi), (lo, mid)) if r & d else ((lo, mid), (mid, hi))
             h = (hi - lo) // 2 * m
             ks, gs = (keep[0] - lo) * m, (give[0] - lo) * m  # offsets inside cur
-            land = tmp[:h] if level % 2 == 0 else other[:h]
+            land = tmp[:h] if acc is None or level % 2 == 0 else acc[:h]
             self.exchange(cur[gs:gs + h], land, r ^ d)
-            if other is None:
-                other = cur[gs:gs + h]
-            dst = recv if d == 1 else land
+            dst = recv if d == 1 else cur[ks:ks + h] if acc is None else land
             self.add(cur[ks:ks + h], land, dst)
             cur, (lo, hi), d, level = dst, keep, d >> 1, level + 1
 
