@@ -173,8 +173,8 @@ class _Builder:
         The reduce-scatter (acc given): each level but the last adds into the
         view the partner's half has just arrived in, alternating between tmp
         and acc, and the last into recv; no add writes the lines a peer read
-        at the level before (the reduce-scatter at n = 4, 64 KiB, gained
-        about 6 %; docs/collectives.md).
+        at the level before (the reduce-scatter at n = 8, 64 KiB, gained
+        about 10 %; docs/collectives.md).
 
         The all-reduce (acc None, recv = send's block r, Rabenseifner): each
         partial sum goes back into send's kept half, so scratch is tmp alone
