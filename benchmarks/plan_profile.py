@@ -21,7 +21,7 @@ from mpi4py import MPI
 from ringzero.app.exits import leave
 from ringzero.comm.plan import ADD, COPY, MWAIT, START, WAIT, XCHG
 from ringzero.comm.ring import Ring
-from ringzero.tools.bench import OP_NAMES, parse_size, time_blocks
+from ringzero.tools.bench import OP_NAMES, mpi_call, parse_size, ring_call, time_blocks
 
 comm = MPI.COMM_WORLD
 n, r = comm.size, comm.rank
@@ -38,11 +38,8 @@ except (ValueError, ArgumentTypeError) as e:
 m = max(1, S // 4 // n)
 big, part = np.zeros(n * m, np.float32), np.zeros(m, np.float32)
 ring = Ring(comm)
-run = {"all_reduce": lambda: ring.all_reduce(big), "reduce_scatter": lambda: ring.reduce_scatter(big, part),
-       "all_gather": lambda: ring.all_gather(part, big)}[op]
-mpi = {"all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, big, MPI.SUM),
-       "reduce_scatter": lambda: comm.Reduce_scatter_block(big, part, MPI.SUM),
-       "all_gather": lambda: comm.Allgather(part, big)}[op]
+a, b = {"all_reduce": (big, big), "reduce_scatter": (big, part), "all_gather": (part, big)}[op]
+run, mpi = ring_call(op, ring, a, b), mpi_call(op, comm, a, b)
 for _ in range(3):
     run()                                   # kept from the second call on
 plan = next(p for p in ring._plans.values() if p.name == op)

@@ -26,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ringzero.app.exits import leave
-from ringzero.tools.bench import OP_NAMES, paired_ratio, parse_size, time_blocks
+from ringzero.tools.bench import OP_NAMES, mpi_call, paired_ratio, parse_size, ring_call, time_blocks
 
 comm = MPI.COMM_WORLD
 n, r = comm.size, comm.rank
@@ -67,15 +67,6 @@ if r == 0:
           "MPI time / Ring time (busbw Ring/MPI)", flush=True)
 
 
-def calls_for(op, a, b):
-    own = {k: {"all_reduce": (lambda R=R: R.all_reduce(a)), "reduce_scatter": (lambda R=R: R.reduce_scatter(a, b)),
-               "all_gather": (lambda R=R: R.all_gather(a, b))}[op] for k, R in rings.items()}
-    own["mpi"] = {"all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, a, MPI.SUM),
-                  "reduce_scatter": lambda: comm.Reduce_scatter_block(a, b, MPI.SUM),
-                  "all_gather": lambda: comm.Allgather(a, b)}[op]
-    return own
-
-
 for op in ops:
     for S in sizes:
         cnt = max(n, S // 4) // n * n
@@ -87,7 +78,8 @@ for op in ops:
                 a, b = np.zeros(cnt, np.float32), np.zeros(cnt // n, np.float32)
             else:
                 a, b = np.zeros(cnt // n, np.float32), np.zeros(cnt, np.float32)
-            fns = calls_for(op, a, b)
+            fns = {k: ring_call(op, R, a, b) for k, R in rings.items()}
+            fns["mpi"] = mpi_call(op, comm, a, b)
             for f in fns.values():
                 f()                                    # the Rings build and keep their plans
             comm.Barrier()

@@ -118,6 +118,21 @@ def _expect(n, count, dtype, seed):
     return sum((i * 7 + r * 5 + seed) % 13 - 6 for r in range(n))
 
 
+def ring_call(op, ring, a, b):
+    """fn() running `op` of `ring` on (a, b) as the bench lays them out: all_reduce in
+    place on a (b is a), reduce_scatter a -> b, all_gather a -> b."""
+    return {"all_reduce": lambda: ring.all_reduce(a), "reduce_scatter": lambda: ring.reduce_scatter(a, b),
+            "all_gather": lambda: ring.all_gather(a, b)}[op]
+
+
+def mpi_call(op, comm, a, b):
+    """fn() running the MPI library's collective for `op` on the same layout as ring_call."""
+    from mpi4py import MPI
+    return {"all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, b, MPI.SUM),
+            "reduce_scatter": lambda: comm.Reduce_scatter_block(a, b, MPI.SUM),
+            "all_gather": lambda: comm.Allgather(a, b)}[op]
+
+
 class _Case:
     """Buffers for one op and size, and closures that run the ring / MPI on them.
 
@@ -138,9 +153,7 @@ class _Case:
             self.a, self.b = xp.zeros(count, dtype), xp.zeros(count // n, dtype)
         else:
             self.a, self.b = xp.zeros(count // n, dtype), xp.zeros(count, dtype)
-        ring_fn = {"all_reduce": lambda: ring.all_reduce(self.a),
-                   "reduce_scatter": lambda: ring.reduce_scatter(self.a, self.b),
-                   "all_gather": lambda: ring.all_gather(self.a, self.b)}[op]
+        ring_fn = ring_call(op, ring, self.a, self.b)
         if mpi_staged:  # pinned host buffers, made once (grow-only, like the Ring's)
             from ringzero.comm.backend import Staging
             st = Staging()
@@ -148,9 +161,7 @@ class _Case:
             mb = ma if op == "all_reduce" else st.host("b", self.b.nbytes).view(dtype)
         else:
             ma, mb = self.a, self.b
-        coll = {"all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, mb, MPI.SUM),
-                "reduce_scatter": lambda: comm.Reduce_scatter_block(ma, mb, MPI.SUM),
-                "all_gather": lambda: comm.Allgather(ma, mb)}[op]
+        coll = mpi_call(op, comm, ma, mb)
         if mpi_staged:
             stream = xp.cuda.get_current_stream()
 

@@ -64,7 +64,7 @@ def run_sched(args, comm) -> list:
     from mpi4py import MPI
 
     from ringzero.comm.ring import DIRECT_RANKS, Ring
-    from ringzero.tools.bench import _Case, _dtype, human, time_blocks
+    from ringzero.tools.bench import _Case, _dtype, human, ring_call, time_blocks
     n, rank = comm.size, comm.rank
     dtype = _dtype(args.dtype)
     rings = {}
@@ -92,9 +92,7 @@ def run_sched(args, comm) -> list:
             # ONE set of buffers for every schedule and MPI: where a buffer lies can move a cell on its own
             case = _Case(op, rings[names[0]], comm, np, dtype, count, False)
             a, b = case.a, case.b
-            fns = {name: {"all_reduce": lambda R=rings[name]: R.all_reduce(a),
-                          "reduce_scatter": lambda R=rings[name]: R.reduce_scatter(a, b),
-                          "all_gather": lambda R=rings[name]: R.all_gather(a, b)}[op] for name in names}
+            fns = {name: ring_call(op, rings[name], a, b) for name in names}
             impls = names + ["mpi"]
             fns["mpi"] = case.mpi
             for f in fns.values():
