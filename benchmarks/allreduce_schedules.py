@@ -43,12 +43,12 @@ for S in sizes:
     a = np.zeros(n * m, np.float32)                   # zeros: the sums stay exact and finite
     own = a[r * m:(r + 1) * m]
     fns = {"mpi": lambda: comm.Allreduce(MPI.IN_PLACE, a, MPI.SUM),
-           "rd": lambda: rd.all_reduce(a), "rab": lambda: rab.all_reduce(a),
+           "recursive_doubling": lambda: rd.all_reduce(a), "rabenseifner": lambda: rab.all_reduce(a),
            "direct": lambda: (direct.reduce_scatter(a, own), direct.all_gather(own, a))}
     for f in fns.values():
         f()
     t = time_blocks(comm, fns, 40)
-    cells.append(f"{S >> 10}K " + " ".join(f"{k}={paired_ratio(t['mpi'], t[k]):.2f}" for k in ("rd", "rab", "direct")))
+    cells.append(f"{S >> 10}K " + " ".join(f"{k}={paired_ratio(t['mpi'], t[k]):.2f}" for k in ("recursive_doubling", "rabenseifner", "direct")))
 if r == 0:
     print(f"n={n} MPI time / schedule time: " + " | ".join(cells), flush=True)
 for ring in (rd, rab, direct):

@@ -1,12 +1,10 @@
-"""Compatibility name: ``ringzero.bench`` is ``ringzero.tools.bench``.
+"""``python -m ringzero.bench``: the collectives benchmark against the MPI library's own.
 
-The module itself, not a copy (patches reach the real globals); `python -m ringzero.bench` runs its `main`.
+A launcher only: the code is ``ringzero.tools.bench``, and this module runs its ``main``.
 """
 import sys
 
-from ringzero.tools import bench as _real
+from ringzero.tools.bench import main
 
 if __name__ == "__main__":
-    sys.exit(_real.main())
-else:
-    sys.modules[__name__] = _real
+    sys.exit(main())

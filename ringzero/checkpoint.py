@@ -1,12 +1,10 @@
-"""Compatibility name: ``ringzero.checkpoint`` is ``ringzero.runtime.checkpoint``.
+"""``python -m ringzero.checkpoint``: inspect and export a checkpoint (serial).
 
-The module itself, not a copy (patches reach the real globals); `python -m ringzero.checkpoint` runs its `main`.
+A launcher only: the code is ``ringzero.runtime.export``, and this module runs its ``main``.
 """
 import sys
 
-from ringzero.runtime import checkpoint as _real
+from ringzero.runtime.export import main
 
 if __name__ == "__main__":
-    sys.exit(_real.main())
-else:
-    sys.modules[__name__] = _real
+    sys.exit(main())

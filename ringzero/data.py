@@ -1,12 +1,10 @@
-"""Compatibility name: ``ringzero.data`` is ``ringzero.app.data``.
+"""``python -m ringzero.data``: the corpus: check a text file, print its split.
 
-The module itself, not a copy (patches reach the real globals); `python -m ringzero.data` runs its `main`.
+A launcher only: the code is ``ringzero.app.data``, and this module runs its ``main``.
 """
 import sys
 
-from ringzero.app import data as _real
+from ringzero.app.data import main
 
 if __name__ == "__main__":
-    sys.exit(_real.main())
-else:
-    sys.modules[__name__] = _real
+    sys.exit(main())

@@ -1,12 +1,10 @@
-"""Compatibility name: ``ringzero.estimate`` is ``ringzero.tools.estimate``.
+"""``python -m ringzero.estimate``: memory per rank for any model size and Nd.
 
-The module itself, not a copy (patches reach the real globals); `python -m ringzero.estimate` runs its `main`.
+A launcher only: the code is ``ringzero.tools.estimate``, and this module runs its ``main``.
 """
 import sys
 
-from ringzero.tools import estimate as _real
+from ringzero.tools.estimate import main
 
 if __name__ == "__main__":
-    sys.exit(_real.main())
-else:
-    sys.modules[__name__] = _real
+    sys.exit(main())

@@ -1,12 +1,10 @@
-"""Compatibility name: ``ringzero.explain`` is ``ringzero.tools.explain``.
+"""``python -m ringzero.explain``: ZeRO's arithmetic, derived step by step.
 
-The module itself, not a copy (patches reach the real globals); `python -m ringzero.explain` runs its `main`.
+A launcher only: the code is ``ringzero.tools.explain``, and this module runs its ``main``.
 """
 import sys
 
-from ringzero.tools import explain as _real
+from ringzero.tools.explain import main
 
 if __name__ == "__main__":
-    sys.exit(_real.main())
-else:
-    sys.modules[__name__] = _real
+    sys.exit(main())

@@ -1,12 +1,10 @@
-"""Compatibility name: ``ringzero.fit`` is ``ringzero.tools.fit``.
+"""``python -m ringzero.fit``: an alpha-beta model fitted to bench runs.
 
-The module itself, not a copy (patches reach the real globals); `python -m ringzero.fit` runs its `main`.
+A launcher only: the code is ``ringzero.tools.fit``, and this module runs its ``main``.
 """
 import sys
 
-from ringzero.tools import fit as _real
+from ringzero.tools.fit import main
 
 if __name__ == "__main__":
-    sys.exit(_real.main())
-else:
-    sys.modules[__name__] = _real
+    sys.exit(main())

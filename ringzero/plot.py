@@ -1,12 +1,10 @@
-"""Compatibility name: ``ringzero.plot`` is ``ringzero.tools.plot``.
+"""``python -m ringzero.plot``: plots of metrics and bench files.
 
-The module itself, not a copy (patches reach the real globals); `python -m ringzero.plot` runs its `main`.
+A launcher only: the code is ``ringzero.tools.plot``, and this module runs its ``main``.
 """
 import sys
 
-from ringzero.tools import plot as _real
+from ringzero.tools.plot import main
 
 if __name__ == "__main__":
-    sys.exit(_real.main())
-else:
-    sys.modules[__name__] = _real
+    sys.exit(main())

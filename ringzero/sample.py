@@ -1,12 +1,10 @@
-"""Compatibility name: ``ringzero.sample`` is ``ringzero.tools.sample``.
+"""``python -m ringzero.sample``: text from a checkpoint.
 
-The module itself, not a copy (patches reach the real globals); `python -m ringzero.sample` runs its `main`.
+A launcher only: the code is ``ringzero.tools.sample``, and this module runs its ``main``.
 """
 import sys
 
-from ringzero.tools import sample as _real
+from ringzero.tools.sample import main
 
 if __name__ == "__main__":
-    sys.exit(_real.main())
-else:
-    sys.modules[__name__] = _real
+    sys.exit(main())

@@ -1,12 +1,10 @@
-"""Compatibility name: ``ringzero.simulate`` is ``ringzero.tools.simulate``.
+"""``python -m ringzero.simulate``: the step-time model of each stage.
 
-The module itself, not a copy (patches reach the real globals); `python -m ringzero.simulate` runs its `main`.
+A launcher only: the code is ``ringzero.tools.simulate_cli``, and this module runs its ``main``.
 """
 import sys
 
-from ringzero.tools import simulate as _real
+from ringzero.tools.simulate_cli import main
 
 if __name__ == "__main__":
-    sys.exit(_real.main())
-else:
-    sys.modules[__name__] = _real
+    sys.exit(main())

@@ -1,12 +1,10 @@
-"""Compatibility name: ``ringzero.train`` is ``ringzero.app.train``.
+"""``python -m ringzero.train``: the trainer (the main job).
 
-The module itself, not a copy (patches reach the real globals); `python -m ringzero.train` runs its `main`.
+A launcher only: the code is ``ringzero.app.train``, and this module runs its ``main``.
 """
 import sys
 
-from ringzero.app import train as _real
+from ringzero.app.train import main
 
 if __name__ == "__main__":
-    sys.exit(_real.main())
-else:
-    sys.modules[__name__] = _real
+    sys.exit(main())

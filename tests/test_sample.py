@@ -32,7 +32,7 @@ def model(**over):
 def trained(comm, stage="3", steps=6, **over):
     """An engine after a few real steps on TEXT (tokens folded into the vocab)."""
     from ringzero.app.data import Batches
-    from ringzero.zero import Zero
+    from ringzero import Zero
     m = model(**over)
     eng = Zero(m, comm, stage, seed=3, timeout=60)
     data = Batches(TEXT.astype(np.int64) % m.cfg.vocab, 2, TINY["block_size"], comm.rank, comm.size, 5)

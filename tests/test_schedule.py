@@ -2,14 +2,14 @@
 
 For every n and S, a reduce-scatter and an all-reduce (n | len) must sum in the
 same order: both in the ring's order (direct, ring) or both in the halving
-tree's (rd, tree, rab); at n = 2 there is one pair, so any pairing holds. The
+tree's (recursive_doubling, tree, rabenseifner); at n = 2 there is one pair, so any pairing holds. The
 families are written out here, apart from the code under test.
 """
 import pytest
 
 from ringzero.comm import schedule as sch
 
-RING_ORDER, TREE_ORDER = {"ring"}, {"rd", "tree", "rab"}   # direct: the tree's at 2^k, else the ring's
+RING_ORDER, TREE_ORDER = {"ring"}, {"recursive_doubling", "tree", "rabenseifner"}   # direct: the tree's at 2^k, else the ring's
 SIZES = [0, 1, 4096, 8192, 16384, 65536, 65540, 262144, 262145, 4 << 20, (4 << 20) + 8, 16 << 20, 64 << 20]
 
 
@@ -43,7 +43,7 @@ def test_direct_only_where_the_table_says():
     assert sch.choose("all_gather", 2, 4096, 2, **sch.defaults(2)) == "tree"        # n = 2: never direct
     assert sch.choose("all_gather", 17, 4096, 17, **sch.defaults(17)) == "ring"     # n > 16: never direct
     assert sch.choose("all_reduce", 3, 4096, 7, **sch.defaults(3)) == "ring"        # 3 does not divide 7
-    assert sch.choose("all_reduce", 4, 4096, 7, **sch.defaults(4)) == "rd"
+    assert sch.choose("all_reduce", 4, 4096, 7, **sch.defaults(4)) == "recursive_doubling"
 
 
 def test_power_of_two_schedules_per_op():
@@ -52,7 +52,7 @@ def test_power_of_two_schedules_per_op():
         assert (k["small_bytes"], k["latency_bytes"], k["tree_bytes"]) == (64 << 10, 64 << 10, 16 << 20)
         sizes = (4096, 65536, 65540, 1 << 20, 16 << 20, (16 << 20) + 8)
         pick = {op: [sch.choose(op, n, S, n * 4, **k) for S in sizes] for op in sch.OPS}
-        assert pick["all_reduce"] == ["rd", "rd", "rab", "rab", "rab", "ring"]
+        assert pick["all_reduce"] == ["recursive_doubling", "recursive_doubling", "rabenseifner", "rabenseifner", "rabenseifner", "ring"]
         assert pick["reduce_scatter"] == ["tree", "tree", "direct", "direct", "direct", "ring"]
         assert pick["all_gather"] == ["tree", "tree", "direct", "direct", "direct", "direct"]
     for n in (3, 5, 6, 7):   # no halving tree: direct from the first byte

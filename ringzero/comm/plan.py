@@ -32,8 +32,8 @@ What it is
     another thread: Open MPI reports a request complete while a wait in
     another thread holds it.)
     The schedules and their summation order are the module docstring of
-    ring.py; ``sched`` is "ring", "tree" (halving RS / doubling AG), "rd"
-    (recursive-doubling all-reduce), "rab" (halving then doubling) or
+    ring.py; ``sched`` is "ring", "tree" (halving RS / doubling AG), "recursive_doubling"
+    (recursive-doubling all-reduce), "rabenseifner" (halving then doubling) or
     "direct" (every block to its owner at once, summed in the halving tree's
     order for a power-of-two n and in the ring's otherwise).
 
@@ -228,7 +228,7 @@ class _Builder:
         n-1 adds then follow the order of the schedules that share direct's
         sizes, so that a reduce-scatter and an all-reduce of one S agree:
           - n a power of two: the halving tree's, level d = n/2, n/4, ..., 1
-            adding x[q] + x[q ^ d] (as tree, rab and rd do);
+            adding x[q] + x[q ^ d] (as tree, rabenseifner and recursive_doubling do);
           - otherwise the ring's: ((x[r+1] + x[r+2]) + ...) + x[r].
         """
         n, r = self.n, self.r
@@ -347,7 +347,7 @@ def build(ring, name, xp, send, recv, sched, scratch):
     if name == "all_reduce":
         L = len(send)
         if n > 1 and L:
-            if sched == "rd":
+            if sched == "recursive_doubling":
                 t0, = scratch(send.nbytes, 1)
                 _Builder(ring, plan, 0).rd_allreduce(send, t0.view(send.dtype)[:L])
             elif sched == "direct":
@@ -355,7 +355,7 @@ def build(ring, name, xp, send, recv, sched, scratch):
                 t0, = scratch((L - (off[r + 1] - off[r])) * send.itemsize, 1)
                 _Builder(ring, plan, 0).direct_rs(send, send[off[r]:off[r + 1]], off, t0.view(send.dtype))
                 _Builder(ring, plan, 1).direct_ag(send, L // n)
-            elif sched == "rab":
+            elif sched == "rabenseifner":
                 m = L // n
                 t0, = scratch(send.nbytes // 2, 1)
                 _Builder(ring, plan, 0).halving_rs(send, send[r * m:(r + 1) * m], None, t0.view(send.dtype))

@@ -14,8 +14,8 @@ What it is
                             otherwise                          ring      ring
         not 2^k    AG       3 <= n <= 16 (any S)               direct    -
                             otherwise                          ring      -
-        2^k        AR       S <= small_bytes                   rd        tree
-                            S <= tree_bytes, n | length        rab       tree
+        2^k        AR       S <= small_bytes                   recursive_doubling  tree
+                            S <= tree_bytes, n | length        rabenseifner        tree
         2^k        RS       S <= latency_bytes                 tree      tree
                             S <= direct_bytes, 3 <= n <= 16    direct    tree
                             S <= tree_bytes                    tree      tree
@@ -30,9 +30,10 @@ What it is
         scratch, so it has no cap and no order to keep: direct_bytes = 0 turns
         direct off for it too, any other value leaves it on at every S.
 
-        rounds and bytes sent per rank: direct 1 per pass, rd log2 n (S log2 n
-        bytes), tree/rab log2 n per pass, ring n-1 per pass; every pass but
-        rd's sends (n-1)/n S. An all-reduce is two passes, except rd.
+        rounds and bytes sent per rank: direct 1 per pass, recursive_doubling
+        log2 n (S log2 n bytes), tree/rabenseifner log2 n per pass, ring n-1 per
+        pass; every pass but recursive doubling's sends (n-1)/n S. An
+        all-reduce is two passes, except recursive doubling.
 
     Summation order (the composition contract): an all-reduce and a
     reduce-scatter of one S (n | length) must add in one order. For a
@@ -91,7 +92,7 @@ def defaults(n: int) -> dict:
 
 def choose(op: str, n: int, nbytes: int, length: int, small_bytes: int, tree_bytes: int,
            direct_bytes: int, latency_bytes: int) -> str:
-    """"direct" | "rd" | "tree" | "rab" | "ring" for one call (the table above)."""
+    """"direct" | "recursive_doubling" | "tree" | "rabenseifner" | "ring" for one call (the table above)."""
     direct = (3 <= n <= DIRECT_RANKS and direct_bytes > 0 and (op == "all_gather" or nbytes <= direct_bytes)
               and (op != "all_reduce" or length % n == 0))
     if n & (n - 1):           # no halving tree: direct, else the ring (both in the ring's order)
@@ -101,7 +102,7 @@ def choose(op: str, n: int, nbytes: int, length: int, small_bytes: int, tree_byt
     if nbytes > tree_bytes:   # the ring's order from here up, for every op
         return "ring"
     if op == "all_reduce":    # the halving tree's order
-        return "rd" if nbytes <= small_bytes else "rab" if length % n == 0 else "ring"
+        return "recursive_doubling" if nbytes <= small_bytes else "rabenseifner" if length % n == 0 else "ring"
     return "direct" if direct and nbytes > latency_bytes else "tree"
 
 
@@ -117,7 +118,7 @@ def steps_wire(op: str, n: int, S: float, **knobs) -> tuple:
     k = {**defaults(n), **knobs}
     sched = choose(op, n, S, n, k["small_bytes"], k["tree_bytes"], k["direct_bytes"], k["latency_bytes"])
     passes = 2 if op == "all_reduce" else 1
-    if sched == "rd":
+    if sched == "recursive_doubling":
         lg = int(math.log2(n))
         return lg, S * lg
     per = {"direct": 1, "ring": n - 1}.get(sched) or int(math.log2(n))

@@ -3,9 +3,10 @@
 What it is
     Three words of ``ringzero.bench`` (``ringzero.tools.bench`` dispatches to them):
 
-    sched   For each op and size, every schedule of the Ring (ring; recursive
-            doubling "rd"; halving reduce-scatter / doubling all-gather "tree";
-            "direct"; rd and tree only when the world size is a power of two,
+    sched   For each op and size, every schedule of the Ring ("ring";
+            "recursive_doubling"; halving reduce-scatter / doubling all-gather
+            "tree"; "direct"; recursive_doubling and tree only when the world
+            size is a power of two,
             direct only for 3 <= n <= 16 and never for a 2^k all-reduce) forced
             in turn, and the MPI library's collective beside them, all on ONE
             set of buffers per op and size (where a buffer lies can move a
@@ -55,7 +56,7 @@ def sched_parser() -> argparse.ArgumentParser:
 
 
 # (small_bytes, tree_bytes, direct_bytes, latency_bytes) that force each schedule
-_FORCE = {"ring": (0, 0, 0, 0), "rd": (1 << 62, 1 << 62, 0, 0), "tree": (0, 1 << 62, 0, 0),
+_FORCE = {"ring": (0, 0, 0, 0), "recursive_doubling": (1 << 62, 1 << 62, 0, 0), "tree": (0, 1 << 62, 0, 0),
           "direct": (0, 1 << 62, 1 << 62, 0)}
 
 
@@ -69,17 +70,19 @@ def run_sched(args, comm) -> list:
     dtype = _dtype(args.dtype)
     rings = {}
     pow2 = n & (n - 1) == 0
-    variants = {"all_reduce": ["ring", "rd", "tree", "direct"], "reduce_scatter": ["ring", "tree", "direct"],
-                "all_gather": ["ring", "tree", "direct"]}
+    variants = {"all_reduce": ["ring", "recursive_doubling", "tree", "direct"],
+                "reduce_scatter": ["ring", "tree", "direct"], "all_gather": ["ring", "tree", "direct"]}
     rows = []
     if rank == 0:
         print(f"# ringzero.bench sched: n={n} dtype={dtype.name}; time per call in us, alternating blocks "
-              "(rd: recursive doubling; tree: halving RS / doubling AG; direct: one round; * fastest)")
+              "(tree: halving RS / doubling AG; direct: one round; * fastest)")
     for op, names in variants.items():
         if args.op not in ("all", op):
             continue
-        # a 2^k all-reduce is never direct (the tree's order takes rd or rab): "direct" would time rab again
-        names = [x for x in names if (pow2 or x not in ("rd", "tree")) and (3 <= n <= DIRECT_RANKS or x != "direct")
+        # a 2^k all-reduce is never direct (the tree's order takes recursive_doubling or
+        # rabenseifner): "direct" would time rabenseifner again
+        names = [x for x in names if (pow2 or x not in ("recursive_doubling", "tree"))
+                 and (3 <= n <= DIRECT_RANKS or x != "direct")
                  and not (pow2 and op == "all_reduce" and x == "direct")]
         S = args.minbytes
         while S <= args.maxbytes:
