@@ -13,6 +13,7 @@ from ringzero.runtime import accounting as acc
 from ringzero.tools import estimate as est
 from ringzero.runtime.flat import Layout
 from ringzero.nn.gpt import PRESETS, GPTConfig, gpt_units
+from ringzero.sizes import parse_count, parse_size
 
 GB = 1e9
 PSI_75B = 7_500_000_000
@@ -27,7 +28,7 @@ def gpt2_closed_form(cfg):
 # ---- the seed's table -----------------------------------------------------------
 @pytest.mark.parametrize("stage,seed", [("0", "120"), ("1", "31.4"), ("2", "16.6"), ("3", "1.88")])
 def test_seed_stage_table(stage, seed):
-    psi = acc.parse_count("7.5B")
+    psi = parse_count("7.5B")
     assert psi == PSI_75B
     got = acc.model_state_total(stage, psi, 64)
     # the formula written out here, separately from accounting.py's class table
@@ -75,7 +76,7 @@ def test_preset_psi_matches_closed_form(name):
 def test_gpt2_xl_seed_figures():
     psi = est.gpt_psi(PRESETS["gpt2-xl"])
     assert round(psi / 1e9, 1) == 1.6 and round(psi / 1e9) == 2   # "1.5B" is a name, not a count
-    exact = acc.parse_count("1.5B")
+    exact = parse_count("1.5B")
     assert acc.model_state_bytes("0", exact, 1)["params_fp16"] / GB == 3      # ~3 GB fp16 weights
     assert acc.model_state_total("0", exact, 1) / GB == 24                    # 24 GB model state
     assert acc.model_state_total("0", psi, 1) / GB >= 24
@@ -98,7 +99,7 @@ def test_activations_seed():
 def test_fit_gpt2_xl_plain_dp_does_not_fit_32gb():
     cfg = PRESETS["gpt2-xl"]
     psi = est.gpt_psi(cfg)
-    r = est.estimate(psi, 1, cfg=cfg, batch=32, seq=1024, gpu_mem=acc.parse_bytes("32GB"))
+    r = est.estimate(psi, 1, cfg=cfg, batch=32, seq=1024, gpu_mem=parse_size("32GB"))
     f0 = r["fit"]["stages"][0]
     assert f0["stage"] == "0" and not f0["no_ckpt"]["fits"] and not f0["ckpt"]["fits"]
     assert f0["no_ckpt"]["smallest_group"] is None      # stage 0 never divides its state
@@ -153,16 +154,6 @@ def test_stage_aliases_and_errors():
         acc.traffic_elements("hybrid", 100, 4)
     with pytest.raises(ValueError, match="nd must be"):
         acc.model_state_bytes("2", 100, 0)
-
-
-def test_parse_quantities():
-    assert acc.parse_count("0.1B") == 10**8 and acc.parse_count("125M") == 125 * 10**6
-    assert acc.parse_bytes("32GB") == 32 * 10**9 and acc.parse_bytes("512MiB") == 512 * 2**20
-    for bad in ("7.5X", "", "B", "-1B"):
-        with pytest.raises(ValueError, match="expected a number"):
-            acc.parse_count(bad)
-    with pytest.raises(ValueError, match="whole number"):
-        acc.parse_count("1.5")
 
 
 @pytest.mark.parametrize("argv", [

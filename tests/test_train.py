@@ -97,6 +97,7 @@ def _check(args, tmp_path):
     (["--data", "no/such/file.txt"], "does not exist"),
     (["--stage", "4"], "unknown stage"),
     (["--mem-budget", "1KiB"], "below the smallest stage"),
+    (["--mem-budget", "4X"], "--mem-budget: cannot read size '4X'"),
     (["--seq-len", "100000", "--data", "SMALL"], "seq_len"),
     (["--steps", "ten"], "--steps must be an integer"),
     (["--n-embd", "30", "--n-head", "4"], "divisible"),

@@ -154,6 +154,8 @@ def parse_config(argv=None):
 
 def validate(cfg: Config):
     from ringzero.runtime import accounting
+    from ringzero.sizes import parse_size
+
     def need(cond, msg):
         if not cond:
             raise ConfigError(msg)
@@ -192,7 +194,7 @@ def validate(cfg: Config):
         raise ConfigError(f"--stage: {e}") from None
     if cfg.mem_budget:
         try:
-            accounting.parse_bytes(cfg.mem_budget)
+            parse_size(cfg.mem_budget)
         except ValueError as e:
             raise ConfigError(f"--mem-budget: {e}") from None
     if cfg.data:

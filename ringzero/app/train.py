@@ -36,6 +36,7 @@ from ringzero.app.config import (Config, ConfigError, build_parser, gpt_config, 
                                  parse_config, validate)
 from ringzero.app.exits import agree, leave, under_mpi
 from ringzero.metrics import read_metrics  # noqa: F401  (its old home; tools import ringzero.metrics)
+from ringzero.sizes import parse_size
 
 
 def _mib(b) -> str:
@@ -66,7 +67,7 @@ def prepare(cfg: Config, n: int):
     hybrid = StagePolicy.of(cfg.stage).hybrid
     if hybrid and cfg.ranks_per_node and n % cfg.ranks_per_node:
         raise ConfigError(f"--ranks-per-node must divide the rank count: {n} % {cfg.ranks_per_node} != 0")
-    budget = accounting.parse_bytes(cfg.mem_budget) if cfg.mem_budget else None
+    budget = parse_size(cfg.mem_budget) if cfg.mem_budget else None
     group = (cfg.ranks_per_node or None) if hybrid else n    # ranks sharing one copy
     if budget is not None and group is not None:      # else the engine checks once it knows the node
         try:

@@ -49,8 +49,6 @@ What it is not
 from __future__ import annotations
 
 import numbers
-import re
-from decimal import Decimal
 
 STAGES = ("0", "1", "2", "3", "hybrid")
 
@@ -265,34 +263,3 @@ def stages_that_fit(budget_bytes, psi: int, nd: int, ranks_per_node: int | None 
                 <= budget_bytes:
             out.append(st)
     return out
-
-
-# ---- quantities people type ----------------------------------------------------
-_COUNT = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
-_BYTES = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def _parse(text, table, what, example):
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    unit = m.group(2).upper() if m else None
-    if not m or unit not in table:
-        raise ValueError(f"cannot read {what} {text!r}: expected a number with an optional "
-                         f"suffix {'/'.join(k for k in table if k)}, e.g. {example}")
-    return Decimal(m.group(1)) * table[unit]   # exact: '0.1B' is 10**8, not 100000000.00000001
-
-
-def parse_count(text) -> int:
-    """'7.5B' -> 7500000000 (K, M, B or G, T are powers of 1000)."""
-    v = _parse(text, _COUNT, "count", "7.5B")
-    if v != int(v) or v < 1:
-        raise ValueError(f"count {text!r} must be a whole number >= 1, got {v}")
-    return int(v)
-
-
-def parse_bytes(text) -> int:
-    """'32GB' -> 32e9, '512MiB' -> 512*2**20 (GB = 1e9 bytes, GiB = 2**30)."""
-    v = _parse(text, _BYTES, "size", "32GB or 512MiB")
-    if v < 1:
-        raise ValueError(f"size {text!r} must be >= 1 byte, got {v}")
-    return int(v)

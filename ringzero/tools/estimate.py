@@ -29,6 +29,7 @@ import sys
 from ringzero.runtime import accounting as acc
 from ringzero.runtime.flat import Layout
 from ringzero.nn.gpt import PRESETS, GPTConfig, gpt_units
+from ringzero.sizes import parse_count, parse_size
 
 GB, GIB = 10**9, 2**30
 FSDP_NAME = {"0": "NO_SHARD", "1": "-", "2": "SHARD_GRAD_OP", "3": "FULL_SHARD",
@@ -314,7 +315,7 @@ def model_from_args(a):
     if a.params and (a.model or dims):
         raise ValueError("give --params or a GPT shape (--model / --n-layer ...), not both")
     if a.params:
-        return acc.parse_count(a.params), None
+        return parse_count(a.params), None
     if a.model or dims:
         base = ALL_MODELS[a.model] if a.model else GPTConfig()
         cfg = GPTConfig(**{**base.__dict__, **dims})
@@ -379,7 +380,7 @@ def main(argv=None):
             seq = seq or cfg.block_size
             if not 1 <= seq <= cfg.block_size:
                 raise ValueError(f"--seq must be in 1..block_size={cfg.block_size}, got {seq}")
-        gpu = acc.parse_bytes(a.gpu_mem) if a.gpu_mem else None
+        gpu = parse_size(a.gpu_mem) if a.gpu_mem else None
     except ValueError as e:
         ap.error(str(e))
     r = estimate(psi, a.nd, a.ranks_per_node, cfg, a.batch, seq, gpu, a.temp_buffer,

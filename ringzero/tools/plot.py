@@ -19,6 +19,7 @@ import argparse
 import sys
 
 from ringzero.runtime import accounting as acc
+from ringzero.sizes import parse_size
 
 
 def _plt():
@@ -157,7 +158,7 @@ def main(argv=None):
             psi, _ = model_from_args(a)
             if a.nd_max < 1:
                 raise ValueError(f"--nd-max must be >= 1, got {a.nd_max}")
-            gpu = acc.parse_bytes(a.gpu_mem) if a.gpu_mem else None
+            gpu = parse_size(a.gpu_mem) if a.gpu_mem else None
             out = plot_memory(psi, a.out, a.nd_max, a.ranks_per_node, gpu)
         elif a.what == "busbw":
             from ringzero.tools.fit import load_rows

@@ -13,11 +13,13 @@ What it is not
 from __future__ import annotations
 
 import math
+from decimal import Decimal
 
 import numpy as np
 
 from ringzero.runtime import accounting as acc
 from ringzero.runtime.flat import Layout
+from ringzero.sizes import parse_quantity, parse_rate
 from ringzero.tools.simulate import (LINKS, Compute, Links, flops_compute, measure_compute,
                                      step_time)
 
@@ -30,18 +32,17 @@ def _shapes():
     return {**ALL_MODELS, "gpt-7.5b": GPTConfig(36, 32, 4096, 1024, 50257)}
 
 
-def _num(text, what, units):
-    import re
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z/]*)\s*", str(text))
-    if not m or m.group(2).lower() not in units:
-        raise ValueError(f"cannot read {what} {text!r}: expected a number with one of "
-                         f"{', '.join(u for u in units if u) or 'no'} suffix")
-    return float(m.group(1)) * units[m.group(2).lower()]
+# seconds and FLOP/s per suffix (upper case, as ringzero.sizes.parse_quantity reads them); bytes/s: sizes.parse_rate
+TIME_UNITS = {"": 1, "S": 1, "MS": Decimal("1e-3"), "US": Decimal("1e-6"), "NS": Decimal("1e-9")}
+FLOP_UNITS = {"": 1, "G": 10**9, "T": 10**12, "TFLOPS": 10**12, "P": 10**15}
 
 
-TIME_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
-BW_UNITS = {"": 1.0, "b/s": 1.0, "gb/s": 1e9, "gbps": 1e9, "gb": 1e9, "mb/s": 1e6, "tb/s": 1e12}
-FLOP_UNITS = {"": 1.0, "g": 1e9, "t": 1e12, "tflops": 1e12, "p": 1e15}
+def _seconds(text, what) -> float:
+    return float(parse_quantity(text, TIME_UNITS, what, "10us"))
+
+
+def _flops(text, what) -> float:
+    return float(parse_quantity(text, FLOP_UNITS, what, "40T"))
 
 
 def build_parser():
@@ -99,8 +100,8 @@ def _compute(a, cfg, seq):
     if len(given) != 1:
         raise ValueError(f"give exactly one of --flops, --measure, --compute; got {given or 'none'}")
     if a.flops:
-        return flops_compute(cfg, a.batch, seq, _num(a.flops, "--flops", FLOP_UNITS),
-                             _num(a.mem_bw, "--mem-bw", BW_UNITS))
+        return flops_compute(cfg, a.batch, seq, _flops(a.flops, "--flops"),
+                             parse_rate(a.mem_bw, "--mem-bw"))
     if a.measure:
         return measure_compute(cfg, a.batch, seq, cores=a.cores)
     with open(a.compute) as fh:
@@ -116,8 +117,8 @@ def _links(a):
     if a.link:
         return Links.given(*LINKS[a.link], name=a.link)
     if a.bandwidth:
-        return Links.given(_num(a.alpha or "0", "--alpha", TIME_UNITS),
-                           _num(a.bandwidth, "--bandwidth", BW_UNITS), "given")
+        return Links.given(_seconds(a.alpha or "0", "--alpha"),
+                           parse_rate(a.bandwidth, "--bandwidth"), "given")
     return Links.from_rows([r for f in a.bench for r in fit.load_rows(f)])
 
 
