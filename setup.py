@@ -1,8 +1,12 @@
-"""Build script for the one optional C extension (ringzero.comm._f16, the float16
-kernel in ringzero/comm/csrc). Package metadata lives in setup.cfg.
+"""Build script for the two optional C extensions. Package metadata lives in setup.cfg.
 
-The extension is optional: without a compiler the install still succeeds and
-ringzero.comm.kernels falls back to NumPy with bitwise the same results.
+- ringzero.comm._f16 (ringzero/comm/csrc/f16.c): the float16 kernels of the
+  ring; without it ringzero.comm.kernels uses NumPy, with bitwise the same results.
+- ringzero.nn._fused (ringzero/nn/csrc/fused.c): the model's single-pass
+  elementwise kernels (GELU, LayerNorm, softmax, cross-entropy); without it
+  ringzero.nn.fused uses NumPy formulas (the same math, other rounding).
+
+Both are optional: without a compiler the install still succeeds.
 """
 from setuptools import Extension, setup
 
@@ -13,6 +17,15 @@ setup(
             sources=["ringzero/comm/csrc/f16.c"],
             extra_compile_args=["-O3", "-fno-fast-math"],
             optional=True,
-        )
+        ),
+        Extension(
+            "ringzero.nn._fused",
+            sources=["ringzero/nn/csrc/fused.c"],
+            # no fused multiply-add contraction, no fast-math (so the AVX2 and
+            # the baseline clones of each kernel round exactly alike); no traps
+            # or errno, so the branch-free exp/tanh can be vectorized
+            extra_compile_args=["-O3", "-fno-fast-math", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"],
+            optional=True,
+        ),
     ]
 )

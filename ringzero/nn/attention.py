@@ -2,16 +2,19 @@
 
 What it is
     ``CausalSelfAttention(n_head)``: the attention block of a GPT layer, built
-    on the ``Layer`` plumbing of ``ringzero.nn.layers`` (its pool, its buffer
+    on the ``Layer`` plumbing of ``ringzero.nn.base`` (its pool, its buffer
     tags) and two ``Linear`` layers (qkv, proj). One object, two paths: on
     NumPy, batched matmuls over strided head views of the fused qkv buffer; on
     CuPy, contiguous head workspaces and cuBLAS strided-batched GEMMs
-    (``ringzero.nn.ops.bmm``), with float32 accumulation. The softmax and its
-    backward keep their row sums in float32 under float16 compute.
+    (``ringzero.nn.ops.bmm``), with float32 accumulation. Between the two
+    products of each direction there is one elementwise pass: the scale, the
+    causal mask and the softmax in one (``ringzero.nn.fused.softmax_causal_``,
+    a C kernel on the host), and the softmax's backward with the scale in one.
+    Their row sums stay in float32 under float16 compute.
     ``from ringzero.nn.layers import CausalSelfAttention`` gives the same class.
 
 What it is not
-    No flash / fused attention, no KV cache, no dropout, no attention mask
+    No flash attention (the (B, H, T, T) scores are materialized), no KV cache, no dropout, no attention mask
     other than the causal one; no parameter allocation (``p``/``g`` are views
     into the flat buffers, as for every layer).
 """
@@ -21,8 +24,9 @@ import math
 
 import numpy as np
 
-from ringzero.nn.layers import Layer, Linear, Pool
-from ringzero.nn.ops import acc_dtype, array_module, bmm
+from ringzero.nn import fused
+from ringzero.nn.base import Layer, Linear, Pool
+from ringzero.nn.ops import array_module, bmm
 
 
 class CausalSelfAttention(Layer):
@@ -45,7 +49,6 @@ class CausalSelfAttention(Layer):
         self.n_head = n_head
         self.qkv = Linear(self.pool, tag + ".qkv", self.btag + ".qkv")
         self.proj = Linear(self.pool, tag + ".proj", self.btag + ".proj")
-        self._masks = {}
 
     def _split(self, qkv, B, T, C):
         """(B, T, 3C) -> three (B, H, T, D) strided views."""
@@ -62,29 +65,11 @@ class CausalSelfAttention(Layer):
             out.append(c)
         return out
 
-    def _mask(self, T, dtype, xp):
-        k = (T, np.dtype(dtype).str, xp.__name__)
-        if k not in self._masks:
-            m = np.triu(np.full((T, T), -np.inf, dtype=dtype), 1)   # (T, T): -inf above diagonal
-            self._masks[k] = xp.asarray(m)
-        return self._masks[k]
+    def _ws(self, xp):
+        return lambda name, shape, dtype: self.bbuf(name, shape, dtype, xp)
 
-    def _softmax_(self, xp, att, dtype):
-        """att (B, H, T, T) -> softmax over the last axis, in place; sums in float32."""
-        shape = att.shape[:-1] + (1,)
-        mx = self.bbuf("mx", shape, dtype, xp)
-        att.max(axis=-1, keepdims=True, out=mx)
-        att -= mx
-        xp.exp(att, out=att)
-        ad = acc_dtype(dtype)
-        s32 = self.bbuf("s32", shape, ad, xp)
-        att.sum(axis=-1, dtype=ad, keepdims=True, out=s32)
-        if ad != dtype:
-            xp.copyto(mx, s32, casting="unsafe")               # the sum rounded to att's dtype, as before
-            s32 = mx
-        att /= s32
-
-    def forward(self, p, x, out=None):
+    def forward(self, p, x, out=None, bias=True):
+        """y = proj(attention(qkv(x))); bias=False leaves proj's bias out of y (the caller's next pass adds it)."""
         B, T, C = x.shape
         H = self.n_head
         if C % H:
@@ -101,16 +86,14 @@ class CausalSelfAttention(Layer):
         else:
             qc, kc, vc = self._heads(xp, (q, k, v), ("qc", "kc", "vc"), B, T, D)
             bmm(qc, kc, att.reshape(B * H, T, T), tb=True)
-        att *= 1.0 / math.sqrt(D)
-        att += self._mask(T, x.dtype, xp)
-        self._softmax_(xp, att, x.dtype)
+        fused.softmax_causal_(att.reshape(B * H, T, T), 1.0 / math.sqrt(D), self._ws(xp))   # one pass
         if xp is np:
             xp.matmul(att, v, out=yh4)
         else:
             yc = self.bbuf("yc", (B * H, T, D), x.dtype, xp)
             bmm(att.reshape(B * H, T, T), vc, yc)
             yh4[...] = yc.reshape(B, H, T, D)
-        y, _ = self.proj.forward({"w": p["proj.w"], "b": p["proj.b"]}, yh, out=out)
+        y, _ = self.proj.forward({"w": p["proj.w"], "b": p["proj.b"]}, yh, out=out, bias=bias)
         return y, (p, x, qkv, att, yh)
 
     def backward(self, dy, cache, g):                           # dy (B, T, C)
@@ -135,19 +118,9 @@ class CausalSelfAttention(Layer):
             bmm(att3, dyc, dc, ta=True)
             dv[...] = dc.reshape(B, H, T, D)
             bmm(dyc, vc, datt3, tb=True)
-        # softmax backward: ds = att * (datt - sum(datt * att)), then the 1/sqrt(D) scale
-        prod = self.bbuf("prod", att.shape, dy.dtype, xp)
-        xp.multiply(datt, att, out=prod)
-        ad = acc_dtype(dy.dtype)
-        rs = self.bbuf("rs", att.shape[:-1] + (1,), ad, xp)
-        prod.sum(axis=-1, dtype=ad, keepdims=True, out=rs)
-        if ad != dy.dtype:
-            r16 = self.bbuf("rs16", rs.shape, dy.dtype, xp)
-            xp.copyto(r16, rs, casting="unsafe")
-            rs = r16
-        datt -= rs
-        datt *= att
-        datt *= 1.0 / math.sqrt(D)
+        # softmax backward with the 1/sqrt(D) scale, one pass: ds = att * (datt - sum(datt * att)) / sqrt(D)
+        fused.softmax_causal_backward_(datt.reshape(B * H, T, T), att.reshape(B * H, T, T), 1.0 / math.sqrt(D),
+                                       self._ws(xp))
         if xp is np:
             xp.matmul(datt, k, out=dq)                          # dq = ds k
             xp.matmul(datt.transpose(0, 1, 3, 2), q, out=dk)    # dk = ds^T q

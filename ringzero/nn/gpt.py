@@ -13,8 +13,8 @@ import numpy as np
 from ringzero.nn.units import UnitModel
 from ringzero.runtime.flat import ParamSpec as P, Unit
 from ringzero.nn.layers import (GELU, CausalSelfAttention, Embedding, LayerNorm, Linear, Pool,
-                                Residual, SoftmaxCrossEntropy, Unembed, array_module, cache_nbytes,
-                                check_ids)
+                                Residual, SoftmaxCrossEntropy, Unembed, acc_dtype, array_module,
+                                cache_nbytes, check_ids)
 
 
 @dataclass(frozen=True)
@@ -197,17 +197,19 @@ class GPT(UnitModel):
         """Block u's forward. recompute=True (checkpointed backward) stops
         before fc2: backward needs fc2's input, not the block's output."""
         L = self.blocks[u - 1]
+        # Each GEMM's bias is added in the pass that follows it: proj's and fc2's
+        # with the residual, fc's with GELU (bitwise the same sums as before).
         h1, c_ln1 = L["ln1"].forward(pd["ln1"], x)
-        a, c_attn = L["attn"].forward(pd["attn"], h1)
-        x2, _ = L["res"].forward(None, (a, x), out=a)           # x2 = x + attn(ln1(x)), in place
+        a, c_attn = L["attn"].forward(pd["attn"], h1, bias=False)
+        x2, _ = L["res"].forward(None, (a, x), out=a, bias=pd["attn"]["proj.b"])   # x2 = x + attn(ln1(x))
         h2, c_ln2 = L["ln2"].forward(pd["ln2"], x2)
-        f, c_fc = L["fc"].forward(pd["fc"], h2)                 # (B, T, 4C)
-        gg, c_gelu = L["gelu"].forward(None, f)
+        f, c_fc = L["fc"].forward(pd["fc"], h2, bias=False)    # (B, T, 4C)
+        gg, c_gelu = L["gelu"].forward(None, f, bias=pd["fc"]["b"])
         if recompute:
             return None, (c_ln1, c_attn, c_ln2, c_fc, c_gelu, (pd["fc2"], gg))  # Linear's cache: (p, x)
         y = self.pool.get((f"unit{u}", "y"), x.shape, x.dtype, array_module(x))
-        m, c_fc2 = L["fc2"].forward(pd["fc2"], gg, out=y)
-        L["res"].forward(None, (m, x2), out=y)                  # y = x2 + mlp(ln2(x2))
+        m, c_fc2 = L["fc2"].forward(pd["fc2"], gg, out=y, bias=False)
+        L["res"].forward(None, (m, x2), out=y, bias=pd["fc2"]["b"])   # y = x2 + mlp(ln2(x2))
         return y, (c_ln1, c_attn, c_ln2, c_fc, c_gelu, c_fc2)
 
     def _block_backward(self, u, dy, c, gd):                   # dy (B, T, C)
@@ -215,8 +217,9 @@ class GPT(UnitModel):
         c_ln1, c_attn, c_ln2, c_fc, c_gelu, c_fc2 = c
         dm, dres = L["res"].backward(dy, None, None)            # both residual branches see dy
         d = L["fc2"].backward(dm, c_fc2, gd["fc2"])             # (B, T, 4C)
-        d = L["gelu"].backward(d, c_gelu, None)
-        d = L["fc"].backward(d, c_fc, gd["fc"])                 # (B, T, C)
+        dfb = L["gelu"].bbuf("dfc.b", (d.shape[-1],), acc_dtype(d.dtype), array_module(d))
+        d = L["gelu"].backward(d, c_gelu, None, colsum=dfb)    # and fc's bias gradient, same pass
+        d = L["fc"].backward(d, c_fc, gd["fc"], db=dfb)         # (B, T, C)
         dx2 = L["ln2"].backward(d, c_ln2, gd["ln2"])
         dx2 += dres                                             # d(loss)/d x2, in ln2's buffer
         da, dres2 = L["res"].backward(dx2, None, None)

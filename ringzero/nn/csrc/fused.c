@@ -1,0 +1,408 @@
+/* ringzero.nn._fused: single-pass kernels for the model's elementwise layers.
+ *
+ * What it is: GELU forward (with the bias add of the GEMM before it) and
+ * backward (with that bias's gradient), LayerNorm forward and backward (with
+ * its weight and bias gradients), the bias add fused with the residual add,
+ * the attention softmax with its causal mask and scale, its backward, and
+ * softmax + cross-entropy. Each walks its rows once; a row (<= a few KiB)
+ * stays in L1 between the kernel's inner loops. ringzero/nn/fused.py checks
+ * dtypes, shapes and contiguity before calling in here, and holds the NumPy
+ * formulas used when this extension is absent.
+ *
+ * Determinism: one thread, and every reduction has a fixed order: row sums
+ * go to 8 lanes (element j to lane j % 8) combined in a fixed tree, column
+ * sums run over rows in order. The file is built with -ffp-contract=off and
+ * no fast-math, so the compiler may vectorize the loops but never reorders
+ * or fuses a rounding; the AVX2 and the baseline clones of each kernel
+ * (target_clones, chosen at load time) give the same bits. float32 uses the
+ * exp/tanh below (Cephes' polynomials, a few ulp, vectorizable); float64
+ * uses libm's exp/tanh/log.
+ *
+ * What it is not: a general ufunc. No strides, no broadcasting beyond a
+ * bias row, no float16 (the fallback handles every other dtype).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
+#define RZ_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define RZ_CLONES
+#endif
+
+#define GELU_K 0.7978845608028654   /* sqrt(2/pi) */
+#define GELU_A 0.044715
+#define LANES 8
+
+typedef Py_ssize_t ix;
+
+/* ---- float32 exp and tanh (Cephes expf/tanhf, branch-free) ---------------- */
+
+static inline float rz_expf(float x)
+{
+    x = x > 88.0f ? 88.0f : x;
+    x = x < -87.0f ? -87.0f : x;
+    float fx = x * 1.44269504088896341f + 12582912.0f;   /* round(x / ln 2) via 1.5 * 2^23 */
+    fx = fx - 12582912.0f;
+    float r = x - fx * 0.693359375f;
+    r = r - fx * -2.12194440e-4f;
+    float z = r * r;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * z + r;
+    p = p + 1.0f;
+    int32_t n = (int32_t)fx;
+    uint32_t bits = (uint32_t)(n + 127) << 23;
+    float s;
+    memcpy(&s, &bits, 4);
+    return p * s;
+}
+
+static inline float rz_tanhf(float x)
+{
+    float ax = x < 0.0f ? -x : x;
+    float z = x * x;                                      /* |x| < 0.625: odd polynomial */
+    float p = -5.70498872745e-3f;
+    p = p * z + 2.06390887954e-2f;
+    p = p * z - 5.37397155531e-2f;
+    p = p * z + 1.33314422036e-1f;
+    p = p * z - 3.33332819422e-1f;
+    p = p * z * x + x;
+    float e = rz_expf(2.0f * ax);                         /* else 1 - 2 / (e^(2|x|) + 1), signed */
+    float q = 1.0f - 2.0f / (e + 1.0f);
+    q = x < 0.0f ? -q : q;
+    return ax < 0.625f ? p : q;
+}
+
+static inline double rz_exp(double x) { return exp(x); }
+static inline double rz_tanh(double x) { return tanh(x); }
+static inline float rz_logf(float x) { return logf(x); }
+static inline double rz_log(double x) { return log(x); }
+static inline float rz_sqrtf(float x) { return sqrtf(x); }
+static inline double rz_sqrt(double x) { return sqrt(x); }
+
+/* ---- the kernels, written once for float (f) and double (d) --------------- */
+
+#define DEFINE_KERNELS(T, S, EXP, TANH, LOG, SQRT)                                              \
+                                                                                                \
+/* sum of v[0..n) in 8 lanes, combined in a fixed tree */                                       \
+static inline T lane_sum_##S(const T *v, ix n)                                                  \
+{                                                                                               \
+    T a[LANES] = {0};                                                                           \
+    ix j = 0;                                                                                   \
+    for (; j + LANES <= n; j += LANES)                                                          \
+        for (int l = 0; l < LANES; l++) a[l] += v[j + l];                                       \
+    for (int l = 0; j < n; j++, l++) a[l] += v[j];                                              \
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));                   \
+}                                                                                               \
+                                                                                                \
+/* x (n, m) += b (m,) if b; y = 0.5 x (1 + tanh(k (x + a x^3))) */                              \
+RZ_CLONES static void gelu_fwd_##S(T *x, const T *b, T *y, ix n, ix m)                          \
+{                                                                                               \
+    for (ix i = 0; i < n; i++) {                                                                \
+        T *xr = x + i * m, *yr = y + i * m;                                                     \
+        if (b) for (ix j = 0; j < m; j++) xr[j] = xr[j] + b[j];                                 \
+        for (ix j = 0; j < m; j++) {                                                            \
+            T v = xr[j];                                                                        \
+            T t = TANH((((v * v) * (T)GELU_A + (T)1) * v) * (T)GELU_K);                         \
+            yr[j] = ((t + (T)1) * v) * (T)0.5;                                                  \
+        }                                                                                       \
+    }                                                                                           \
+}                                                                                               \
+                                                                                                \
+/* dx = dy * gelu'(x); colsum (m,) = sum over rows of dx, in row order, if given */             \
+RZ_CLONES static void gelu_bwd_##S(const T *dy, const T *x, T *dx, T *colsum, ix n, ix m)       \
+{                                                                                               \
+    if (colsum) for (ix j = 0; j < m; j++) colsum[j] = 0;                                       \
+    for (ix i = 0; i < n; i++) {                                                                \
+        const T *xr = x + i * m, *gr = dy + i * m;                                              \
+        T *dr = dx + i * m;                                                                     \
+        for (ix j = 0; j < m; j++) {                                                            \
+            T v = xr[j];                                                                        \
+            T t = TANH((((v * v) * (T)GELU_A + (T)1) * v) * (T)GELU_K);                         \
+            T d = ((v * v) * (T)(3.0 * GELU_A * GELU_K) + (T)GELU_K) * v;                       \
+            d = ((d * ((T)1 - t * t) + t) + (T)1) * (T)0.5;                                     \
+            dr[j] = d * gr[j];                                                                  \
+        }                                                                                       \
+        if (colsum) for (ix j = 0; j < m; j++) colsum[j] += dr[j];                              \
+    }                                                                                           \
+}                                                                                               \
+                                                                                                \
+/* y (n, m) = (y + b) + x */                                                                    \
+RZ_CLONES static void bias_residual_##S(T *y, const T *b, const T *x, ix n, ix m)               \
+{                                                                                               \
+    for (ix i = 0; i < n; i++) {                                                                \
+        T *yr = y + i * m;                                                                      \
+        const T *xr = x + i * m;                                                                \
+        for (ix j = 0; j < m; j++) yr[j] = (yr[j] + b[j]) + xr[j];                              \
+    }                                                                                           \
+}                                                                                               \
+                                                                                                \
+/* per row: xhat = (x - mean) * rstd, rstd = 1/sqrt(var + eps); y = xhat * w + b */             \
+RZ_CLONES static void ln_fwd_##S(const T *x, const T *w, const T *b, T *y, T *xhat, T *rstd,    \
+                                 ix n, ix m, T eps)                                             \
+{                                                                                               \
+    for (ix i = 0; i < n; i++) {                                                                \
+        const T *xr = x + i * m;                                                                \
+        T *hr = xhat + i * m, *yr = y + i * m;                                                  \
+        T mean = lane_sum_##S(xr, m) / (T)m;                                                    \
+        for (ix j = 0; j < m; j++) hr[j] = xr[j] - mean;                                        \
+        for (ix j = 0; j < m; j++) yr[j] = hr[j] * hr[j];       /* squares, y as scratch */     \
+        T var = lane_sum_##S(yr, m) / (T)m;                                                     \
+        T rs = (T)1 / SQRT(var + eps);                                                          \
+        rstd[i] = rs;                                                                           \
+        for (ix j = 0; j < m; j++) {                                                            \
+            T h = hr[j] * rs;                                                                   \
+            hr[j] = h;                                                                          \
+            yr[j] = h * w[j] + b[j];                                                            \
+        }                                                                                       \
+    }                                                                                           \
+}                                                                                               \
+                                                                                                \
+/* dx = rstd ((dy w - xhat mean(dy w xhat)) - mean(dy w)); dw = sum dy xhat, db = sum dy */     \
+RZ_CLONES static void ln_bwd_##S(const T *dy, const T *xhat, const T *rstd, const T *w, T *dx,  \
+                                 T *dw, T *db, T *tmp, ix n, ix m)                              \
+{                                                                                               \
+    for (ix j = 0; j < m; j++) { dw[j] = 0; db[j] = 0; }                                        \
+    for (ix i = 0; i < n; i++) {                                                                \
+        const T *gr = dy + i * m, *hr = xhat + i * m;                                           \
+        T *dr = dx + i * m;                                                                     \
+        for (ix j = 0; j < m; j++) {                                                            \
+            db[j] += gr[j];                                                                     \
+            dw[j] += gr[j] * hr[j];                                                             \
+            dr[j] = gr[j] * w[j];                                                               \
+            tmp[j] = dr[j] * hr[j];                                                             \
+        }                                                                                       \
+        T m1 = lane_sum_##S(dr, m) / (T)m, m2 = lane_sum_##S(tmp, m) / (T)m, rs = rstd[i];      \
+        for (ix j = 0; j < m; j++) dr[j] = ((dr[j] - hr[j] * m2) - m1) * rs;                    \
+    }                                                                                           \
+}                                                                                               \
+                                                                                                \
+/* att (R*T, T) rows: row t of each (T, T) block, j <= t: softmax(att * scale); j > t: 0 */     \
+RZ_CLONES static void softmax_causal_##S(T *att, ix R, ix Tn, T scale)                          \
+{                                                                                               \
+    for (ix r = 0; r < R; r++)                                                                  \
+        for (ix t = 0; t < Tn; t++) {                                                           \
+            T *a = att + (r * Tn + t) * Tn;                                                     \
+            ix k = t + 1;                                                                       \
+            T mx = a[0] * scale;                                                                \
+            for (ix j = 0; j < k; j++) { T v = a[j] * scale; a[j] = v; mx = v > mx ? v : mx; }  \
+            for (ix j = 0; j < k; j++) a[j] = EXP(a[j] - mx);                                   \
+            T s = lane_sum_##S(a, k);                                                           \
+            for (ix j = 0; j < k; j++) a[j] = a[j] / s;                                         \
+            for (ix j = k; j < Tn; j++) a[j] = 0;                                               \
+        }                                                                                       \
+}                                                                                               \
+                                                                                                \
+/* datt = (datt - sum(datt * att)) * att * scale on j <= t, 0 above; tmp: (T,) scratch */       \
+RZ_CLONES static void softmax_causal_bwd_##S(T *datt, const T *att, T *tmp, ix R, ix Tn, T sc)  \
+{                                                                                               \
+    for (ix r = 0; r < R; r++)                                                                  \
+        for (ix t = 0; t < Tn; t++) {                                                           \
+            T *d = datt + (r * Tn + t) * Tn;                                                    \
+            const T *a = att + (r * Tn + t) * Tn;                                               \
+            ix k = t + 1;                                                                       \
+            for (ix j = 0; j < k; j++) tmp[j] = d[j] * a[j];                                    \
+            T s = lane_sum_##S(tmp, k);                                                         \
+            for (ix j = 0; j < k; j++) d[j] = ((d[j] - s) * a[j]) * sc;                         \
+            for (ix j = k; j < Tn; j++) d[j] = 0;                                               \
+        }                                                                                       \
+}                                                                                               \
+                                                                                                \
+/* probs (n, V) = softmax(logits); nll[i] = log(sum exp(l - max)) - (l[tgt] - max) */           \
+RZ_CLONES static void ce_fwd_##S(const T *lg, const int64_t *tgt, T *pr, T *nll, ix n, ix V)    \
+{                                                                                               \
+    for (ix i = 0; i < n; i++) {                                                                \
+        const T *l = lg + i * V;                                                                \
+        T *p = pr + i * V;                                                                      \
+        T mx = l[0];                                                                            \
+        for (ix j = 0; j < V; j++) mx = l[j] > mx ? l[j] : mx;                                  \
+        T picked = l[tgt[i]] - mx;                                                              \
+        for (ix j = 0; j < V; j++) p[j] = EXP(l[j] - mx);                                       \
+        T s = lane_sum_##S(p, V);                                                               \
+        nll[i] = LOG(s) - picked;                                                               \
+        for (ix j = 0; j < V; j++) p[j] = p[j] / s;                                             \
+    }                                                                                           \
+}
+
+DEFINE_KERNELS(float, f, rz_expf, rz_tanhf, rz_logf, rz_sqrtf)
+DEFINE_KERNELS(double, d, rz_exp, rz_tanh, rz_log, rz_sqrt)
+
+/* ---- Python glue ------------------------------------------------------------ */
+
+/* Borrow a C-contiguous buffer of exactly `nbytes` bytes; Py_None gives NULL when `optional`. */
+static int get(PyObject *o, Py_buffer *v, int writable, ix nbytes, int optional, const char *what, void **p)
+{
+    v->obj = NULL;
+    *p = NULL;
+    if (optional && o == Py_None) return 0;
+    if (PyObject_GetBuffer(o, v, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a C-contiguous%s buffer", what, writable ? " writable" : "");
+        return -1;
+    }
+    if (v->len != nbytes) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %zd bytes, got %zd", what, nbytes, v->len);
+        PyBuffer_Release(v);
+        v->obj = NULL;
+        return -1;
+    }
+    *p = v->buf;
+    return 0;
+}
+
+#define MAXB 8
+typedef struct { Py_buffer v[MAXB]; int k; } Bufs;
+
+static void release(Bufs *b) { for (int i = 0; i < b->k; i++) if (b->v[i].obj) PyBuffer_Release(&b->v[i]); }
+
+/* borrow into the next slot; returns -1 (and releases all) on error */
+static int take(Bufs *b, PyObject *o, int writable, ix nbytes, int optional, const char *what, void **p)
+{
+    if (get(o, &b->v[b->k], writable, nbytes, optional, what, p) < 0) { release(b); return -1; }
+    b->k++;
+    return 0;
+}
+
+#define SZ(dbl) ((dbl) ? (ix)sizeof(double) : (ix)sizeof(float))
+
+static PyObject *py_gelu_fwd(PyObject *self, PyObject *args)
+{
+    PyObject *x, *b, *y; ix n, m; int dbl; Bufs B = {.k = 0}; void *px, *pb, *py;
+    if (!PyArg_ParseTuple(args, "OOOnnp", &x, &b, &y, &n, &m, &dbl)) return NULL;
+    ix e = SZ(dbl);
+    if (take(&B, x, 1, n * m * e, 0, "gelu x", &px) || take(&B, b, 0, m * e, 1, "gelu b", &pb)
+        || take(&B, y, 1, n * m * e, 0, "gelu y", &py)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (dbl) gelu_fwd_d(px, pb, py, n, m); else gelu_fwd_f(px, pb, py, n, m);
+    Py_END_ALLOW_THREADS
+    release(&B);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_gelu_bwd(PyObject *self, PyObject *args)
+{
+    PyObject *dy, *x, *dx, *cs; ix n, m; int dbl; Bufs B = {.k = 0}; void *pg, *px, *pd, *pc;
+    if (!PyArg_ParseTuple(args, "OOOOnnp", &dy, &x, &dx, &cs, &n, &m, &dbl)) return NULL;
+    ix e = SZ(dbl);
+    if (take(&B, dy, 0, n * m * e, 0, "gelu dy", &pg) || take(&B, x, 0, n * m * e, 0, "gelu x", &px)
+        || take(&B, dx, 1, n * m * e, 0, "gelu dx", &pd) || take(&B, cs, 1, m * e, 1, "gelu colsum", &pc))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (dbl) gelu_bwd_d(pg, px, pd, pc, n, m); else gelu_bwd_f(pg, px, pd, pc, n, m);
+    Py_END_ALLOW_THREADS
+    release(&B);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_bias_residual(PyObject *self, PyObject *args)
+{
+    PyObject *y, *b, *x; ix n, m; int dbl; Bufs B = {.k = 0}; void *py, *pb, *px;
+    if (!PyArg_ParseTuple(args, "OOOnnp", &y, &b, &x, &n, &m, &dbl)) return NULL;
+    ix e = SZ(dbl);
+    if (take(&B, y, 1, n * m * e, 0, "residual y", &py) || take(&B, b, 0, m * e, 0, "residual b", &pb)
+        || take(&B, x, 0, n * m * e, 0, "residual x", &px)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (dbl) bias_residual_d(py, pb, px, n, m); else bias_residual_f(py, pb, px, n, m);
+    Py_END_ALLOW_THREADS
+    release(&B);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_ln_fwd(PyObject *self, PyObject *args)
+{
+    PyObject *x, *w, *b, *y, *h, *r; ix n, m; int dbl; double eps; Bufs B = {.k = 0};
+    void *px, *pw, *pb, *py, *ph, *pr;
+    if (!PyArg_ParseTuple(args, "OOOOOOnnpd", &x, &w, &b, &y, &h, &r, &n, &m, &dbl, &eps)) return NULL;
+    ix e = SZ(dbl);
+    if (take(&B, x, 0, n * m * e, 0, "layernorm x", &px) || take(&B, w, 0, m * e, 0, "layernorm w", &pw)
+        || take(&B, b, 0, m * e, 0, "layernorm b", &pb) || take(&B, y, 1, n * m * e, 0, "layernorm y", &py)
+        || take(&B, h, 1, n * m * e, 0, "layernorm xhat", &ph) || take(&B, r, 1, n * e, 0, "layernorm rstd", &pr))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (dbl) ln_fwd_d(px, pw, pb, py, ph, pr, n, m, eps); else ln_fwd_f(px, pw, pb, py, ph, pr, n, m, (float)eps);
+    Py_END_ALLOW_THREADS
+    release(&B);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_ln_bwd(PyObject *self, PyObject *args)
+{
+    PyObject *dy, *h, *r, *w, *dx, *dw, *db, *tmp; ix n, m; int dbl; Bufs B = {.k = 0};
+    void *pg, *ph, *pr, *pw, *pd, *pdw, *pdb, *pt;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOnnp", &dy, &h, &r, &w, &dx, &dw, &db, &tmp, &n, &m, &dbl)) return NULL;
+    ix e = SZ(dbl);
+    if (take(&B, dy, 0, n * m * e, 0, "layernorm dy", &pg) || take(&B, h, 0, n * m * e, 0, "layernorm xhat", &ph)
+        || take(&B, r, 0, n * e, 0, "layernorm rstd", &pr) || take(&B, w, 0, m * e, 0, "layernorm w", &pw)
+        || take(&B, dx, 1, n * m * e, 0, "layernorm dx", &pd) || take(&B, dw, 1, m * e, 0, "layernorm dw", &pdw)
+        || take(&B, db, 1, m * e, 0, "layernorm db", &pdb) || take(&B, tmp, 1, m * e, 0, "layernorm tmp", &pt))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (dbl) ln_bwd_d(pg, ph, pr, pw, pd, pdw, pdb, pt, n, m); else ln_bwd_f(pg, ph, pr, pw, pd, pdw, pdb, pt, n, m);
+    Py_END_ALLOW_THREADS
+    release(&B);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_softmax_causal(PyObject *self, PyObject *args)
+{
+    PyObject *a; ix R, Tn; int dbl; double sc; Bufs B = {.k = 0}; void *pa;
+    if (!PyArg_ParseTuple(args, "Onnpd", &a, &R, &Tn, &dbl, &sc)) return NULL;
+    if (take(&B, a, 1, R * Tn * Tn * SZ(dbl), 0, "softmax att", &pa)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (dbl) softmax_causal_d(pa, R, Tn, sc); else softmax_causal_f(pa, R, Tn, (float)sc);
+    Py_END_ALLOW_THREADS
+    release(&B);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_softmax_causal_bwd(PyObject *self, PyObject *args)
+{
+    PyObject *d, *a, *tmp; ix R, Tn; int dbl; double sc; Bufs B = {.k = 0}; void *pd, *pa, *pt;
+    if (!PyArg_ParseTuple(args, "OOOnnpd", &d, &a, &tmp, &R, &Tn, &dbl, &sc)) return NULL;
+    ix e = SZ(dbl);
+    if (take(&B, d, 1, R * Tn * Tn * e, 0, "softmax datt", &pd)
+        || take(&B, a, 0, R * Tn * Tn * e, 0, "softmax att", &pa)
+        || take(&B, tmp, 1, Tn * e, 0, "softmax tmp", &pt)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (dbl) softmax_causal_bwd_d(pd, pa, pt, R, Tn, sc); else softmax_causal_bwd_f(pd, pa, pt, R, Tn, (float)sc);
+    Py_END_ALLOW_THREADS
+    release(&B);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_ce_fwd(PyObject *self, PyObject *args)
+{
+    PyObject *lg, *tg, *pr, *nl; ix n, V; int dbl; Bufs B = {.k = 0}; void *pl, *pt, *pp, *pn;
+    if (!PyArg_ParseTuple(args, "OOOOnnp", &lg, &tg, &pr, &nl, &n, &V, &dbl)) return NULL;
+    ix e = SZ(dbl);
+    if (take(&B, lg, 0, n * V * e, 0, "ce logits", &pl) || take(&B, tg, 0, n * 8, 0, "ce targets", &pt)
+        || take(&B, pr, 1, n * V * e, 0, "ce probs", &pp) || take(&B, nl, 1, n * e, 0, "ce nll", &pn)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (dbl) ce_fwd_d(pl, pt, pp, pn, n, V); else ce_fwd_f(pl, pt, pp, pn, n, V);
+    Py_END_ALLOW_THREADS
+    release(&B);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"gelu_fwd", py_gelu_fwd, METH_VARARGS, "gelu_fwd(x, b|None, y, n, m, dbl): x += b; y = gelu(x)"},
+    {"gelu_bwd", py_gelu_bwd, METH_VARARGS, "gelu_bwd(dy, x, dx, colsum|None, n, m, dbl)"},
+    {"bias_residual", py_bias_residual, METH_VARARGS, "bias_residual(y, b, x, n, m, dbl): y = (y + b) + x"},
+    {"ln_fwd", py_ln_fwd, METH_VARARGS, "ln_fwd(x, w, b, y, xhat, rstd, n, m, dbl, eps)"},
+    {"ln_bwd", py_ln_bwd, METH_VARARGS, "ln_bwd(dy, xhat, rstd, w, dx, dw, db, tmp, n, m, dbl)"},
+    {"softmax_causal", py_softmax_causal, METH_VARARGS, "softmax_causal(att, R, T, dbl, scale)"},
+    {"softmax_causal_bwd", py_softmax_causal_bwd, METH_VARARGS, "softmax_causal_bwd(datt, att, tmp, R, T, dbl, scale)"},
+    {"ce_fwd", py_ce_fwd, METH_VARARGS, "ce_fwd(logits, targets int64, probs, nll, n, V, dbl)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_fused", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__fused(void) { return PyModule_Create(&moddef); }

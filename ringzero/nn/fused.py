@@ -1,0 +1,266 @@
+"""The model's elementwise passes, one call each: the C kernels, or the same math in ``xp``.
+
+What it is
+    ``gelu_forward`` / ``gelu_backward`` (with the bias add of the GEMM before
+    GELU, and that bias's gradient), ``bias_residual`` (y = (y + b) + x),
+    ``layernorm_forward`` / ``layernorm_backward``, ``softmax_causal_`` /
+    ``softmax_causal_backward_`` (the attention softmax with its scale and
+    causal mask), ``cross_entropy_forward``. Arrays are 2-D (rows, width)
+    or, for the softmax, (R, T, T); every output is a buffer the caller owns.
+
+    On NumPy float32/float64 arrays that are C-contiguous, the work is done by
+    the optional C extension ``ringzero.nn._fused`` (ringzero/nn/csrc/fused.c):
+    one pass over each row, reductions in a fixed order, single-threaded, so a
+    run gives the same bits at every ZeRO stage and on every rank. Everything
+    else (CuPy, float16, strided views, no compiler at install time, or
+    ``RINGZERO_NO_C=1``) takes the ``xp`` formulas below, which keep their
+    statistics in float32 under float16. The two paths agree to float32
+    rounding, not bitwise: a run uses one of them throughout.
+
+What it is not
+    Layers (no caches, no parameter dicts: those are layers.py, norm.py and
+    attention.py), and no GEMMs.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+from ringzero.nn.ops import _take, acc_dtype, array_module
+
+try:  # the optional C extension (setup.py, optional=True)
+    from ringzero.nn import _fused as _c
+except ImportError:  # no compiler at install time: the xp formulas do the work
+    _c = None
+
+# RINGZERO_NO_C=1 forces the xp path (to compare, or to rule the C out).
+if os.environ.get("RINGZERO_NO_C", "0") == "1":
+    _c = None
+
+HAVE_C = _c is not None
+GELU_K = math.sqrt(2.0 / math.pi)
+GELU_A = 0.044715
+_C_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def use_c(*arrays) -> bool:
+    """True when the C kernels take these arrays: host, one float32/float64 dtype, C-contiguous."""
+    if _c is None:
+        return False
+    dt = arrays[0].dtype
+    return dt in _C_DTYPES and all(type(a) is np.ndarray and a.dtype == dt and a.flags.c_contiguous
+                                   for a in arrays if a is not None)
+
+
+def _dbl(a) -> bool:
+    return a.dtype == np.float64
+
+
+def _scratch(ws, name, shape, dtype, xp):
+    return ws(name, shape, dtype) if ws is not None else xp.empty(shape, dtype)
+
+
+# ---- GELU ----------------------------------------------------------------------
+
+def _gelu_tanh(xp, x, t):
+    """t = tanh(k (x + a x^3)), in this order of roundings in both paths."""
+    xp.multiply(x, x, out=t)
+    t *= GELU_A
+    t += 1.0
+    t *= x
+    t *= GELU_K
+    xp.tanh(t, out=t)
+    return t
+
+
+def gelu_forward(x, y, b=None, ws=None):
+    """x (N, M) += b (M,) if given (in place: x is what backward reads); y = gelu(x)."""
+    N, M = x.shape
+    if use_c(x, y, b):
+        _c.gelu_fwd(x, b, y, N, M, _dbl(x))
+        return y
+    xp = array_module(x)
+    if b is not None:
+        x += b
+    t = _gelu_tanh(xp, x, _scratch(ws, "t", x.shape, x.dtype, xp))
+    xp.add(t, 1.0, out=y)
+    y *= x
+    y *= 0.5
+    return y
+
+
+def gelu_backward(dy, x, dx, colsum=None, ws=None):
+    """dx = dy * gelu'(x), all (N, M); colsum (M,) = dx summed over rows (in row order) if given."""
+    N, M = x.shape
+    if use_c(dy, x, dx, colsum):
+        _c.gelu_bwd(dy, x, dx, colsum, N, M, _dbl(x))
+        return dx
+    xp = array_module(x)
+    # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3a x^2)
+    t = _gelu_tanh(xp, x, _scratch(ws, "t", x.shape, x.dtype, xp))
+    s = _scratch(ws, "s", x.shape, x.dtype, xp)
+    xp.multiply(x, x, out=dx)
+    dx *= 3.0 * GELU_A * GELU_K
+    dx += GELU_K
+    dx *= x
+    xp.multiply(t, t, out=s)
+    xp.subtract(1.0, s, out=s)
+    dx *= s
+    dx += t
+    dx += 1.0
+    dx *= 0.5
+    dx *= dy
+    if colsum is not None:
+        dx.sum(axis=0, dtype=colsum.dtype, out=colsum)
+    return dx
+
+
+def bias_residual(y, b, x):
+    """y (N, M) = (y + b) + x: a GEMM's bias added with the residual, in one pass."""
+    N, M = y.shape
+    if use_c(y, b, x):
+        _c.bias_residual(y, b, x, N, M, _dbl(y))
+        return y
+    array_module(y).add(y, b, out=y)
+    y += x
+    return y
+
+
+# ---- LayerNorm -------------------------------------------------------------------
+
+def layernorm_forward(x, w, b, y, xhat, rstd, eps, ws=None):
+    """Per row of x (N, C): xhat = (x - mean) * rstd, rstd (N, 1) = 1/sqrt(var + eps); y = xhat w + b."""
+    N, C = x.shape
+    if use_c(x, w, b, y, xhat, rstd):
+        _c.ln_fwd(x, w, b, y, xhat, rstd, N, C, _dbl(x), eps)
+        return y
+    xp = array_module(x)
+    ad = acc_dtype(x.dtype)
+    n1 = (N, 1)
+    mean = x.mean(axis=1, dtype=ad, keepdims=True, out=_scratch(ws, "mean", n1, ad, xp))  # fp32 statistics
+    xp.subtract(x, mean, out=xhat, casting="unsafe")
+    sq = _scratch(ws, "sq", x.shape, ad, xp)                  # squares in fp32: fp16 overflows at 256^2
+    xp.multiply(xhat, xhat, out=sq, dtype=ad)
+    var = sq.mean(axis=1, dtype=ad, keepdims=True, out=_scratch(ws, "var", n1, ad, xp))
+    xp.add(var, eps, out=rstd)
+    xp.sqrt(rstd, out=rstd)
+    xp.divide(1.0, rstd, out=rstd)
+    xp.multiply(xhat, rstd, out=xhat, casting="unsafe")
+    xp.multiply(xhat, w, out=y)
+    y += b
+    return y
+
+
+def layernorm_backward(dy, xhat, rstd, w, dx, dw, db, ws=None):
+    """dx (N, C) of a layernorm; dw, db (C,) are SET to this call's weight and bias gradients."""
+    N, C = dy.shape
+    if use_c(dy, xhat, rstd, w, dx, dw, db):
+        _c.ln_bwd(dy, xhat, rstd, w, dx, dw, db, _scratch(ws, "tmp", (C,), dy.dtype, np), N, C, _dbl(dy))
+        return dx
+    xp = array_module(dy)
+    ad = acc_dtype(dy.dtype)
+    dy.sum(axis=0, dtype=ad, out=db)
+    t = _scratch(ws, "t", dy.shape, dy.dtype, xp)
+    xp.multiply(dy, xhat, out=t)
+    t.sum(axis=0, dtype=ad, out=dw)
+    xp.multiply(dy, w, out=dx)                                  # dxhat = dy * w
+    n1 = (N, 1)
+    m1 = dx.mean(axis=1, dtype=ad, keepdims=True, out=_scratch(ws, "m1", n1, ad, xp))   # mean(dxhat)
+    xp.multiply(dx, xhat, out=t)
+    m2 = t.mean(axis=1, dtype=ad, keepdims=True, out=_scratch(ws, "m2", n1, ad, xp))    # mean(dxhat * xhat)
+    # dx = rstd * (dxhat - m1 - xhat * m2)
+    xp.multiply(xhat, m2, out=t, casting="unsafe")
+    dx -= t
+    xp.subtract(dx, m1, out=dx, casting="unsafe")
+    xp.multiply(dx, rstd, out=dx, casting="unsafe")
+    return dx
+
+
+# ---- attention softmax -------------------------------------------------------------
+
+_MASKS = {}
+
+
+def _mask(T, dtype, xp):
+    """(T, T): 0 on and below the diagonal, -inf above; one per (T, dtype, module)."""
+    k = (T, np.dtype(dtype).str, xp.__name__)
+    if k not in _MASKS:
+        _MASKS[k] = xp.asarray(np.triu(np.full((T, T), -np.inf, dtype=dtype), 1))
+    return _MASKS[k]
+
+
+def softmax_causal_(att, scale, ws=None):
+    """att (R, T, T) -> softmax(att * scale + causal mask) over the last axis, in place.
+
+    The row sums are taken in float32 under float16 and rounded to att's dtype
+    before the division. Entries above the diagonal come out as exact zeros.
+    """
+    R, T, _ = att.shape
+    if use_c(att):
+        _c.softmax_causal(att, R, T, _dbl(att), scale)
+        return att
+    xp, dtype = array_module(att), att.dtype
+    att *= scale
+    att += _mask(T, dtype, xp)
+    shape = (R, T, 1)
+    mx = _scratch(ws, "mx", shape, dtype, xp)
+    att.max(axis=-1, keepdims=True, out=mx)
+    att -= mx
+    xp.exp(att, out=att)
+    ad = acc_dtype(dtype)
+    s32 = _scratch(ws, "s32", shape, ad, xp)
+    att.sum(axis=-1, dtype=ad, keepdims=True, out=s32)
+    if ad != dtype:
+        xp.copyto(mx, s32, casting="unsafe")                   # the sum rounded to att's dtype
+        s32 = mx
+    att /= s32
+    return att
+
+
+def softmax_causal_backward_(datt, att, scale, ws=None):
+    """datt (R, T, T) <- att * (datt - sum(datt * att)) * scale: the gradient of the scores, in place."""
+    R, T, _ = att.shape
+    if use_c(datt, att):
+        _c.softmax_causal_bwd(datt, att, _scratch(ws, "tmp", (T,), att.dtype, np), R, T, _dbl(att), scale)
+        return datt
+    xp, dtype = array_module(att), att.dtype
+    prod = _scratch(ws, "prod", att.shape, dtype, xp)
+    xp.multiply(datt, att, out=prod)
+    ad = acc_dtype(dtype)
+    rs = _scratch(ws, "rs", (R, T, 1), ad, xp)
+    prod.sum(axis=-1, dtype=ad, keepdims=True, out=rs)
+    if ad != dtype:
+        r16 = _scratch(ws, "rs16", rs.shape, dtype, xp)
+        xp.copyto(r16, rs, casting="unsafe")
+        rs = r16
+    datt -= rs
+    datt *= att
+    datt *= scale
+    return datt
+
+
+# ---- softmax cross-entropy -----------------------------------------------------------
+
+def cross_entropy_forward(logits, targets, at, probs, nll, ws=None):
+    """probs (N, V) = softmax(logits) in float32 (float64 for float64); nll (N,) per-row -log p[target].
+
+    targets: int (N,), already range-checked; at (N,): the flat index i*V + t_i.
+    """
+    N, V = logits.shape
+    if use_c(logits, probs, nll) and probs.dtype == logits.dtype and at.dtype == np.int64:
+        tg = _scratch(ws, "tg", (N,), np.int64, np)
+        np.copyto(tg, targets, casting="unsafe")
+        _c.ce_fwd(logits, tg, probs, nll, N, V, _dbl(logits))
+        return nll
+    xp, ad = array_module(logits), probs.dtype
+    xp.copyto(probs, logits)
+    probs -= probs.max(axis=1, keepdims=True, out=_scratch(ws, "max", (N, 1), ad, xp))
+    picked = _take(xp, probs.reshape(-1), at, _scratch(ws, "picked", (N,), ad, xp))  # shifted target logits
+    xp.exp(probs, out=probs)
+    s = probs.sum(axis=1, out=_scratch(ws, "s", (N,), ad, xp))
+    xp.log(s, out=nll)
+    nll -= picked
+    probs /= s[:, None]
+    return nll
