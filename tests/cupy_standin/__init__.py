@@ -63,7 +63,7 @@ def _build():
     cp._standin = True
     for name in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
                  "uint32", "uint64", "intp", "uintp", "bool_", "complex64", "complex128", "dtype",
-                 "newaxis", "inf", "nan", "pi", "e", "errstate"):
+                 "newaxis", "inf", "nan", "pi", "e"):        # no errstate: CuPy has none
         setattr(cp, name, getattr(np, name))
     for name in _UFUNCS:
         setattr(cp, name, _ewise(name))
@@ -87,7 +87,7 @@ def _build():
     rt = types.ModuleType("cupy.cuda.runtime")
     rt.getDeviceCount = n_devices
     rt.getDevice = lambda: _S.device
-    rt.setDevice = lambda i: Device(i).use()
+    rt.setDevice = lambda device: Device(device).use()
     rt.deviceSynchronize = _synchronize
     rt.pointerGetAttributes = pointerGetAttributes
     rt.getDeviceProperties = getDeviceProperties

@@ -59,7 +59,7 @@ def _synchronize():
 
 
 class Stream:
-    def __init__(self, null=False, non_blocking=False, ptr=0):
+    def __init__(self, null=False, non_blocking=False, ptds=False, priority=None):
         self.ptr = 0 if null else 1
         self._prev = None
 
@@ -80,7 +80,7 @@ Stream.null = Stream(null=True)
 _current_stream = Stream()
 
 
-def get_current_stream(device_id=None):
+def get_current_stream(device_id=-1):
     return _current_stream
 
 
@@ -291,11 +291,6 @@ class ndarray:
     def __bool__(self):
         return bool(self.get())
 
-    def __index__(self):
-        if self.ndim or self.dtype.kind not in "iu":
-            raise TypeError("only integer scalar arrays can be converted to a scalar index")
-        return int(self.get())
-
     def __repr__(self):
         return repr(self.get()).replace("array", "cupy-standin array", 1)
 
@@ -369,11 +364,11 @@ class ndarray:
         return out
 
     # ---- kernels
-    def astype(self, dtype, copy=True, **kw):
+    def astype(self, dtype, order="K", casting=None, subok=None, copy=True):
         if not copy and self.dtype == np.dtype(dtype):
             return self
         _launch()
-        return _wrap(self._a.astype(dtype, **kw), fresh=True)
+        return _wrap(self._a.astype(dtype, order=order, casting=casting or "unsafe"), fresh=True)
 
     def copy(self, order="C"):
         _launch()

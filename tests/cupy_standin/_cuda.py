@@ -21,9 +21,9 @@ class PinnedMemoryPointer(bytearray):
         return len(self)
 
 
-def alloc_pinned_memory(nbytes):
-    m = PinnedMemoryPointer(int(nbytes))
-    if nbytes:
+def alloc_pinned_memory(size):
+    m = PinnedMemoryPointer(int(size))
+    if size:
         _S.pinned.append((m.ptr, len(m)))
     return m
 
@@ -57,8 +57,8 @@ def pointerGetAttributes(ptr):
     return _PointerAttributes(2 if _inside(ptr, 1) else 0)
 
 
-def getDeviceProperties(i):
-    if not 0 <= i < n_devices():
+def getDeviceProperties(device):
+    if not 0 <= device < n_devices():
         raise CUDARuntimeError("cudaErrorInvalidDevice: invalid device ordinal")
     return {"name": b"CuPy stand-in (NumPy, no GPU)", "totalGlobalMem": 1 << 34, "multiProcessorCount": 1}
 

@@ -58,24 +58,49 @@ ndarray.__neg__ = lambda self: _ewise("negative")(self)
 ndarray.__hash__ = None
 
 
+# CuPy 14's parameters (cupy/_math/sumprod.py, _statistics, _sorting/search.py, _logic/truth.py): only
+# these take dtype=; the ndarray methods order argmax/argmin's as (axis, out, dtype, keepdims)
+_DTYPE_REDUCTIONS = ("sum", "mean", "prod", "argmax", "argmin")
+
+
+def _reduce(name, a, axis, dtype, out, keepdims):
+    x = _k(a)
+    _launch()
+    kw = {} if dtype is None else {"dtype": dtype}
+    r = getattr(np, name)(x, axis=axis, keepdims=bool(keepdims), **kw)
+    if out is not None:
+        out._a[...] = r
+        return out
+    return _wrap(r, fresh=True)
+
+
 def _reduction(name):
-    def f(a, axis=None, dtype=None, out=None, keepdims=False, **kw):
-        x = _k(a)
-        _launch()
-        if dtype is not None:
-            kw["dtype"] = dtype
-        r = getattr(np, name)(x, axis=axis, keepdims=keepdims, **kw)
-        if out is not None:
-            out._a[...] = r
-            return out
-        return _wrap(r, fresh=True)
+    if name in _DTYPE_REDUCTIONS:
+        def f(a, axis=None, dtype=None, out=None, keepdims=False):
+            return _reduce(name, a, axis, dtype, out, keepdims)
+    else:
+        def f(a, axis=None, out=None, keepdims=False):
+            return _reduce(name, a, axis, None, out, keepdims)
+    f.__name__ = name
     return f
 
 
+def _method(name):
+    if name in ("argmax", "argmin"):
+        def m(self, axis=None, out=None, dtype=None, keepdims=False):
+            return _reduce(name, self, axis, dtype, out, keepdims)
+    elif name in _DTYPE_REDUCTIONS:
+        def m(self, axis=None, dtype=None, out=None, keepdims=False if name != "prod" else None):
+            return _reduce(name, self, axis, dtype, out, keepdims)
+    else:
+        def m(self, axis=None, out=None, keepdims=False):
+            return _reduce(name, self, axis, None, out, keepdims)
+    m.__name__ = name
+    return m
+
+
 for _n in ("sum", "mean", "max", "min", "prod", "argmax", "argmin", "any", "all"):
-    def _m(self, axis=None, dtype=None, out=None, keepdims=False, _n=_n, **kw):
-        return _reduction(_n)(self, axis=axis, dtype=dtype, out=out, keepdims=keepdims, **kw)
-    setattr(ndarray, _n, _m)
+    setattr(ndarray, _n, _method(_n))
 
 
 # ------------------------------------------------------- module functions
@@ -90,8 +115,8 @@ def empty(shape, dtype=float, order="C"):
     return _wrap(np.empty(shape, dtype, order=order), fresh=True)   # no kernel: nothing to sync
 
 
-def empty_like(a, dtype=None):
-    return empty(a.shape, a.dtype if dtype is None else dtype)
+def empty_like(prototype, dtype=None):
+    return empty(prototype.shape, prototype.dtype if dtype is None else dtype)
 
 
 def zeros_like(a, dtype=None):
@@ -111,10 +136,10 @@ def asarray(a, dtype=None, order=None):
     return _wrap(np.array(h, copy=True), fresh=True)
 
 
-def array(a, dtype=None, copy=True, order="K"):
-    if isinstance(a, ndarray):
-        return a.astype(a.dtype if dtype is None else dtype) if copy else asarray(a, dtype)
-    return asarray(a, dtype)
+def array(obj, dtype=None, copy=True, order="K"):
+    if isinstance(obj, ndarray):
+        return obj.astype(obj.dtype if dtype is None else dtype) if copy else asarray(obj, dtype)
+    return asarray(obj, dtype)
 
 
 def ascontiguousarray(a, dtype=None):
@@ -122,7 +147,7 @@ def ascontiguousarray(a, dtype=None):
     return x if x._a.flags.c_contiguous else x.copy()
 
 
-def asnumpy(a, stream=None, order="C", out=None, blocking=True):
+def asnumpy(a, stream=None, order="C", out=None, *, blocking=True):
     if isinstance(a, ndarray):
         return a.get(stream=stream, order=order, out=out, blocking=blocking)
     return np.asarray(a, order=order) if out is None else np.copyto(out, a) or out
@@ -200,17 +225,17 @@ def dot(a, b, out=None):
     return out
 
 
-def concatenate(arrays, axis=0, out=None, dtype=None):
-    xs = [_k(t) for t in arrays]
+def concatenate(tup, axis=0, out=None, *, dtype=None):
+    xs = [_k(t) for t in tup]
     _launch()
     return _wrap(np.concatenate(xs, axis=axis, dtype=dtype), fresh=True)
 
 
-def where(c, x=None, y=None):
+def where(condition, x=None, y=None):
     _launch()
     if x is None:
-        return tuple(_wrap(t, fresh=True) for t in np.where(_k(c)))
-    return _wrap(np.where(_k(c), _k(x), _k(y)), fresh=True)
+        return tuple(_wrap(t, fresh=True) for t in np.where(_k(condition)))
+    return _wrap(np.where(_k(condition), _k(x), _k(y)), fresh=True)
 
 
 def _simple(name):
