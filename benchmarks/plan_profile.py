@@ -19,8 +19,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ringzero.app.exits import leave
-from ringzero.comm.plan import ADD, COPY, MWAIT, START, WAIT, XCHG
 from ringzero.comm.ring import Ring
+from ringzero.comm.steps import Add, Copy, Exchange, MultiWait, Start, Wait
 from ringzero.tools.bench import OP_NAMES, mpi_call, parse_size, ring_call, time_blocks
 
 comm = MPI.COMM_WORLD
@@ -42,7 +42,7 @@ a, b = {"all_reduce": (big, big), "reduce_scatter": (big, part), "all_gather": (
 run, mpi = ring_call(op, ring, a, b), mpi_call(op, comm, a, b)
 for _ in range(3):
     run()                                   # kept from the second call on
-plan = next(p for p in ring._plans.values() if p.name == op)
+plan = next(p for p in ring.cache.plans.values() if p.name == op)
 sched = ring.schedule(op, big.nbytes, len(part) if op == "all_gather" else len(big))
 clock = time.perf_counter
 acc = dict(start=0.0, wait=0.0, check=0.0, add=0.0, copy=0.0)
@@ -51,42 +51,42 @@ comm.Barrier()
 t_all = clock()
 for _ in range(calls):
     for st in plan.steps:
-        k = st[0]
-        if k == XCHG or k == WAIT:
+        k = type(st)
+        if k is Exchange or k is Wait:
             t0 = clock()
-            if k == XCHG:
-                startall(st[1])
+            if k is Exchange:
+                startall(st.reqs)
             t1 = clock()
-            waitall(st[1], st[2])
+            waitall(st.reqs, st.statuses)
             t2 = clock()
-            for status, _nb in st[3]:
+            for status, _nb in st.checks:
                 status.Get_count(byte)
             acc["start"] += t1 - t0
             acc["wait"] += t2 - t1
             acc["check"] += clock() - t2
-        elif k == START:
+        elif k is Start:
             t0 = clock()
-            startall(st[1])
+            startall(st.reqs)
             acc["start"] += clock() - t0
-        elif k == MWAIT:
+        elif k is MultiWait:
             t0 = clock()
-            ring._mwait(plan, st)
+            ring.executor._multi_wait(plan, st)
             acc["wait"] += clock() - t0
-        elif k == ADD:
+        elif k is Add:
             t0 = clock()
-            st[4](st[1], st[2], st[3])
+            st.fn(st.a, st.b, st.out)
             acc["add"] += clock() - t0
-        elif k == COPY:
+        elif k is Copy:
             t0 = clock()
-            st[1][...] = st[2]
+            st.dst[...] = st.src
             acc["copy"] += clock() - t0
 t_all = clock() - t_all
 t = time_blocks(comm, {"ring": run, "mpi": mpi}, 40)
 rows = comm.gather((t_all, acc), root=0)
 if r == 0:
-    kinds = {XCHG: "xchg", WAIT: "wait", START: "start", MWAIT: "mwait", ADD: "add", COPY: "copy"}
+    kinds = {Exchange: "xchg", Wait: "wait", Start: "start", MultiWait: "mwait", Add: "add", Copy: "copy"}
     print(f"# {op} {S >> 10} KiB float32, n={n}, schedule {sched}: {len(plan.steps)} steps "
-          f"({' '.join(kinds.get(s[0], '?') for s in plan.steps)}); us per call, {calls} calls")
+          f"({' '.join(kinds.get(type(s), '?') for s in plan.steps)}); us per call, {calls} calls")
     for k, (tt, a) in enumerate(rows):
         rest = tt - sum(a.values())
         print(f"  rank {k}: total {tt / calls * 1e6:8.1f}  " +

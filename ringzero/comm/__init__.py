@@ -1,12 +1,20 @@
 """The communication layer: hand-written collectives on MPI point-to-point.
 
-``ring`` holds ``Ring`` (reduce-scatter, all-gather, all-reduce, the byte
-ledger, timeouts); ``plan`` compiles each call's schedule into persistent
-requests; ``schedule`` is the rule that picks a schedule (no MPI: the
-models read it too); ``checks`` are the argument checks made before any message;
-``watchdog`` is the stall inspector (RINGZERO_STALL_WARN / RINGZERO_TIMEOUT);
-``backend`` picks NumPy or CuPy, decides CUDA-awareness and stages device
-buffers through pinned host memory when the MPI is not CUDA-aware;
-``kernels`` are the float16 loops (an optional C extension with a
-bitwise-equal NumPy fallback). Nothing here knows about models or stages.
+    ring         Ring: the public ops (reduce-scatter, all-gather, all-reduce) and the dispatcher
+    schedule     which schedule a call takes, its rounds and bytes (one table, no MPI: the models read it)
+    cache        kept plans (LRU), their scratch, the byte ledger
+    plan         a call compiled into a CollectivePlan (the schedule picked, views cut, scratch handed)
+    algorithms   the schedules, each written once: ring, tree, recursive doubling, direct
+    builder      the primitives they are written in (persistent requests, waits, adds)
+    steps        the plan's named step records and CollectivePlan
+    executor     runs a plan: waits inside MPI, checks every count, raises on the caller's thread
+    diagnostics  the limits and the words of every stall, timeout and bad count
+    watchdog     the stall inspector thread (RINGZERO_STALL_WARN / RINGZERO_TIMEOUT)
+    checks       the argument checks made before any message
+    staging      device buffers through pinned host memory when MPI is not CUDA-aware
+    backend      NumPy or CuPy (the ``xp``), CUDA-awareness, pinned buffers
+    kernels      the float16 loops (an optional C extension with a bitwise-equal NumPy fallback)
+    threads      BLAS/OpenMP threads per rank
+
+Nothing here knows about models or stages.
 """

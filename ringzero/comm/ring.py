@@ -63,20 +63,21 @@ What it is
     float16 hops add in float32 and round once (ringzero.comm.kernels.add_f16).
     "avg" divides the finished sum by n (float16: in float32, one rounding).
 
-    The fast path (plan.py): a call compiles to persistent requests
-    (Send_init/Recv_init) and views, made once per (buffers, op, schedule)
-    seen twice and kept in an LRU of ``max_plans``. A repeat call with the
+    The fast path: a call compiles (plan.py, algorithms.py) to persistent
+    requests (Send_init/Recv_init) and views, made once per (buffers, op,
+    schedule) seen twice and kept in an LRU of ``max_plans`` (cache.py). A repeat call with the
     very same array objects finds its plan by their ids (the plan holds them)
     and checks only what an array can change in place (dtype, shape,
     writeable); fresh views of the same memory find it by their addresses.
-    It then runs Startall / Waitall or Waitsome (blocking inside MPI, the GIL
-    released) / add per step. Arguments are checked once per key. The ledger
+    executor.py then runs Startall / Waitall or Waitsome (blocking inside MPI,
+    the GIL released) / add per step. Arguments are checked once per key. The ledger
     counts a kept plan's runs and multiplies on reading.
 
     Errors: bad arguments raise before any message. A received count that
     differs from the expected one raises ValueError on the rank that sees it;
     a peer that does not arrive within ``timeout`` (RINGZERO_TIMEOUT) raises
-    TimeoutError naming the op and the peer (watchdog.py cancels the wait;
+    TimeoutError naming the op and the peer (diagnostics.py words every such
+    line; watchdog.py cancels the wait;
     if MPI cannot cancel it, the job is aborted). After ``stall_warn``
     seconds (RINGZERO_STALL_WARN) without progress a waiting rank prints one
     line: op, context, peer. After an error the Ring refuses further calls
@@ -85,89 +86,34 @@ What it is
 What it is not
     A general MPI: no other ops, no strides, no datatypes but the ones listed.
     CuPy arrays go straight to MPI when it is CUDA-aware (backend.cuda_aware()),
-    otherwise through grow-only pinned host buffers with the reduction on host.
+    otherwise through grow-only pinned host buffers with the reduction on host
+    (staging.py).
+
+    The parts: ring.py (this: the public ops and the dispatcher), cache.py
+    (kept plans, scratch, ledger), plan.py + algorithms.py + builder.py +
+    steps.py (compiling a call), executor.py (running it), diagnostics.py
+    (the words of every stall and error), staging.py (device through host).
 """
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
 
 import numpy as np
 from mpi4py import MPI
 
 from ringzero.comm import kernels, plan as planmod
 from ringzero.comm.backend import Staging, cuda_aware, sync
-from ringzero.comm.checks import DTYPES, check_args  # noqa: F401 (DTYPES is public here)
-from ringzero.comm.plan import ADD, COPY, MWAIT, START, WAIT, XCHG, blocks  # noqa: F401 (blocks is public here)
-from ringzero.comm.schedule import (DIRECT_BYTES, DIRECT_RANKS, EAGER_BYTES, OPS, SEG_BYTES,  # noqa: F401
-                                    SMALL_BYTES, TREE_BYTES, choose, defaults)
-from ringzero.comm.watchdog import WATCHDOG, get_context, set_context
+from ringzero.comm.cache import MAX_PLANS, PlanCache
+from ringzero.comm.checks import DTYPES, check_args
+from ringzero.comm.diagnostics import Diagnostics, Limits
+from ringzero.comm.executor import Executor
+from ringzero.comm.schedule import DIRECT_RANKS, EAGER_BYTES, SEG_BYTES, TREE_BYTES, choose, defaults
+from ringzero.comm.staging import staged_call
+from ringzero.comm.steps import blocks
+from ringzero.comm.watchdog import WATCHDOG, set_context
 
-MAX_PLANS = 256
+__all__ = ["Ring", "DTYPES", "DIRECT_RANKS", "MAX_PLANS", "blocks"]
 _F16 = np.dtype(np.float16)
-_startall, _waitall, _testall, _BYTE = MPI.Prequest.Startall, MPI.Request.Waitall, MPI.Request.Testall, MPI.BYTE
-_waitsome, _testsome = MPI.Request.Waitsome, MPI.Request.Testsome
-
-
-def _poll(reqs, statuses):
-    """Waitall by Testall and sched_yield: for cores shared with other work (RINGZERO_WAIT=poll)."""
-    while not _testall(reqs, statuses):
-        os.sched_yield()
-
-
-def _poll_some(reqs, statuses):
-    """Waitsome by Testsome and sched_yield (RINGZERO_WAIT=poll)."""
-    while True:
-        idx = _testsome(reqs, statuses)
-        if idx is None or idx:
-            return idx
-        os.sched_yield()
-
-
-class Ledger:
-    """Cumulative per-op counters of this rank: bytes_sent, bytes_recv, messages, calls.
-
-    A kept plan only counts its runs (the hot path adds 1); the counters are
-    base + runs * the plan's per-call figures, folded into base when a plan
-    is dropped. ``live`` is the container of kept plans (the Ring's LRU).
-    """
-
-    _KEYS = ("bytes_sent", "bytes_recv", "messages", "calls")
-
-    def __init__(self, live=()):
-        self._live = live
-        self.reset()
-
-    def reset(self):
-        self._d = {op: dict.fromkeys(self._KEYS, 0) for op in OPS}
-        for p in self._live:
-            p.runs = 0
-
-    def fold(self, plan):
-        """Move a plan's runs into the base counters (the plan is being dropped)."""
-        k, plan.runs = plan.runs, 0
-        if k:
-            d = self._d[plan.name]
-            d["bytes_sent"] += k * plan.sent
-            d["bytes_recv"] += k * plan.recvd
-            d["messages"] += k * plan.msgs
-            d["calls"] += k
-
-    def __getitem__(self, op):
-        d = dict(self._d[op])
-        for p in self._live:
-            if p.name == op and p.runs:
-                d["bytes_sent"] += p.runs * p.sent
-                d["bytes_recv"] += p.runs * p.recvd
-                d["messages"] += p.runs * p.msgs
-                d["calls"] += p.runs
-        return d
-
-    def total_sent(self) -> int:
-        return sum(self[op]["bytes_sent"] for op in OPS)
-
-    def as_dict(self) -> dict:
-        return {op: self[op] for op in OPS}
 
 
 def _where(x):
@@ -175,14 +121,6 @@ def _where(x):
     if isinstance(x, np.ndarray):
         return MPI.buffer(x).address, x.flags.writeable
     return x.data.ptr, True  # CuPy: device pointer; its flags have no `writeable`
-
-
-def _env_float(name, default):
-    v = os.environ.get(name)
-    try:
-        return float(v) if v not in (None, "") else float(default)
-    except ValueError:
-        raise ValueError(f"expected {name} in seconds (a number), got {v!r}") from None
 
 
 class Ring:
@@ -194,10 +132,7 @@ class Ring:
         self.comm = comm.Dup()  # our own message space: user traffic can't match ours
         self.rank, self.size = self.comm.rank, self.comm.size
         self.left, self.right = (self.rank - 1) % self.size, (self.rank + 1) % self.size
-        self.timeout = _env_float("RINGZERO_TIMEOUT", 600) if timeout is None else float(timeout)
-        self.stall_warn = _env_float("RINGZERO_STALL_WARN", 60) if stall_warn is None else float(stall_warn)
-        self.grace = max(2.0, min(30.0, self.timeout / 4))  # then abort a wait MPI could not cancel
-        self._hot = {}               # (id(send), id(recv), op name, op) -> kept Plan holding those objects
+        self.limits = Limits.from_env(timeout, stall_warn)
         knobs = defaults(self.size)                      # schedule.py: the rule and its defaults
         self._small_bytes = int(os.environ.get("RINGZERO_SMALL_BYTES", knobs["small_bytes"]))
         self._eager_bytes = int(os.environ.get("RINGZERO_EAGER_BYTES", EAGER_BYTES))
@@ -205,27 +140,17 @@ class Ring:
         self._seg_bytes = max(64, int(os.environ.get("RINGZERO_SEG_BYTES", SEG_BYTES)))
         self._direct_bytes = int(os.environ.get("RINGZERO_DIRECT_BYTES", knobs["direct_bytes"]))
         self._latency_bytes = int(os.environ.get("RINGZERO_LATENCY_BYTES", knobs["latency_bytes"]))
-        self.max_plans = MAX_PLANS
-        wait = os.environ.get("RINGZERO_WAIT", "block")
-        if wait not in ("block", "poll"):
-            raise ValueError(f"expected RINGZERO_WAIT=block or poll, got {wait!r}")
-        self._wait = _waitall if wait == "block" else _poll   # block: inside MPI, GIL released
-        self._waitsome = _waitsome if wait == "block" else _poll_some
         self.pow2 = self.size & (self.size - 1) == 0
-        self.scratch_growths = 0
-        self._scratch = {}       # module name -> [uint8 array, ...], each grow-only
+        self.cache = PlanCache(MAX_PLANS)
+        self._hot = self.cache.hot   # the hot path's one dictionary
+        self.ledger = self.cache.ledger
         self.staging = Staging()
         self._cuda_aware = None
-        self._plans = OrderedDict()  # key -> Plan (LRU)
-        self.ledger = Ledger(self._plans.values())
-        self._seen = set()           # keys met once: a plan is kept from the second call on
         self._broken = None
-        self._orphans = []           # plans abandoned after an error (requests may be active)
-        self._w, self._progress, self._hit = None, 0, None   # read by the stall inspector
-        self._wdone = None           # an MWAIT's done flags, for resolve()
-        wg = MPI.COMM_WORLD.Get_group()
-        self._world = MPI.Group.Translate_ranks(self.comm.Get_group(), list(range(self.size)), wg)
-        WATCHDOG.add(self)
+        self.diagnostics = Diagnostics(self.comm, self.limits)
+        self.executor = Executor(self.comm, self.limits, self.diagnostics, self._on_fail)
+        self._run = self.executor.run
+        WATCHDOG.add(self.executor)
 
     # ---- schedule knobs: setting one drops the id-keyed shortcut to kept plans
     def _knob(name):
@@ -244,18 +169,17 @@ class Ring:
     eager_bytes = _knob("eager_bytes")    # recursive doubling's largest message (up to 4 of them)
     del _knob
 
+    timeout = property(lambda self: self.limits.timeout)
+    stall_warn = property(lambda self: self.limits.stall_warn)
+    max_plans = property(lambda self: self.cache.max_plans,
+                         lambda self, v: setattr(self.cache, "max_plans", int(v)))   # the LRU's bound
+    scratch_growths = property(lambda self: self.cache.scratch_growths)
+
     def free(self):
         """Release the plans' requests and the communicator."""
-        WATCHDOG.discard(self)
-        self._drop_plans()
+        WATCHDOG.discard(self.executor)
+        self.cache.clear()
         self.comm.Free()
-
-    def _drop_plans(self):
-        for p in self._plans.values():
-            self.ledger.fold(p)
-            planmod.free_plan(p)
-        self._plans.clear()
-        self._hot.clear()
 
     # ---- public ops ------------------------------------------------------
     def all_reduce(self, buf, op: str = "sum"):
@@ -283,7 +207,12 @@ class Ring:
         """
         return self._call("all_gather", send, recv, "sum")
 
-    # ---- dispatch: the cached plan, or check, build and maybe keep one ----
+    def schedule(self, name: str, nbytes: int, length: int) -> str:
+        """The schedule a call of op `name` on S = nbytes (len(send) = length) takes here (schedule.choose)."""
+        return choose(name, self.size, nbytes, length, self._small_bytes, self._tree_bytes, self._direct_bytes,
+                      self._latency_bytes)
+
+    # ---- the dispatcher: the kept plan, or check, build and maybe keep one
     def _call(self, name, send, recv, op):
         plan = self._hot.get((id(send), id(recv), name, op))
         if plan is not None and self._guard(plan, send, recv):
@@ -305,174 +234,47 @@ class Ring:
             return True
         return False
 
+    def _key(self, name, send, recv, op):
+        """The cache key of a call: what the plan depends on; None for anything MPI could not take."""
+        try:
+            return (name, op, type(send), send.dtype, send.shape, send.strides, _where(send),
+                    type(recv), recv.shape, recv.strides, _where(recv),
+                    self._small_bytes, self._tree_bytes, self._seg_bytes, self._direct_bytes, self._eager_bytes,
+                    self._latency_bytes)
+        except Exception:  # noqa: BLE001 (not an array MPI takes: check_args says why)
+            return None
+
     def _call_slow(self, name, send, recv, op):
         if self._broken:
-            raise RuntimeError(f"ring {name}: this Ring is unusable after an earlier error ({self._broken}); "
-                               "HINT: make a new Ring")
-        try:
-            key = (name, op, type(send), send.dtype, send.shape, send.strides, _where(send),
-                   type(recv), recv.shape, recv.strides, _where(recv),
-                   self._small_bytes, self._tree_bytes, self._seg_bytes, self._direct_bytes, self._eager_bytes,
-                   self._latency_bytes)
-            plan = self._plans.get(key)
-        except Exception:  # noqa: BLE001 (not an array MPI takes: _check says why)
-            key = plan = None
-        if plan is None:
-            xp = self._check(name, send, recv, op)
-            if xp is not np and not self._device_direct():
-                return self._staged(name, send, recv, op)
-            if xp is not np:
-                # building a plan hands the device buffers to MPI (persistent
-                # requests); the producer's kernels must be done by then
-                sync(send)
-            plan = planmod.build(self, name, xp, send, recv, self._schedule(name, send, recv),
-                                 lambda nb, k=2: self._scr(xp, nb, k))
-            plan.post = op == "avg"
-            plan.runs = 1
-            if key in self._seen:
-                self._plans[key] = plan
-                if len(self._plans) > self.max_plans:
-                    self._evict(self._plans.popitem(last=False)[1])
-                # the objects of this call are the plan's own (plan.keep holds them)
-                plan.hot = (id(send), id(recv), name, op)
-                plan.guard = (send.dtype, send.shape, recv.shape, xp is not np)
-                self._hot[plan.hot] = plan
-            else:
-                if key is not None:
-                    self._seen.add(key)
-                if len(self._seen) > 16 * self.max_plans:
-                    self._seen.clear()
-                self._run(plan)
-                self.ledger.fold(plan)
-                planmod.free_plan(plan)
-                return recv
-        else:
-            self._plans.move_to_end(key)
+            raise RuntimeError(self.diagnostics.unusable(name, self._broken))
+        key = self._key(name, send, recv, op)
+        plan = self.cache.get(key) if key is not None else None
+        if plan is not None:
             plan.runs += 1
+            self._run(plan)
+            return recv
+        xp = check_args(name, send, recv, op, self.size, self.rank)
+        if xp is not np and not self._device_direct():
+            return staged_call(self, name, send, recv, op)
+        if xp is not np:
+            # building a plan hands the device buffers to MPI (persistent
+            # requests); the producer's kernels must be done by then
+            sync(send)
+        big = recv if name == "all_gather" else send
+        sched = self.schedule(name, big.nbytes, len(send))
+        plan = planmod.build(self, name, xp, send, recv, sched, lambda nb, k=2: self.cache.scratch(xp, nb, k))
+        plan.post = op == "avg"
+        plan.runs = 1
+        kept = self.cache.offer(key, plan, send, recv, op, xp is not np)
         self._run(plan)
+        if not kept:
+            self.cache.release(plan)
         return recv
 
-    def _evict(self, plan):
-        self.ledger.fold(plan)
-        if plan.hot is not None:
-            self._hot.pop(plan.hot, None)
-        planmod.free_plan(plan)
-
-    def schedule(self, name: str, nbytes: int, length: int) -> str:
-        """The schedule a call of op `name` on S = nbytes (len(send) = length) takes here (schedule.choose)."""
-        return choose(name, self.size, nbytes, length, self._small_bytes, self._tree_bytes, self._direct_bytes,
-                      self._latency_bytes)
-
-    def _schedule(self, name, send, recv):
-        big = recv if name == "all_gather" else send
-        return self.schedule(name, big.nbytes, len(send))
-
-    def _run(self, plan):
-        """Run a plan's steps (the caller counted the run in plan.runs)."""
-        xp = plan.xp
-        if xp is not np:
-            sync(plan.keep[-1])  # a CuPy producer must be done before MPI reads the buffer
-        wait = self._wait
-        for st in plan.steps:
-            kind = st[0]
-            if kind == XCHG or kind == WAIT:
-                if kind == XCHG:
-                    _startall(st[1])  # noqa: E701
-                self._w = st[4]          # what we wait for, for the stall inspector
-                self._progress += 1
-                try:
-                    wait(st[1], st[2])
-                except MPI.Exception as e:  # e.g. MPI_ERR_TRUNCATE: the peer sent more than we expect
-                    self._w = None
-                    self._fail(plan, st)
-                    raise ValueError(f"ring {plan.name}: rank {self.rank} expected {st[3][0][1] if st[3] else 0} "
-                                     f"bytes from {self._who_of(st[4])}, got more ({e.Get_error_string()}); "
-                                     "HINT: do all ranks pass the same length?") from None
-                self._w = None
-                if self._hit is not None:
-                    self._fail(plan, st)
-                    raise TimeoutError(self.timeout_message(self._hit[0], self._hit[1]))
-                for status, nb in st[3]:
-                    if status.Get_count(_BYTE) != nb:
-                        self._fail(plan, st)
-                        raise ValueError(f"ring {plan.name}: rank {self.rank} expected {nb} bytes from "
-                                         f"{self._who(status.Get_source())}, got {status.Get_count(_BYTE)}; "
-                                         "HINT: do all ranks pass the same length?")
-            elif kind == ADD:
-                st[4](st[1], st[2], st[3])
-            elif kind == MWAIT:
-                self._mwait(plan, st)
-            elif kind == START:
-                _startall(st[1])
-            else:
-                st[1][...] = st[2]
-                if xp is not np:
-                    sync(st[1])
-        if plan.post:
-            self._avg(xp, plan.keep[-1])
-
-    def _mwait(self, plan, st):
-        """Waitsome until every request of an MWAIT step is done, marking each in st[5]."""
-        reqs, sts, expect, done = st[1], st[2], st[3], st[5]
-        left = len(reqs)
-        for i in range(left):
-            done[i] = 0
-        self._wdone = done
-        self._w = st[4]
-        waitsome = self._waitsome
-        while left:
-            self._progress += 1
-            try:
-                idx = waitsome(reqs, sts)
-            except MPI.Exception as e:
-                self._w = None
-                self._fail(plan, st)
-                peers = sorted({p for p, nb in zip(st[4][1], expect) if nb is not None})
-                raise ValueError(f"ring {plan.name}: rank {self.rank} expected {max(x or 0 for x in expect)} bytes "
-                                 f"from each of ranks {', '.join(map(str, peers))}, got more from one of them "
-                                 f"({e.Get_error_string()}); HINT: do all ranks pass the same length?") from None
-            if self._hit is not None:
-                self._w = None
-                self._fail(plan, st)
-                raise TimeoutError(self.timeout_message(self._hit[0], self._hit[1]))
-            if idx is None:  # nothing active left
-                break
-            for k, i in enumerate(idx):  # sts[k] is the status of reqs[i]
-                done[i] = 1
-                nb = expect[i]
-                if nb is not None and sts[k].Get_count(_BYTE) != nb:
-                    self._w = None
-                    self._fail(plan, st)
-                    raise ValueError(f"ring {plan.name}: rank {self.rank} expected {nb} bytes from "
-                                     f"{self._who(st[4][1][i])}, got {sts[k].Get_count(_BYTE)}; "
-                                     "HINT: do all ranks pass the same length?")
-            left -= len(idx)
-        self._w = None
-
-    # ---- checks (all before any message): checks.py ------------------------
-    def _check(self, name, send, recv, op):
-        return check_args(name, send, recv, op, self.size, self.rank)
-
+    # ---- what plans are made of --------------------------------------------
     @staticmethod
     def addr(x) -> int:
         return x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
-
-    # ---- plumbing ----------------------------------------------------------
-    def _scr(self, xp, nbytes, k=2):
-        """k grow-only scratch buffers of >= nbytes each (uint8); growing drops the kept plans."""
-        have = self._scratch.setdefault(xp.__name__, [])
-        grew = False
-        for i in range(k):
-            if i == len(have) or have[i].nbytes < nbytes:
-                old = have[i].nbytes if i < len(have) else 0
-                cap = -(-max(nbytes, 2 * old, 4096) // 64) * 64  # any itemsize divides it
-                buf = xp.empty(cap, xp.uint8)
-                have[i:i + 1] = [buf]
-                grew = True
-        if grew:
-            self.scratch_growths += 1
-            self._drop_plans()  # they hold views of the old scratch
-        return have[:k]
 
     @staticmethod
     def adder(xp, dtype):
@@ -490,108 +292,12 @@ class Ring:
             sync(out)  # the next thing done with `out` may be MPI
         return add_on_device
 
-    def _avg(self, xp, x):
-        if len(x):
-            with np.errstate(over="ignore", invalid="ignore"):
-                xp.divide(x, self.size, out=x)  # float16: NumPy divides in float32, rounds once
-            sync(x)
-
-    # ---- errors and the stall inspector's words ----------------------------
-    def _who(self, peer):
-        w = self._world[peer]
-        return f"rank {peer}" if w == peer or w == MPI.UNDEFINED else f"rank {peer} (world rank {w})"
-
-    def _who_of(self, w):
-        return self._who(w[1]) if not isinstance(w[1], tuple) else "ranks " + ", ".join(map(str, sorted(set(w[1]))))
-
-    def resolve(self, w):
-        """A wait on several peers (an MWAIT) narrowed to the requests not yet done.
-
-        Called by the stall inspector, on its own thread, once a wait has
-        stalled: the flags it reads are the ones _mwait set for this wait.
-        """
-        if not isinstance(w[1], tuple):
-            return w
-        done = self._wdone
-        left = [(p, d) for i, (p, d) in enumerate(zip(w[1], w[2])) if done is None or not done[i]]
-        if len({p for p, _ in left}) == 1:  # one peer: what a WAIT on it would say
-            return (w[0], left[0][0], "recv" if any(d == "recv" for _, d in left) else "send", w[3])
-        return (w[0], tuple(p for p, _ in left) or w[1], tuple(d for _, d in left) or w[2], w[3])
-
-    def _waiting_for(self, w):
-        if not isinstance(w[1], tuple):
-            what = "a message from" if w[2] == "recv" else "a send to be taken by"
-            return f"{what} {self._who(w[1])}", f"rank {w[1]}"
-        parts = []
-        for d, what in (("recv", "messages from"), ("send", "sends to be taken by")):
-            ps = sorted({p for p, x in zip(w[1], w[2]) if x == d})
-            if ps:
-                parts.append(f"{what} {', '.join(self._who(p) for p in ps)}")
-        peers = sorted(set(w[1]))
-        return " and ".join(parts), ("rank " if len(peers) == 1 else "each of ranks ") + ", ".join(map(str, peers))
-
-    def stall_line(self, w, stalled):
-        ctx = get_context()
-        waiting, _ = self._waiting_for(w)
-        return (f"ringzero | rank {self._world[self.rank]}: {w[0]} has made no progress for {stalled:.3g} s"
-                f"{' at ' + ctx if ctx else ''}, waiting for {waiting} "
-                f"(warning after RINGZERO_STALL_WARN={self.stall_warn:g} s; error at RINGZERO_TIMEOUT="
-                f"{self.timeout:g} s)")
-
-    def timeout_message(self, w, stalled):
-        ctx = get_context()
-        waiting, peers = self._waiting_for(w)
-        return (f"ring {w[0]}{' at ' + ctx if ctx else ''}: rank {self.rank} waited {self.timeout:g} s for "
-                f"{waiting}; is {peers} in the same call? (RINGZERO_TIMEOUT sets the limit)")
-
-    def _fail(self, plan, step):
-        """Mark the Ring broken; cancel what the plan left in flight up to `step`; keep its buffers alive."""
+    def _on_fail(self, plan):
+        """The executor cancelled what `plan` left in flight: this Ring's message stream is out of step."""
         self._broken = f"{plan.name} failed on rank {self.rank}"
-        i = next(k for k, st in enumerate(plan.steps) if st is step)
-        active = []
-        for st in plan.steps[:i + 1]:
-            if st[0] == START or st[0] == XCHG:
-                active += st[1]
-            if st[0] in (WAIT, MWAIT, XCHG):  # waited for (the failing wait: done or cancelled already)
-                active = [q for q in active if all(q is not d for d in st[1])]
-        for q in active:
-            try:
-                q.Cancel()
-            except MPI.Exception:
-                pass
-        self._orphans.append(plan)
-        for p in self._plans.values():  # kept plans may share the abandoned scratch
-            self.ledger.fold(p)
-        self._plans.clear()
-        self._hot.clear()
-        self.ledger.fold(plan)
+        self.cache.abandon(plan)
 
-    # ---- CuPy -----------------------------------------------------------------
     def _device_direct(self) -> bool:
         if self._cuda_aware is None:
             self._cuda_aware = cuda_aware()
         return self._cuda_aware
-
-    def _staged(self, name, send, recv, op):
-        """Device buffers through grow-only pinned host buffers; the host ring does the work."""
-        sync(send)
-        dt = send.dtype
-        if name == "all_reduce":
-            h = self.staging.host("a", send.nbytes).view(dt)
-            send.get(out=h)
-            self.all_reduce(h, op)
-            recv.set(h)
-        elif name == "reduce_scatter":
-            hs = self.staging.host("a", send.nbytes).view(dt)
-            hr = self.staging.host("b", recv.nbytes).view(dt)
-            send.get(out=hs)
-            self.reduce_scatter(hs, hr, op)
-            recv.set(hr)
-        else:
-            m = len(send)
-            hr = self.staging.host("a", recv.nbytes).view(dt)
-            send.get(out=hr[self.rank * m:(self.rank + 1) * m])
-            self.all_gather(hr[self.rank * m:(self.rank + 1) * m], hr)
-            recv.set(hr)
-        sync(recv)  # the pinned buffer is reused by the next call: the copy must be done
-        return recv

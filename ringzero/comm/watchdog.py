@@ -1,20 +1,21 @@
 """The stall inspector: one daemon thread per process that watches every Ring's wait.
 
 What it is
-    A Ring waits inside MPI (``Request.Waitall``, which releases the GIL), so
-    no Python code runs on that thread until the wait ends. Before each wait
-    the Ring stores what it waits for in ``ring._w = (op, peer, "recv"|"send",
-    requests)`` (a wait on several peers: a peer and a direction per request,
-    narrowed by ``ring.resolve`` to the requests still open once it stalls)
-    and bumps ``ring._progress``; this thread samples both every
-    ``period`` seconds. The same (wait, progress) seen for
+    A Ring's executor waits inside MPI (``Request.Waitall``, which releases
+    the GIL), so no Python code runs on that thread until the wait ends.
+    Before each wait the executor stores what it waits for in
+    ``executor.waiting`` (a steps.Waiting: op, peer, "recv"|"send", requests;
+    a wait on several peers has a peer and a direction per request, narrowed
+    by ``executor.resolve`` to the requests still open once it stalls) and
+    bumps ``executor.progress``; this thread samples both every ``period``
+    seconds. The same (wait, progress) seen for
 
     - ``stall_warn`` seconds (RINGZERO_STALL_WARN, default 60): the rank
       prints ONE line to stderr: the op, the context (``set_context``, e.g.
       the training step) and the peer it waits for;
     - ``timeout`` seconds (RINGZERO_TIMEOUT, default 600): it marks the Ring
-      timed out and cancels the wait's requests, so Waitall returns and the
-      Ring raises TimeoutError on its own thread (naming the op and the peer).
+      timed out (``executor.hit``) and cancels the wait's requests, so
+      Waitall returns and the Ring raises TimeoutError on its own thread (naming the op and the peer).
       A send that MPI cannot cancel (a large message the peer never takes)
       keeps Waitall blocked: after ``grace`` more seconds this thread prints
       the same message and calls MPI_Abort on COMM_WORLD, so the job still
@@ -49,50 +50,51 @@ def get_context() -> str:
 
 class _Watchdog:
     def __init__(self):
-        self.rings = weakref.WeakSet()
+        self.watched = weakref.WeakSet()
         self.lock = threading.Lock()
         self.thread = None
         self.wake = threading.Event()
 
-    def add(self, ring):
+    def add(self, ex):
+        """Watch an executor (executor.py): its waiting, progress, limits and diag."""
         with self.lock:
-            self.rings.add(ring)
+            self.watched.add(ex)
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self._loop, name="ringzero-stall-inspector", daemon=True)
                 self.thread.start()
             else:
-                self.wake.set()  # a new ring may need a shorter period
+                self.wake.set()  # a new Ring may need a shorter period
 
-    def _period(self, rings):
-        lim = [x for r in rings for x in (r.stall_warn, r.timeout) if x > 0]
+    def _period(self, watched):
+        lim = [x for r in watched for x in (r.limits.stall_warn, r.limits.timeout) if x > 0]
         return min(1.0, max(0.01, min(lim, default=1.0) / 10))
 
-    def discard(self, ring):
+    def discard(self, ex):
         with self.lock:
-            self.rings.discard(ring)
+            self.watched.discard(ex)
 
     def _loop(self):
-        seen = {}  # id(ring) -> [wait, progress, since, warned, cancelled_at]
+        seen = {}  # id(executor) -> [wait, progress, since, warned, cancelled_at]
         while True:
             with self.lock:
-                rings = list(self.rings)
-            self.wake.wait(self._period(rings))
+                watched = list(self.watched)
+            self.wake.wait(self._period(watched))
             self.wake.clear()
             try:
-                self._tick(rings, seen)
+                self._tick(watched, seen)
             except Exception as e:  # noqa: BLE001 (the inspector must outlive any surprise)
                 _say(f"ringzero | stall inspector: {type(e).__name__}: {e}")
-            del rings
+            del watched
 
-    def _tick(self, rings, seen):
+    def _tick(self, watched, seen):
         from mpi4py import MPI
         if MPI.Is_finalized():
             return
         now = time.monotonic()
         live = set()
-        for ring in rings:
-            w, prog = ring._w, ring._progress
-            key = id(ring)
+        for ex in watched:
+            w, prog = ex.waiting, ex.progress
+            key = id(ex)
             live.add(key)
             st = seen.get(key)
             if w is None:
@@ -101,20 +103,21 @@ class _Watchdog:
             if st is None or st[0] is not w or st[1] != prog:
                 seen[key] = [w, prog, now, False, None]
                 continue
-            stalled = now - st[2]
-            if not st[3] and 0 < ring.stall_warn <= stalled < ring.timeout:
+            stalled, lim = now - st[2], ex.limits
+            if not st[3] and 0 < lim.stall_warn <= stalled < lim.timeout:
                 st[3] = True
-                _say(ring.stall_line(ring.resolve(w), stalled))
-            if stalled >= ring.timeout and st[4] is None:
+                _say(ex.diag.stall_line(ex.resolve(w), stalled))
+            if stalled >= lim.timeout and st[4] is None:
                 st[4] = now
-                ring._hit = (ring.resolve(w), stalled)
-                for q in w[3]:
+                ex.hit = (ex.resolve(w), stalled)
+                for q in w.reqs:
                     try:
                         q.Cancel()
                     except Exception:  # noqa: BLE001 (already complete, or MPI cannot cancel it)
                         pass
-            elif st[4] is not None and now - st[4] >= ring.grace:
-                _say(ring.timeout_message(ring.resolve(w), stalled) + " (the wait could not be cancelled: aborting the job)")
+            elif st[4] is not None and now - st[4] >= lim.grace:
+                _say(ex.diag.timeout_message(ex.resolve(w), stalled)
+                     + " (the wait could not be cancelled: aborting the job)")
                 MPI.COMM_WORLD.Abort(1)
         for k in list(seen):
             if k not in live:
