@@ -10,7 +10,7 @@ What it is
             direct only for 3 <= n <= 16 and never for a 2^k all-reduce) forced
             in turn, and the MPI library's collective beside them, all on ONE
             set of buffers per op and size (where a buffer lies can move a
-            time by itself), in alternating blocks (bench.time_blocks); the
+            time by itself), in alternating blocks (bench_timing.time_blocks); the
             median of the slowest rank's time, fastest Ring schedule marked
             with *. ``-o OP`` times one op. This is how the thresholds of
             ringzero/comm/schedule.py were placed.
@@ -22,10 +22,10 @@ What it is
             ratios and their range, as a Markdown table. This machine's speed
             changes between launches, so one launch's ratio is one sample.
 
-    sched and dtypes reuse the cases of ``ringzero.tools.bench`` (``_Case``:
-    buffers, fill, check), imported inside the functions so that bench.py can
-    import this module at its top. Only rank 0 prints; ``--json FILE`` writes
-    the rows.
+    sched and dtypes reuse the bench's cases (``bench_cases.Case``: buffers,
+    fill, check) and its timing (``bench_timing.time_blocks``); bench.py
+    imports this module, never the other way round. Only rank 0 prints;
+    ``--json FILE`` writes the rows.
 
 What it is not
     Not the nccl-tests-style sweep (that is ``coll``, in bench.py), and no
@@ -39,9 +39,12 @@ import time
 
 import numpy as np
 
+from ringzero.sizes import human, parse_size
+from ringzero.tools.bench_cases import OP_NAMES, Case, bench_dtype, ring_call
+from ringzero.tools.bench_timing import time_blocks
+
 
 def sched_parser() -> argparse.ArgumentParser:
-    from ringzero.tools.bench import parse_size
     p = argparse.ArgumentParser(prog="python -m ringzero.bench sched",
                                 description="time every schedule of the Ring on the same buffers, interleaved, "
                                             "to place the thresholds (small_bytes, tree_bytes)")
@@ -62,12 +65,9 @@ _FORCE = {"ring": (0, 0, 0, 0), "recursive_doubling": (1 << 62, 1 << 62, 0, 0), 
 
 def run_sched(args, comm) -> list:
     """Median time of each schedule per op and size; rank 0 prints, best marked with *."""
-    from mpi4py import MPI
-
     from ringzero.comm.ring import DIRECT_RANKS, Ring
-    from ringzero.tools.bench import _Case, _dtype, human, ring_call, time_blocks
     n, rank = comm.size, comm.rank
-    dtype = _dtype(args.dtype)
+    dtype = bench_dtype(args.dtype)
     rings = {}
     pow2 = n & (n - 1) == 0
     variants = {"all_reduce": ["ring", "recursive_doubling", "tree", "direct"],
@@ -93,7 +93,7 @@ def run_sched(args, comm) -> list:
                     (rings[name].small_bytes, rings[name].tree_bytes, rings[name].direct_bytes,
                      rings[name].latency_bytes) = _FORCE[name]
             # ONE set of buffers for every schedule and MPI: where a buffer lies can move a cell on its own
-            case = _Case(op, rings[names[0]], comm, np, dtype, count, False)
+            case = Case(op, rings[names[0]], comm, np, dtype, count, False)
             a, b = case.a, case.b
             fns = {name: ring_call(op, rings[name], a, b) for name in names}
             impls = names + ["mpi"]
@@ -119,7 +119,6 @@ def run_sched(args, comm) -> list:
 
 
 def dtypes_parser() -> argparse.ArgumentParser:
-    from ringzero.tools.bench import OP_NAMES, parse_size
     p = argparse.ArgumentParser(prog="python -m ringzero.bench dtypes",
                                 description="one op on the same element count in several dtypes, interleaved "
                                             "(e.g. float16 against float32 all_reduce at 16 MiB of float32)")
@@ -133,20 +132,16 @@ def dtypes_parser() -> argparse.ArgumentParser:
 
 
 def run_dtypes(args, comm) -> list:
-    from mpi4py import MPI
-
     from ringzero.comm.ring import Ring
-    from ringzero.tools.bench import _Case, _dtype, human
     n, rank = comm.size, comm.rank
     ring = Ring(comm)
-    dts = [_dtype(d) for d in args.dtypes.split(",")]
+    dts = [bench_dtype(d) for d in args.dtypes.split(",")]
     count = max(n, args.count) // n * n
-    cases = [_Case(args.op, ring, comm, np, dt, count, False) for dt in dts]
+    cases = [Case(args.op, ring, comm, np, dt, count, False) for dt in dts]
     wrong = [comm.allreduce(c.check("ring", comm, np, seed=1)) for c in cases]
     for _ in range(args.warmup_iters):
         for c in cases:
             c.ring()
-    from ringzero.tools.bench import time_blocks
     times = time_blocks(comm, {k: c.ring for k, c in enumerate(cases)}, args.iters)
     rows = []
     for k, dt in enumerate(dts):
@@ -178,7 +173,6 @@ def median_parser() -> argparse.ArgumentParser:
 
 def run_median(args) -> list:
     """Median and range of busbw_ratio per (op, n, bytes) over the files' ring rows, printed as Markdown."""
-    from ringzero.tools.bench import human
     got = {}
     for path in args.files:
         try:

@@ -35,6 +35,7 @@ from ringzero.runtime import accounting as acc
 from ringzero.tools.precision import (SEED_SWAMP_RATIO, SEED_UNDERFLOW, bf16_type, f16, f32, f64,  # noqa: F401
                                       loss_scaling, overflow_threshold, print_precision, scaler_trace,
                                       swamp_ratio, toy_run, underflow_threshold)
+from ringzero.tools.bf16 import print_bf16
 
 
 # ---- traffic ----------------------------------------------------------------------
@@ -205,6 +206,7 @@ def main(argv=None):
         return fragmentation.run(a)
     if a.what == "precision":
         print_precision()
+        print_bf16()
         return 0
     try:
         dims = any(getattr(a, k) is not None

@@ -8,9 +8,10 @@ What it is
     tracks fp32, and loss scaling (underflowed gradients survive; the dynamic
     scaler of ringzero.runtime.optim backs off on an overflow). The
     experiments are pure functions, dtype-generic where it matters, so
-    ``ringzero.tools.bf16`` runs them on ml_dtypes.bfloat16 beside fp16 and
-    ``print_precision`` ends with that comparison. ``ringzero.tools.explain``
-    wires the subcommand and re-exports these names.
+    ``ringzero.tools.bf16`` runs them on ml_dtypes.bfloat16 beside fp16
+    (bf16 imports this module, never the other way round).
+    ``ringzero.tools.explain`` wires the subcommand (``print_precision``,
+    then bf16's ``print_bf16``) and re-exports these names.
 
 What it is not
     No thresholds are typed in: each is searched for by experiment; the seed
@@ -252,5 +253,3 @@ def print_precision(f=None):
           f"{str(r['master_changed']):>15} {str(r['master_finite']):>14} {r['next_scale']:>8g}")
     p("  steps 0-1 overflow for real (2 x 65536 and 2 x 32768 exceed 65504), step 3 by injection: "
       "each is skipped, the master is untouched and the scale halves; 4 clean steps double it.")
-    from ringzero.tools.bf16 import print_bf16
-    print_bf16(f)
