@@ -11,7 +11,9 @@ import pytest
 from ringzero.nn.gpt import GPTConfig, gpt_units
 from ringzero.runtime import accounting as acc
 from ringzero.runtime.flat import Layout, ParamSpec, Unit
+from ringzero.comm.schedule import steps_wire
 from ringzero.tools import simulate as sm
+from ringzero.tools import simulate_cli as cli
 
 MIB = 1 << 20
 
@@ -38,7 +40,7 @@ NODIRECT = dict(direct_bytes=0)
     ("reduce_scatter", 1, 100, {}, (0, 0.0)),
 ])
 def test_steps_wire(op, n, S, knobs, want):
-    st, w = sm.steps_wire(op, n, S, **knobs)
+    st, w = steps_wire(op, n, S, **knobs)     # the Ring's rule, the one the model calls
     assert st == want[0] and w == pytest.approx(want[1])
 
 
@@ -117,15 +119,15 @@ def test_flops_compute_is_six_tokens_psi_plus_attention():
 
 
 def test_cli_given_link_and_bad_input(capsys):
-    assert sm.main(["--model", "gpt-7.5b", "--nd", "64", "--flops", "40T", "--link", "nvlink"]) == 0
+    assert cli.main(["--model", "gpt-7.5b", "--nd", "64", "--flops", "40T", "--link", "nvlink"]) == 0
     out = capsys.readouterr().out
     assert "Ψ = 7,459,729,408" in out and "no overlap" in out
     with pytest.raises(SystemExit) as e:
-        sm.main(["--model", "gpt-7.5b", "--flops", "lots", "--link", "ib"])
+        cli.main(["--model", "gpt-7.5b", "--flops", "lots", "--link", "ib"])
     assert e.value.code == 2
     assert "cannot read --flops" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
-        sm.main(["--model", "gpt-7.5b", "--flops", "40T"])
+        cli.main(["--model", "gpt-7.5b", "--flops", "40T"])
     assert e.value.code == 2
 
 

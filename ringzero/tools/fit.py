@@ -52,12 +52,6 @@ def norm_op(op: str) -> str | None:
     return OPS.get(str(op).lower().replace("_", "").replace("-", ""))
 
 
-def steps_wire(op: str, n: int, S: float, knobs: dict | None = None) -> tuple:
-    """(steps, bytes sent per rank) of the Ring's schedule for one call; knobs: thresholds
-    that differ from the Ring's defaults for n (schedule.defaults)."""
-    return schedule.steps_wire(op, n, S, **(knobs or {}))
-
-
 def _knobs(row, knobs):
     """The thresholds a row ran with: its file's meta, then the caller's (CLI), then defaults."""
     return {**(knobs or {}), **row.get("knobs", {})}
@@ -104,7 +98,7 @@ def split_alternate(rows) -> tuple:
 
 
 def _design(rows, knobs):
-    X = np.array([steps_wire(norm_op(r["op"]), int(r["n"]), float(r["bytes"]), _knobs(r, knobs))
+    X = np.array([schedule.steps_wire(norm_op(r["op"]), int(r["n"]), float(r["bytes"]), **_knobs(r, knobs))
                   for r in rows], np.float64)                 # (m, 2) steps, wire bytes
     t = np.array([float(r["time_us"]) * 1e-6 for r in rows])  # (m,) seconds
     return X, t
@@ -161,7 +155,7 @@ def fit_alpha_beta(rows, knobs: dict | None = None, method: str = "l1log") -> di
 
 def predict(model: dict, op: str, n: int, S: float, knobs: dict | None = None) -> float:
     """Seconds for one call of ``op`` over n ranks on S bytes."""
-    st, w = steps_wire(op, n, S, knobs)
+    st, w = schedule.steps_wire(op, n, S, **(knobs or {}))
     return st * model["alpha_s"] + w * model["beta_s_per_byte"]
 
 

@@ -47,11 +47,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ringzero.comm.schedule import TREE_BYTES, steps_wire as _ring_steps_wire  # (no MPI in it)
+from ringzero.comm.schedule import OPS, TREE_BYTES, steps_wire  # the Ring's own rule (no MPI in it)
 from ringzero.runtime import accounting as acc
 from ringzero.runtime.flat import Layout
-
-OPS = ("reduce_scatter", "all_gather", "all_reduce")
 
 # Links given, not fitted (α in s, bandwidth in bytes/s per rank on the wire).
 LINKS = {
@@ -59,13 +57,6 @@ LINKS = {
     "ib": (5e-6, 12.5e9),       # InfiniBand EDR, 100 Gb/s per rank
     "ib-hdr": (5e-6, 25e9),     # InfiniBand HDR, 200 Gb/s per rank
 }
-
-
-def steps_wire(op: str, n: int, S: float, tree_bytes: int = TREE_BYTES, **knobs) -> tuple:
-    """(latency steps, bytes sent per rank) of one ringzero Ring call on S bytes (schedule.steps_wire)."""
-    if op not in OPS:
-        raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    return _ring_steps_wire(op, n, S, tree_bytes=tree_bytes, **knobs)
 
 
 # ---- links -----------------------------------------------------------------------
@@ -338,13 +329,3 @@ def step_time(layout_full: Layout, stage, nd: int, comp: Compute, links: Links, 
     return {"stage": st, "nd": nd, "overlap": bool(overlap), "step_s": total, **parts,
             "exposed_comm_s": total - parts["compute"] - parts["update"]}
 
-
-def main(argv=None):
-    """``python -m ringzero.simulate``: the CLI lives in ringzero.tools.simulate_cli."""
-    from ringzero.tools.simulate_cli import main as cli_main
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    import sys
-    sys.exit(main())
