@@ -111,8 +111,8 @@ def _coerce(name, typ, value):
             raise ValueError
         return kind(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{name} must be {'an integer' if kind is int else 'a number' if kind is float else 'a string'}, "
-                          f"got {value!r}") from None
+        what = "an integer" if kind is int else "a number" if kind is float else "a string"
+        raise ConfigError(f"{name} must be {what}, got {value!r}") from None
 
 
 def parse_config(argv=None):
@@ -205,7 +205,8 @@ def validate(cfg: Config):
              f"--resume {cfg.resume!r} is not a checkpoint directory (no manifest.json)")
     if cfg.resume == "latest":
         from ringzero.runtime.checkpoint import latest
-        need(latest(cfg.save_dir) is not None, f"--resume latest: no complete checkpoint in --save-dir {cfg.save_dir!r}")
+        need(latest(cfg.save_dir) is not None,
+             f"--resume latest: no complete checkpoint in --save-dir {cfg.save_dir!r}")
 
 
 def gpt_config(cfg: Config, vocab: int):

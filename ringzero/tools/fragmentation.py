@@ -152,7 +152,8 @@ def print_fragmentation(r: dict, f=None):
         p(f"  smallest caps found by bisection: each runs, one {'512 B' if name == 'cupy' else '2 MiB'}"
           f" less does not ({'yes' if cv['fails_below'] and rz['fails_below'] else 'NO'})")
         p(f"  ringzero's smallest cap = its {len(r['plan'])} buffers, each rounded to the allocator's "
-          f"segment: {rz['segment_bytes']:,} B ({'equal' if rz['segment_bytes'] == rz['smallest_cap'] else 'DIFFERENT'})")
+          f"segment: {rz['segment_bytes']:,} B "
+          f"({'equal' if rz['segment_bytes'] == rz['smallest_cap'] else 'DIFFERENT'})")
         p("  first OOM of the conventional step at caps between its peak of live bytes and its smallest cap:")
         p(f"    {'cap':>11}{'event':>8}  {'request':<26}{'allocated':>11}{'reserved':>11}"
           f"{'largest free':>13}{'free':>7}")
