@@ -2,7 +2,7 @@
 predicts held-out points within the stated tolerance.
 
 The synthetic times are written here from the Ring's schedule table as the docs state it
-(not from fit.steps_wire or ringzero.comm.schedule), with ±10 % deterministic noise, in the
+(not from ringzero.comm.schedule.steps_wire), with ±10 % deterministic noise, in the
 bench's row format.
 """
 import json
