@@ -154,6 +154,42 @@ def xp_names() -> dict:
     return {k: sorted(v) for k, v in sorted(out.items())}
 
 
+def project_calls() -> list:
+    """(dotted cupy name, positional count, keyword names, "file:line") for every call ringzero,
+    benchmarks/ and launch/gpu-check make on a cupy name or an ``xp`` one; calls with ``*args`` or
+    ``**kw`` are left out (nothing to count)."""
+    out = []
+    for label, src in _sources():
+        tree = _parse(src, label)
+        al = _aliases(tree)
+        if label.startswith("ringzero/"):
+            for n in ast.walk(tree):
+                if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and n.value.attr == "xp":
+                    n.value = ast.Name("xp", ast.Load())
+            al = {**{k: v for k, v in _aliases(tree, {"xp": "cupy"}).items() if k == "xp" or v.startswith("cupy.")},
+                  **al}
+        for n in ast.walk(tree):
+            if not isinstance(n, ast.Call):
+                continue
+            c = _chain(n.func)
+            if not c or c[0] not in al or len(c) < 2 and al[c[0]] in ROOTS:
+                continue
+            if any(isinstance(a, ast.Starred) for a in n.args) or any(k.arg is None for k in n.keywords):
+                continue
+            out.append((".".join([al[c[0]]] + c[1:]), len(n.args), [k.arg for k in n.keywords],
+                        f"{label}:{n.lineno}"))
+    return out
+
+
+def refused(sig: inspect.Signature, npos: int, kws) -> str:
+    """Why CuPy would refuse a call with npos positional arguments and these keywords ("" if it would not)."""
+    try:
+        sig.bind(*range(npos), **dict.fromkeys(kws))
+        return ""
+    except TypeError as e:
+        return str(e)
+
+
 def resolve(dotted: str):
     """The object at a dotted path in the real package (importing submodules as needed); raises."""
     parts = dotted.split(".")
@@ -216,7 +252,8 @@ def doc_signature(obj):
     doc = (getattr(obj, "__doc__", None) or "").lstrip().split("\n")[0]
     name = getattr(obj, "__name__", "")
     m = re.match(r"^([\w.]+)\((.*)\)\s*(->.*)?$", doc)
-    if not m or m.group(1).split(".")[-1] != name:
+    # a ufunc's __name__ is 'cupy_add', its docstring says add(x1, x2, /, ...)
+    if not m or m.group(1).split(".")[-1] not in (name, name.removeprefix("cupy_")):
         return None
     params, kind = [], P.POSITIONAL_OR_KEYWORD
     toks = _split(m.group(2).replace("\\*", "*"))

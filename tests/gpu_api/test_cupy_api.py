@@ -36,6 +36,9 @@ _PY_OWN = {"__dict__", "__module__", "__weakref__", "__doc__", "__init__", "__an
            "__firstlineno__", "__static_attributes__", "__qualname__"}
 
 
+_RECEIVED = {"cupy.cuda.memory.MemoryPointer", "cupy._core.flags.Flags"}
+
+
 @pytest.fixture(scope="module")
 def cupy():
     try:
@@ -50,7 +53,13 @@ def cupy():
 @pytest.fixture(scope="module")
 def standin():
     import cupy_standin
-    return cupy_standin._build()._modules        # {"cupy": module, "cupy.cuda": ..., ...}, sys.modules untouched
+    from cupy_standin import _core
+    mods = dict(cupy_standin._build()._modules)  # {"cupy": module, "cupy.cuda": ..., ...}, sys.modules untouched
+    # classes ringzero meets only through an array (a.data.ptr, a.flags.c_contiguous), under CuPy's names;
+    # their members are compared, not their constructors (_RECEIVED): nobody builds one by hand
+    mods["cupy.cuda.memory"] = types.SimpleNamespace(MemoryPointer=_core.MemoryPointer)
+    mods["cupy._core.flags"] = types.SimpleNamespace(Flags=_core.Flags)
+    return mods
 
 
 def _surface(mods):
@@ -92,6 +101,29 @@ def test_every_cupy_name_ringzero_calls_exists(cupy):
         print(f"  {n}  ({', '.join(names[n])})")
 
 
+def test_every_call_ringzero_makes_binds_to_cupys_signature(cupy):
+    """Each call's argument count and keyword names against the real signature (``Signature.bind``):
+    the wrappers the stand-in forwards to NumPy (ufuncs, cumsum, searchsorted, ...) are checked here."""
+    bad, bound, opaque = [], 0, set()
+    calls = cn.project_calls()
+    assert len(calls) > 50, f"the scan found only {len(calls)} calls"
+    absent = cn.missing({c[0] for c in calls})
+    for name, npos, kws, where in calls:
+        if name in absent:
+            continue                                    # test_every_cupy_name_ringzero_calls_exists says so
+        sig = cn.signature_of(cn.resolve(name))
+        if sig is None:
+            opaque.add(name)
+            continue
+        why = cn.refused(sig, npos, kws)
+        bound += not why
+        if why:
+            bad.append(f"{where}: {name}({npos} positional{', ' if kws else ''}{', '.join(k + '=' for k in kws)}) "
+                       f"against CuPy's {name}{sig}: {why}")
+    print(f"{bound} calls bound to CuPy's signatures; not comparable: {', '.join(sorted(opaque)) or 'none'}")
+    assert not bad, "calls CuPy would refuse:\n  " + "\n  ".join(bad)
+
+
 # ------------------------------------------------------------------ the stand-in
 def test_every_standin_name_exists_in_cupy(cupy, standin):
     surface = _unique_surface(standin)
@@ -130,7 +162,7 @@ def test_standin_signatures_match_cupys(cupy, standin):
         if isinstance(v, property) or not callable(v) or name.split(".")[-1].startswith("__"):
             continue
         real = cn.resolve(name)
-        if v is real:                                   # NumPy's own (cupy.float32 is numpy.float32)
+        if v is real or name in _RECEIVED:              # NumPy's own (cupy.float32 is numpy.float32)
             continue
         s = cn.signature_of(v)
         if s is None or cn.generic(s):
@@ -177,3 +209,12 @@ def test_checker_reports_a_wrong_signature(cupy):
     def short(handle, transa):                          # CuPy requires 21 more
         pass
     assert any("requires 'm'" in p for p in cn.incompatible(inspect.signature(short), r))
+
+
+def test_checker_reports_a_call_cupy_refuses(cupy):
+    """NumPy takes these; CuPy does not (the stand-in's NumPy-forwarding wrappers would let them by)."""
+    add = cn.signature_of(cupy.add)
+    assert add is not None and cn.refused(add, 2, ["out", "casting", "dtype"]) == ""
+    assert "where" in cn.refused(add, 2, ["out", "where"])                      # numpy.add(..., where=)
+    assert cn.refused(cn.signature_of(cupy.take), 2, ["axis", "out", "mode"])   # numpy.take(..., mode=)
+    assert cn.refused(cn.signature_of(cupy.cuda.alloc_pinned_memory), 2, [])
