@@ -10,6 +10,14 @@ What it is
     printed. It also counts the buffers the pool makes in a steady-state step
     and, with --allocs, the bytes of transient NumPy temporaries (tracemalloc).
 
+    The GEMM floor (NumPy backend): every matrix product of the step (the
+    Linears' forward and both backward products, the attention's four batched
+    products over strided head views, the tied head's three) with the same
+    shapes and operand layouts, on preallocated arrays, timed as one more
+    interleaved variant. Its median is the time the step would take if
+    everything but the BLAS calls were free; the step's GEMM FLOPs over it is
+    the sgemm rate of this run.
+
 What it is not
     A training benchmark (no optimizer, no communication): that is
     ringzero's bench/train. Torch is only a peer here, never a dependency.
@@ -103,6 +111,49 @@ def layer_profile(model, P, G, gbuf, idx, tgt, steps=3) -> dict:
     return out
 
 
+def gemm_floor(cfg, B, T, dtype=np.float32):
+    """(run, flops): one call runs every GEMM of a fwd+bwd step, shaped and laid out as the model's."""
+    rng = np.random.default_rng(1)
+    C, H, V, N = cfg.n_embd, cfg.n_head, cfg.vocab, B * T
+    D = C // H
+    r = lambda *s: (rng.standard_normal(s) * 0.1).astype(dtype)        # noqa: E731
+    calls, flops = [], 0
+
+    def mm(a, b, out):
+        nonlocal flops
+        flops += 2 * out.size * a.shape[-1]
+        calls.append((a, b, out))
+    for n_in, n_out in ((C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)):     # qkv, proj, fc, fc2
+        x, w, y, dy = r(N, n_in), r(n_in, n_out), r(N, n_out), r(N, n_out)
+        mm(x, w, y)                                                       # y = x w
+        mm(x.T, dy, r(n_in, n_out))                                       # dw = x^T dy
+        mm(dy, w.T, r(N, n_in))                                           # dx = dy w^T
+    heads = lambda a: a.reshape(B, T, 3, H, D)                            # noqa: E731
+    qkv, dqkv = heads(r(B, T, 3 * C)), heads(r(B, T, 3 * C))
+    q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))     # (B, H, T, D) strided views
+    dq, dk, dv = (dqkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    att, datt = r(B, H, T, T), r(B, H, T, T)
+    yh4 = r(B, T, C).reshape(B, T, H, D).transpose(0, 2, 1, 3)
+    dyh4 = r(B, T, C).reshape(B, T, H, D).transpose(0, 2, 1, 3)
+    mm(q, k.transpose(0, 1, 3, 2), att)
+    mm(att, v, yh4)
+    mm(att.transpose(0, 1, 3, 2), dyh4, dv)
+    mm(dyh4, v.transpose(0, 1, 3, 2), datt)
+    mm(datt, k, dq)
+    mm(datt.transpose(0, 1, 3, 2), q, dk)
+    calls *= cfg.n_layer
+    flops *= cfg.n_layer
+    x, w, dl = r(N, C), r(V, C), r(N, V)
+    mm(x, w.T, r(N, V))                                                   # logits = x wte^T
+    mm(dl.T, x, r(V, C))                                                  # dwte = dl^T x
+    mm(dl, w, r(N, C))                                                    # dx = dl wte
+
+    def run():
+        for a, b, out in calls:
+            np.matmul(a, b, out=out)
+    return run, flops
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=8)
@@ -151,6 +202,9 @@ def main(argv=None):
             return loss
         return ours
     steps = {name: step_of(m) for name, m in models.items()}
+    floor_flops = None
+    if xp is np:
+        steps["gemm-floor"], floor_flops = gemm_floor(cfg, a.batch, a.seq, dtype)
 
     if not a.no_torch:
         try:
@@ -192,11 +246,17 @@ def main(argv=None):
     med = {n: statistics.median(t) for n, t in times.items()}
     tok = a.batch * a.seq
     for n in steps:
+        if n == "gemm-floor":
+            print(f"{n:14s} fwd+bwd: median {med[n] * 1e3:8.1f} ms  ({floor_flops / 1e9:.2f} GFLOP at "
+                  f"{floor_flops / med[n] / 1e9:.1f} GFLOP/s: the step's GEMMs alone, this run's sgemm rate)")
+            continue
         print(f"{n:14s} fwd+bwd: median {med[n] * 1e3:8.1f} ms  ({tok / med[n]:7.0f} tokens/s)  "
               f"loss {losses[n]:.4f}")
     for n in models:
         if "torch" in med:
-            print(f"ratio {n}/torch: {med[n] / med['torch']:.2f}x  (target <= 1.5x)")
+            print(f"ratio {n}/torch: {med[n] / med['torch']:.2f}x  (target <= 0.9x)")
+        if "gemm-floor" in med:
+            print(f"ratio {n}/gemm-floor: {med[n] / med['gemm-floor']:.2f}x  (target <= 1.25x)")
     for n, m in models.items():
         print(f"{n}: activations held by caches after forward "
               f"{activation_bytes(m, P, idx, tgt) / 2**20:.1f} MiB; pool {m.pool.allocs} buffers, "

@@ -5,7 +5,8 @@ What it is
     GELU, and that bias's gradient), ``bias_residual`` (y = (y + b) + x),
     ``layernorm_forward`` / ``layernorm_backward``, ``softmax_causal_`` /
     ``softmax_causal_backward_`` (the attention softmax with its scale and
-    causal mask), ``cross_entropy_forward``. Arrays are 2-D (rows, width)
+    causal mask), ``cross_entropy_forward``, ``rows_add_at`` (the embedding
+    gradient, ``np.add.at``'s sums in its order). Arrays are 2-D (rows, width)
     or, for the softmax, (R, T, T); every output is a buffer the caller owns.
 
     On NumPy float32/float64 arrays that are C-contiguous, the work is done by
@@ -63,54 +64,48 @@ def _scratch(ws, name, shape, dtype, xp):
 
 
 # ---- GELU ----------------------------------------------------------------------
+# 0.5 x (1 + tanh u) = x sigmoid(2u), u = k (x + a x^3): one exp and one division,
+# and the backward needs only s = sigmoid(2u), which forward keeps:
+#     d/dx = s + s (1 - s) 2k x (1 + 3a x^2)
 
-def _gelu_tanh(xp, x, t):
-    """t = tanh(k (x + a x^3)), in this order of roundings in both paths."""
-    xp.multiply(x, x, out=t)
-    t *= GELU_A
-    t += 1.0
-    t *= x
-    t *= GELU_K
-    xp.tanh(t, out=t)
-    return t
-
-
-def gelu_forward(x, y, b=None, ws=None):
-    """x (N, M) += b (M,) if given (in place: x is what backward reads); y = gelu(x)."""
+def gelu_forward(x, y, s, b=None):
+    """x (N, M) += b (M,) if given (in place: x is what backward reads); y = gelu(x); s = sigmoid(2u)."""
     N, M = x.shape
-    if use_c(x, y, b):
-        _c.gelu_fwd(x, b, y, N, M, _dbl(x))
+    if use_c(x, y, s, b):
+        _c.gelu_fwd(x, b, y, s, N, M, _dbl(x))
         return y
     xp = array_module(x)
     if b is not None:
         x += b
-    t = _gelu_tanh(xp, x, _scratch(ws, "t", x.shape, x.dtype, xp))
-    xp.add(t, 1.0, out=y)
-    y *= x
-    y *= 0.5
+    xp.multiply(x, x, out=s)
+    s *= GELU_A
+    s += 1.0
+    s *= x
+    s *= -2.0 * GELU_K
+    xp.exp(s, out=s)                                           # exp(-2u): inf for very negative x, s -> 0
+    s += 1.0
+    xp.divide(1.0, s, out=s)
+    xp.multiply(x, s, out=y)
     return y
 
 
-def gelu_backward(dy, x, dx, colsum=None, ws=None):
-    """dx = dy * gelu'(x), all (N, M); colsum (M,) = dx summed over rows (in row order) if given."""
+def gelu_backward(dy, x, s, dx, colsum=None, ws=None):
+    """dx = dy * gelu'(x), all (N, M), from forward's s; colsum (M,) = dx summed over rows if given."""
     N, M = x.shape
-    if use_c(dy, x, dx, colsum):
-        _c.gelu_bwd(dy, x, dx, colsum, N, M, _dbl(x))
+    if use_c(dy, x, s, dx, colsum):
+        _c.gelu_bwd(dy, x, s, dx, colsum, N, M, _dbl(x))
         return dx
     xp = array_module(x)
-    # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3a x^2)
-    t = _gelu_tanh(xp, x, _scratch(ws, "t", x.shape, x.dtype, xp))
-    s = _scratch(ws, "s", x.shape, x.dtype, xp)
     xp.multiply(x, x, out=dx)
-    dx *= 3.0 * GELU_A * GELU_K
-    dx += GELU_K
-    dx *= x
-    xp.multiply(t, t, out=s)
-    xp.subtract(1.0, s, out=s)
-    dx *= s
-    dx += t
+    dx *= 3.0 * GELU_A
     dx += 1.0
-    dx *= 0.5
+    dx *= x
+    dx *= 2.0 * GELU_K
+    dx *= s
+    t = _scratch(ws, "t", x.shape, x.dtype, xp)
+    xp.subtract(1.0, s, out=t)
+    dx *= t
+    dx += s
     dx *= dy
     if colsum is not None:
         dx.sum(axis=0, dtype=colsum.dtype, out=colsum)
@@ -239,6 +234,20 @@ def softmax_causal_backward_(datt, att, scale, ws=None):
     datt *= att
     datt *= scale
     return datt
+
+
+# ---- embedding gradient ------------------------------------------------------------
+
+def rows_add_at(g, ids, d):
+    """g (V, C)[ids[i]] += d (N, C)[i] for i in order: np.add.at's result, bit for bit (host arrays).
+
+    ids: int64 (N,), already range-checked (the embedding checks token ids on the host).
+    """
+    if use_c(g, d) and ids.dtype == np.int64 and ids.flags.c_contiguous:
+        _c.rows_add_at(g, ids, d, d.shape[0], g.shape[0], g.shape[1], _dbl(g))
+        return g
+    np.add.at(g, ids, d)
+    return g
 
 
 # ---- softmax cross-entropy -----------------------------------------------------------

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ringzero.nn import fused
 from ringzero.nn.attention import CausalSelfAttention
 from ringzero.nn.base import Layer, Linear, Pool, cache_nbytes
 from ringzero.nn.ops import (_same_module, _take, acc_dtype, array_module, bmm,  # noqa: F401
@@ -59,7 +60,7 @@ class Embedding(Layer):
 
     The gradient of ``wte`` is a sum over repeated token ids. ``grad_sum``
     picks how: "add_at" (NumPy's np.add.at: rows added one by one in token
-    order, the CPU default) or "segmented" (``segment_sum_rows``: ids sorted
+    order, the CPU default; a C loop with the same sums when built) or "segmented" (``segment_sum_rows``: ids sorted
     stably, each row's sum accumulated in float64 in that order and rounded
     once; no atomics, so bitwise the same on every run; the device default).
     None means the default for the array module.
@@ -96,7 +97,7 @@ class Embedding(Layer):
         g["wpe"][:T] += dy.sum(axis=0, dtype=ad, out=self.bbuf("dwpe", (T, C), ad, xp))
         how = self.grad_sum or ("add_at" if xp is np else "segmented")
         if how == "add_at":
-            np.add.at(g["wte"], idx, dy.reshape(B * T, C))
+            fused.rows_add_at(g["wte"], idx, dy.reshape(B * T, C))     # np.add.at's order and sums
         else:
             segment_sum_rows(g["wte"], idx, dy.reshape(B * T, C), self)
         return None

@@ -70,9 +70,11 @@ class LayerNorm(Layer):
 class GELU(Layer):
     """y = 0.5 x (1 + tanh(k (x + a x^3))), k = sqrt(2/pi), a = 0.044715. No params.
 
-    The cache is the input x alone: backward recomputes the tanh in its one pass.
-    With ``bias`` (M,), x (..., M) is first made x + bias IN PLACE (x is then
-    the true pre-activation, the buffer the GEMM wrote).
+    Computed as y = x sigmoid(2u), u = k (x + a x^3) (the same function:
+    0.5 (1 + tanh u) = sigmoid(2u)); the cache is x and s = sigmoid(2u), all
+    that backward's one pass needs. With ``bias`` (M,), x (..., M) is first
+    made x + bias IN PLACE (x is then the true pre-activation, the buffer
+    the GEMM wrote).
     """
 
     def forward(self, p, x, bias=None):
@@ -83,16 +85,18 @@ class GELU(Layer):
             if bias.shape != (M,):
                 raise ValueError(f"gelu bias must have shape ({M},), got {tuple(bias.shape)}")
         y = self.buf("y", x.shape, x.dtype, xp)
-        fused.gelu_forward(x.reshape(-1, M), y.reshape(-1, M), bias, self._ws(xp))
-        return y, (x,)
+        s = self.buf("s", x.shape, x.dtype, xp)                 # sigmoid(2u), kept for backward
+        fused.gelu_forward(x.reshape(-1, M), y.reshape(-1, M), s.reshape(-1, M), bias)
+        return y, (x, s)
 
     def backward(self, dy, cache, g, colsum=None):
         """dx; with ``colsum`` (M,) given, also sets it to dx summed over rows (the bias gradient)."""
-        (x,) = cache
+        x, s = cache
         xp = array_module(dy)
         M = x.shape[-1]
         d = self.bbuf("dx", x.shape, x.dtype, xp)
-        fused.gelu_backward(dy.reshape(-1, M), x.reshape(-1, M), d.reshape(-1, M), colsum, self._ws(xp))
+        fused.gelu_backward(dy.reshape(-1, M), x.reshape(-1, M), s.reshape(-1, M), d.reshape(-1, M), colsum,
+                            self._ws(xp))
         return d
 
     def _ws(self, xp):

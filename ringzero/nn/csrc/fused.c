@@ -15,8 +15,9 @@
  * no fast-math, so the compiler may vectorize the loops but never reorders
  * or fuses a rounding; the AVX2 and the baseline clones of each kernel
  * (target_clones, chosen at load time) give the same bits. float32 uses the
- * exp/tanh below (Cephes' polynomials, a few ulp, vectorizable); float64
- * uses libm's exp/tanh/log.
+ * exp below (Cephes' polynomial, about 1 ulp, vectorizable); float64 uses
+ * libm's exp/log. GELU's tanh is taken as a logistic sigmoid,
+ * 0.5 (1 + tanh u) = 1 / (1 + exp(-2u)): one exp and one division.
  *
  * What it is not: a general ufunc. No strides, no broadcasting beyond a
  * bias row, no float16 (the fallback handles every other dtype).
@@ -39,7 +40,7 @@
 
 typedef Py_ssize_t ix;
 
-/* ---- float32 exp and tanh (Cephes expf/tanhf, branch-free) ---------------- */
+/* ---- float32 exp (Cephes expf, branch-free) ------------------------------------ */
 
 static inline float rz_expf(float x)
 {
@@ -65,24 +66,7 @@ static inline float rz_expf(float x)
     return p * s;
 }
 
-static inline float rz_tanhf(float x)
-{
-    float ax = x < 0.0f ? -x : x;
-    float z = x * x;                                      /* |x| < 0.625: odd polynomial */
-    float p = -5.70498872745e-3f;
-    p = p * z + 2.06390887954e-2f;
-    p = p * z - 5.37397155531e-2f;
-    p = p * z + 1.33314422036e-1f;
-    p = p * z - 3.33332819422e-1f;
-    p = p * z * x + x;
-    float e = rz_expf(2.0f * ax);                         /* else 1 - 2 / (e^(2|x|) + 1), signed */
-    float q = 1.0f - 2.0f / (e + 1.0f);
-    q = x < 0.0f ? -q : q;
-    return ax < 0.625f ? p : q;
-}
-
 static inline double rz_exp(double x) { return exp(x); }
-static inline double rz_tanh(double x) { return tanh(x); }
 static inline float rz_logf(float x) { return logf(x); }
 static inline double rz_log(double x) { return log(x); }
 static inline float rz_sqrtf(float x) { return sqrtf(x); }
@@ -90,7 +74,7 @@ static inline double rz_sqrt(double x) { return sqrt(x); }
 
 /* ---- the kernels, written once for float (f) and double (d) --------------- */
 
-#define DEFINE_KERNELS(T, S, EXP, TANH, LOG, SQRT)                                              \
+#define DEFINE_KERNELS(T, S, EXP, LOG, SQRT)                                              \
                                                                                                 \
 /* sum of v[0..n) in 8 lanes, combined in a fixed tree */                                       \
 static inline T lane_sum_##S(const T *v, ix n)                                                  \
@@ -103,32 +87,33 @@ static inline T lane_sum_##S(const T *v, ix n)                                  
     return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));                   \
 }                                                                                               \
                                                                                                 \
-/* x (n, m) += b (m,) if b; y = 0.5 x (1 + tanh(k (x + a x^3))) */                              \
-RZ_CLONES static void gelu_fwd_##S(T *x, const T *b, T *y, ix n, ix m)                          \
+/* x (n, m) += b (m,) if b; s = sigmoid(2u), u = k (x + a x^3); y = x s  (= 0.5 x (1 + tanh u)) */  \
+RZ_CLONES static void gelu_fwd_##S(T *x, const T *b, T *y, T *sg, ix n, ix m)                   \
 {                                                                                               \
     for (ix i = 0; i < n; i++) {                                                                \
-        T *xr = x + i * m, *yr = y + i * m;                                                     \
+        T *xr = x + i * m, *yr = y + i * m, *sr = sg + i * m;                                   \
         if (b) for (ix j = 0; j < m; j++) xr[j] = xr[j] + b[j];                                 \
         for (ix j = 0; j < m; j++) {                                                            \
             T v = xr[j];                                                                        \
-            T t = TANH((((v * v) * (T)GELU_A + (T)1) * v) * (T)GELU_K);                         \
-            yr[j] = ((t + (T)1) * v) * (T)0.5;                                                  \
+            T e = EXP((((v * v) * (T)GELU_A + (T)1) * v) * (T)(-2.0 * GELU_K));                 \
+            T sv = (T)1 / ((T)1 + e);                                                           \
+            sr[j] = sv;                                                                         \
+            yr[j] = v * sv;                                                                     \
         }                                                                                       \
     }                                                                                           \
 }                                                                                               \
                                                                                                 \
-/* dx = dy * gelu'(x); colsum (m,) = sum over rows of dx, in row order, if given */             \
-RZ_CLONES static void gelu_bwd_##S(const T *dy, const T *x, T *dx, T *colsum, ix n, ix m)       \
+/* dx = dy (s + s (1 - s) 2k x (1 + 3a x^2)); colsum (m,) = dx summed over rows in order, if given */ \
+RZ_CLONES static void gelu_bwd_##S(const T *dy, const T *x, const T *sg, T *dx, T *colsum, ix n, ix m) \
 {                                                                                               \
     if (colsum) for (ix j = 0; j < m; j++) colsum[j] = 0;                                       \
     for (ix i = 0; i < n; i++) {                                                                \
-        const T *xr = x + i * m, *gr = dy + i * m;                                              \
+        const T *xr = x + i * m, *gr = dy + i * m, *sr = sg + i * m;                            \
         T *dr = dx + i * m;                                                                     \
         for (ix j = 0; j < m; j++) {                                                            \
-            T v = xr[j];                                                                        \
-            T t = TANH((((v * v) * (T)GELU_A + (T)1) * v) * (T)GELU_K);                         \
-            T d = ((v * v) * (T)(3.0 * GELU_A * GELU_K) + (T)GELU_K) * v;                       \
-            d = ((d * ((T)1 - t * t) + t) + (T)1) * (T)0.5;                                     \
+            T v = xr[j], sv = sr[j];                                                            \
+            T d = (((v * v) * (T)(3.0 * GELU_A) + (T)1) * v) * (T)(2.0 * GELU_K);               \
+            d = ((d * sv) * ((T)1 - sv)) + sv;                                                  \
             dr[j] = d * gr[j];                                                                  \
         }                                                                                       \
         if (colsum) for (ix j = 0; j < m; j++) colsum[j] += dr[j];                              \
@@ -216,6 +201,16 @@ RZ_CLONES static void softmax_causal_bwd_##S(T *datt, const T *att, T *tmp, ix R
         }                                                                                       \
 }                                                                                               \
                                                                                                 \
+/* g[ids[i]] += d[i] for i in order: np.add.at's sums, row by row (ids range-checked by the caller) */    \
+RZ_CLONES static void rows_add_at_##S(T *g, const int64_t *ids, const T *d, ix n, ix m)           \
+{                                                                                               \
+    for (ix i = 0; i < n; i++) {                                                                \
+        T *gr = g + ids[i] * m;                                                                 \
+        const T *dr = d + i * m;                                                                \
+        for (ix j = 0; j < m; j++) gr[j] = gr[j] + dr[j];                                       \
+    }                                                                                           \
+}                                                                                               \
+                                                                                                \
 /* probs (n, V) = softmax(logits); nll[i] = log(sum exp(l - max)) - (l[tgt] - max) */           \
 RZ_CLONES static void ce_fwd_##S(const T *lg, const int64_t *tgt, T *pr, T *nll, ix n, ix V)    \
 {                                                                                               \
@@ -232,8 +227,8 @@ RZ_CLONES static void ce_fwd_##S(const T *lg, const int64_t *tgt, T *pr, T *nll,
     }                                                                                           \
 }
 
-DEFINE_KERNELS(float, f, rz_expf, rz_tanhf, rz_logf, rz_sqrtf)
-DEFINE_KERNELS(double, d, rz_exp, rz_tanh, rz_log, rz_sqrt)
+DEFINE_KERNELS(float, f, rz_expf, rz_logf, rz_sqrtf)
+DEFINE_KERNELS(double, d, rz_exp, rz_log, rz_sqrt)
 
 /* ---- Python glue ------------------------------------------------------------ */
 
@@ -274,13 +269,13 @@ static int take(Bufs *b, PyObject *o, int writable, ix nbytes, int optional, con
 
 static PyObject *py_gelu_fwd(PyObject *self, PyObject *args)
 {
-    PyObject *x, *b, *y; ix n, m; int dbl; Bufs B = {.k = 0}; void *px, *pb, *py;
-    if (!PyArg_ParseTuple(args, "OOOnnp", &x, &b, &y, &n, &m, &dbl)) return NULL;
+    PyObject *x, *b, *y, *sg; ix n, m; int dbl; Bufs B = {.k = 0}; void *px, *pb, *py, *ps;
+    if (!PyArg_ParseTuple(args, "OOOOnnp", &x, &b, &y, &sg, &n, &m, &dbl)) return NULL;
     ix e = SZ(dbl);
     if (take(&B, x, 1, n * m * e, 0, "gelu x", &px) || take(&B, b, 0, m * e, 1, "gelu b", &pb)
-        || take(&B, y, 1, n * m * e, 0, "gelu y", &py)) return NULL;
+        || take(&B, y, 1, n * m * e, 0, "gelu y", &py) || take(&B, sg, 1, n * m * e, 0, "gelu s", &ps)) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    if (dbl) gelu_fwd_d(px, pb, py, n, m); else gelu_fwd_f(px, pb, py, n, m);
+    if (dbl) gelu_fwd_d(px, pb, py, ps, n, m); else gelu_fwd_f(px, pb, py, ps, n, m);
     Py_END_ALLOW_THREADS
     release(&B);
     Py_RETURN_NONE;
@@ -288,14 +283,15 @@ static PyObject *py_gelu_fwd(PyObject *self, PyObject *args)
 
 static PyObject *py_gelu_bwd(PyObject *self, PyObject *args)
 {
-    PyObject *dy, *x, *dx, *cs; ix n, m; int dbl; Bufs B = {.k = 0}; void *pg, *px, *pd, *pc;
-    if (!PyArg_ParseTuple(args, "OOOOnnp", &dy, &x, &dx, &cs, &n, &m, &dbl)) return NULL;
+    PyObject *dy, *x, *sg, *dx, *cs; ix n, m; int dbl; Bufs B = {.k = 0}; void *pg, *px, *ps, *pd, *pc;
+    if (!PyArg_ParseTuple(args, "OOOOOnnp", &dy, &x, &sg, &dx, &cs, &n, &m, &dbl)) return NULL;
     ix e = SZ(dbl);
     if (take(&B, dy, 0, n * m * e, 0, "gelu dy", &pg) || take(&B, x, 0, n * m * e, 0, "gelu x", &px)
-        || take(&B, dx, 1, n * m * e, 0, "gelu dx", &pd) || take(&B, cs, 1, m * e, 1, "gelu colsum", &pc))
+        || take(&B, sg, 0, n * m * e, 0, "gelu s", &ps) || take(&B, dx, 1, n * m * e, 0, "gelu dx", &pd)
+        || take(&B, cs, 1, m * e, 1, "gelu colsum", &pc))
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-    if (dbl) gelu_bwd_d(pg, px, pd, pc, n, m); else gelu_bwd_f(pg, px, pd, pc, n, m);
+    if (dbl) gelu_bwd_d(pg, px, ps, pd, pc, n, m); else gelu_bwd_f(pg, px, ps, pd, pc, n, m);
     Py_END_ALLOW_THREADS
     release(&B);
     Py_RETURN_NONE;
@@ -391,9 +387,24 @@ static PyObject *py_ce_fwd(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *py_rows_add_at(PyObject *self, PyObject *args)
+{
+    PyObject *g, *id, *d; ix n, V, m; int dbl; Bufs B = {.k = 0}; void *pg, *pi, *pd;
+    if (!PyArg_ParseTuple(args, "OOOnnnp", &g, &id, &d, &n, &V, &m, &dbl)) return NULL;
+    ix e = SZ(dbl);
+    if (take(&B, g, 1, V * m * e, 0, "add_at g", &pg) || take(&B, id, 0, n * 8, 0, "add_at ids", &pi)
+        || take(&B, d, 0, n * m * e, 0, "add_at d", &pd)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (dbl) rows_add_at_d(pg, pi, pd, n, m); else rows_add_at_f(pg, pi, pd, n, m);
+    Py_END_ALLOW_THREADS
+    release(&B);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
-    {"gelu_fwd", py_gelu_fwd, METH_VARARGS, "gelu_fwd(x, b|None, y, n, m, dbl): x += b; y = gelu(x)"},
-    {"gelu_bwd", py_gelu_bwd, METH_VARARGS, "gelu_bwd(dy, x, dx, colsum|None, n, m, dbl)"},
+    {"rows_add_at", py_rows_add_at, METH_VARARGS, "rows_add_at(g, ids int64, d, n, V, m, dbl): g[ids[i]] += d[i]"},
+    {"gelu_fwd", py_gelu_fwd, METH_VARARGS, "gelu_fwd(x, b|None, y, s, n, m, dbl): x += b; y = gelu(x)"},
+    {"gelu_bwd", py_gelu_bwd, METH_VARARGS, "gelu_bwd(dy, x, s, dx, colsum|None, n, m, dbl)"},
     {"bias_residual", py_bias_residual, METH_VARARGS, "bias_residual(y, b, x, n, m, dbl): y = (y + b) + x"},
     {"ln_fwd", py_ln_fwd, METH_VARARGS, "ln_fwd(x, w, b, y, xhat, rstd, n, m, dbl, eps)"},
     {"ln_bwd", py_ln_bwd, METH_VARARGS, "ln_bwd(dy, xhat, rstd, w, dx, dw, db, tmp, n, m, dbl)"},
