@@ -1,6 +1,6 @@
 """The step plan (runtime/plan.py), serially: no MPI, no arrays.
 
-Each property is checked against a brute-force reading of the schedule
+Each property is checked against a brute-force reading of the step's positions
 written here, not against the plan's own helpers:
 - slots: the number of workspaces equals the peak number of units alive at
   one position (read there), and no two units alive together share a slot;
@@ -23,13 +23,13 @@ def gpt_like(blocks, tied=True):
     return needs
 
 
-def schedule(U):
+def positions(U):
     return [("F", u) for u in range(U)] + [("B", u) for u in reversed(range(U))]
 
 
 def reading(needs, bwd_reads):
     """Brute force: the set of units whose params each position reads."""
-    return [set(needs[u]) if ph == "F" or bwd_reads[u] else set() for ph, u in schedule(len(needs))]
+    return [set(needs[u]) if ph == "F" or bwd_reads[u] else set() for ph, u in positions(len(needs))]
 
 
 CASES = [(blocks, tied, emb_bwd) for blocks in (0, 1, 2, 5) for tied in (True, False) for emb_bwd in (True, False)]
@@ -93,7 +93,7 @@ def test_tables_name_what_each_position_reads_and_writes(blocks, tied):
     needs = gpt_like(blocks, tied)
     U = len(needs)
     plan = build_plan(needs, [False] + [True] * (U - 1))
-    for i, (ph, u) in enumerate(schedule(U)):
+    for i, (ph, u) in enumerate(positions(U)):
         reads = {w for w, _ in plan.param_reads[i]}
         if ph == "F" or u != 0:
             assert reads == set(needs[u]), (i, reads)
@@ -101,7 +101,7 @@ def test_tables_name_what_each_position_reads_and_writes(blocks, tied):
             assert reads == set(), (i, reads)                # the embedding's backward reads no weights
         writes = {w for w, _ in plan.grad_writes[i]}
         assert writes == (set(needs[u]) if ph == "B" else set()), (i, writes)
-    assert list(plan.schedule) == schedule(U)
+    assert list(plan.positions) == positions(U)
 
 
 def test_embedding_and_tied_head_alone_gather_once():

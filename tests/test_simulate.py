@@ -137,7 +137,7 @@ def test_measure_compute_runs_the_model():
     assert all(t > 0 for t in c.fwd + c.bwd) and c.cast_s > 0 and c.update_s > 0
 
 
-def test_schedule_gathers_what_the_engine_plans():
+def test_step_ops_gather_what_the_engine_plans():
     """Stage 3: one gather per run of the real engine's plan (Zero.plan.param_runs)."""
     from mpi4py import MPI
     from ringzero.nn.gpt import GPT
@@ -146,9 +146,9 @@ def test_schedule_gathers_what_the_engine_plans():
     eng = Zero(GPT(cfg), MPI.COMM_SELF, "3", device="cpu")
     want = sorted(w for w, _, _ in eng.plan.param_runs)
     for ov in (False, True):
-        got = sorted(u for k, u in sm.schedule(eng.layout, "3", overlap=ov) if k == "gather")
+        got = sorted(u for k, u in sm.step_ops(eng.layout, "3", overlap=ov) if k == "gather")
         assert got == want
-    rs = [u for k, u in sm.schedule(eng.layout, "3") if k == "rs"]
+    rs = [u for k, u in sm.step_ops(eng.layout, "3") if k == "rs"]
     assert sorted(rs) == list(range(len(eng.layout.units)))      # every unit reduced once
 
 

@@ -221,7 +221,7 @@ def end_report(say, cfg: Config, engine, loop: LoopResult, eval_loss: float, H: 
     for op, b in traffic["by_op"].items():
         if b:
             say(f"  {op:<22} {b:,} B")
-    if traffic["schedule_bytes_per_step"] != traffic["formula_bytes_per_step"]:
+    if traffic["plan_bytes_per_step"] != traffic["formula_bytes_per_step"]:
         say(f"  differs by {traffic['formula_bytes_per_step'] - traffic['measured_bytes_per_step']:,} B: the "
             f"last unit's forward and backward are adjacent, so it is gathered once, not twice (as FSDP does)")
     rss = peak_rss_per_rank(engine.comm)
@@ -249,7 +249,7 @@ def summarize(cfg: Config, engine, mem: dict, end: dict, H: float) -> dict:
                        for c, d in mem["classes"].items()},
             "traffic": {"measured_bytes_per_step": traffic["measured_bytes_per_step"],
                         "formula_bytes_per_step": traffic["formula_bytes_per_step"],
-                        "schedule_bytes_per_step": traffic["schedule_bytes_per_step"]},
+                        "plan_bytes_per_step": traffic["plan_bytes_per_step"]},
             "train_loss": end["train_loss"], "eval_loss": end["eval_loss"], "unigram_entropy": H,
             "tokens_per_s": end["tokens_per_s"], "activation_peak_bytes": engine.activation_peak,
             "peak_rss_bytes": end["peak_rss_bytes"]}

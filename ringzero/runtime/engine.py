@@ -33,7 +33,7 @@ What it is
 
 What it is not
     It imports no model (nn/contract.py says what a model provides), and
-    knows nothing of data, schedules or printing.
+    knows nothing of data, the learning-rate schedule or printing.
 """
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ class Zero:
         loss = float(h)
         dy = self._seed()
         for i in range(U, 2 * U):
-            u = plan.schedule[i][1]
+            u = plan.positions[i][1]
             for w, s in plan.materialize[i]:
                 ws.materialize(w, s)
             for w, s in plan.grad_open[i]:

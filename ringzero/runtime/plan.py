@@ -3,15 +3,15 @@
 What it is
     A pure function of the model's unit graph, made once at start-up:
 
-        build_plan(needs, backward_reads_params) -> Plan
+        build_plan(needs, backward_reads_params) -> StepPlan
 
     ``needs[u]`` lists the units whose parameters unit u reads (itself first;
     a head tied to the token embedding also needs unit 0), and
     ``backward_reads_params[u]`` says whether u's backward reads them again.
-    A step visits the *schedule*: forward 0..U-1, then backward U-1..0::
+    A step visits its *positions* in order: forward 0..U-1, then backward U-1..0::
 
         position   0    1    2    3  |  4    5    6    7        (U = 4: emb, b1, b2, head)
-        schedule   F0   F1   F2   F3 |  B3   B2   B1   B0
+        visits     F0   F1   F2   F3 |  B3   B2   B1   B0
 
     - A unit's params are *materialized* (gathered at stage 3, cast to the
       compute dtype) once per maximal run of consecutive positions that read
@@ -23,6 +23,10 @@ What it is
       head's backward (position U) to the embedding's (position 2U-1).
     - Runs get unit-sized slots greedily, reusing freed ones, so the number of
       slots is the peak number of units alive at once.
+
+    (Not to be confused with the collective plans of ringzero/comm: which
+    algorithm a Ring call runs is comm/schedule.py; this plan says when a
+    unit is gathered and reduced.)
 
 What it is not
     No MPI, no arrays, no dtypes: indices only. The engine turns slots into
@@ -37,13 +41,13 @@ FORWARD, BACKWARD = "F", "B"
 
 
 @dataclass(frozen=True)
-class Plan:
-    """Everything the step loop needs to know, per schedule position.
+class StepPlan:
+    """Everything the step loop needs to know, per position of the step.
 
     Runs are (unit, first position, last position), ordered by first position.
     Per-position tables are tuples of (unit, slot) pairs.
     """
-    schedule: tuple             # ((phase, unit), ...): forward 0..U-1, then backward U-1..0
+    positions: tuple            # ((phase, unit), ...): forward 0..U-1, then backward U-1..0
     param_runs: tuple           # maximal runs of positions reading a unit's params
     forward_runs: tuple         # the same for a forward pass alone (evaluation)
     grad_runs: tuple            # (unit, first write, last write): one per unit
@@ -60,7 +64,7 @@ class Plan:
 
     @property
     def units(self) -> int:
-        return len(self.schedule) // 2
+        return len(self.positions) // 2
 
 
 def runs(sets, units: int) -> list:
@@ -95,30 +99,30 @@ def assign_slots(rs) -> tuple:
     return slot_of, n
 
 
-def _tables(rs, slots, schedule, needs, positions):
+def _tables(rs, slots, order, needs, count):
     """Per position: (units materialized there, materialized units its unit reads)."""
-    at = [[] for _ in range(positions)]
+    at = [[] for _ in range(count)]
     for w, a, _ in rs:
         at[a].append((w, slots[(w, a)]))
     ends = {(w, a): b for w, a, b in rs}
     live, reads = {}, []
-    for i in range(positions):
+    for i in range(count):
         for w, s in at[i]:
             live[w] = (s, ends[(w, i)])
-        u = schedule[i][1]
+        u = order[i][1]
         reads.append(tuple((w, live[w][0]) for w in needs[u] if w in live and live[w][1] >= i))
     return tuple(tuple(x) for x in at), tuple(reads)
 
 
-def build_plan(needs, backward_reads_params) -> Plan:
+def build_plan(needs, backward_reads_params) -> StepPlan:
     """The plan of a model with ``len(needs)`` units (see the module docstring)."""
     U = len(needs)
     if len(backward_reads_params) != U:
         raise ValueError(f"expected one backward_reads_params flag per unit ({U}), "
                          f"got {len(backward_reads_params)}")
-    schedule = tuple([(FORWARD, u) for u in range(U)] + [(BACKWARD, u) for u in reversed(range(U))])
-    reads = [set(needs[u]) if (ph == FORWARD or backward_reads_params[u]) else set() for ph, u in schedule]
-    writes = [set(needs[u]) if ph == BACKWARD else set() for ph, u in schedule]
+    order = tuple([(FORWARD, u) for u in range(U)] + [(BACKWARD, u) for u in reversed(range(U))])
+    reads = [set(needs[u]) if (ph == FORWARD or backward_reads_params[u]) else set() for ph, u in order]
+    writes = [set(needs[u]) if ph == BACKWARD else set() for ph, u in order]
 
     param_runs = runs(reads, U)
     forward_runs = runs(reads[:U], U)
@@ -130,20 +134,20 @@ def build_plan(needs, backward_reads_params) -> Plan:
     pslot, n_param = assign_slots(param_runs)
     fslot, n_forward = assign_slots(forward_runs)
     gslot, n_grad = assign_slots(grad_runs)
-    materialize, param_reads = _tables(param_runs, pslot, schedule, needs, len(schedule))
-    forward_materialize, forward_reads = _tables(forward_runs, fslot, schedule, needs, U)
+    materialize, param_reads = _tables(param_runs, pslot, order, needs, len(order))
+    forward_materialize, forward_reads = _tables(forward_runs, fslot, order, needs, U)
 
-    P = len(schedule)
+    P = len(order)
     grad_open, grad_close = [[] for _ in range(P)], [[] for _ in range(P)]
     for w, a, b in grad_runs:
         grad_open[a].append((w, gslot[(w, a)]))
         grad_close[b].append((w, gslot[(w, a)]))
     live, grad_writes = {}, []
-    for i, (ph, u) in enumerate(schedule):
+    for i, (ph, u) in enumerate(order):
         for w, s in grad_open[i]:
             live[w] = s
         grad_writes.append(tuple((w, live[w]) for w in needs[u]) if ph == BACKWARD else ())
-    return Plan(schedule=schedule, param_runs=tuple(param_runs), forward_runs=tuple(forward_runs),
+    return StepPlan(positions=order, param_runs=tuple(param_runs), forward_runs=tuple(forward_runs),
                 grad_runs=tuple(grad_runs), param_slots=n_param, forward_slots=n_forward,
                 grad_slots=n_grad, materialize=materialize, param_reads=param_reads,
                 forward_materialize=forward_materialize, forward_reads=forward_reads,

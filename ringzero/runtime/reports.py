@@ -5,7 +5,7 @@ What it is
     (the buffers' own ``nbytes``) beside the stage formula, plus workspaces,
     optimizer scratch and the activation peak. ``traffic_report(engine)``:
     bytes this rank sent in the last step, from the rings' ledgers, beside
-    the formula and the exact figure of this schedule. ``ledger_totals`` sums
+    the formula and the exact figure of the engine's step plan (plan.py). ``ledger_totals`` sums
     the ledgers the engine snapshots around each step.
 
     Vocabulary, as in accounting.py: Nd is the world size (data-parallel
@@ -71,7 +71,7 @@ def traffic_report(engine) -> dict:
     elements = accounting.traffic_elements(engine.stage, L.padded, topo.world_size, policy.ranks_per_node(n), K)
     itemsize = np.dtype(engine.storage_dtype).itemsize
     formula = sum(elements.values()) * itemsize
-    # the exact figure for this schedule: units gathered once per run of
+    # the exact figure for the step plan: units gathered once per run of
     # consecutive uses (the last unit once), every unit reduce-scattered once,
     # per micro-batch where params are sharded (K times per step)
     exact = formula
@@ -82,6 +82,6 @@ def traffic_report(engine) -> dict:
     return {"stage": engine.stage, "by_op": dict(engine.last_step_ledger),
             "measured_bytes_per_step": int(measured),
             "formula_bytes_per_step": int(formula),
-            "schedule_bytes_per_step": int(exact),
+            "plan_bytes_per_step": int(exact),
             "formula": accounting.traffic_formula(engine.stage, K), "grad_accum": K,
             "formula_elements": elements}

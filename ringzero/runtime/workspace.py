@@ -10,7 +10,7 @@ What it is
         grad_bucket    storage-dtype gradient of one unit, reduce-scattered into the
                        grads shard                                    (grads sharded: 2, 3, hybrid)
 
-    and, per schedule position, the named views the model reads (params) and
+    and, per position of the step, the named views the model reads (params) and
     adds into (grads). Where no workspace is needed (stages 0-2 without a
     cast) the views point into the state buffers themselves.
 

@@ -1,6 +1,6 @@
 """The sharding runtime: ZeRO stages 0-3 and HYBRID_SHARD over flat, partitioned state.
 
-The four stages, one schedule
+The four stages, one step
     Every class of model state lives in ONE flat buffer, cut per unit into
     as many equal pieces as the sharding group has ranks (Nd, the world size;
     Ng for hybrid) by the layout table (flat.py). A rank's *shard* of a class
@@ -38,15 +38,15 @@ The four stages, one schedule
 Where each part lives
     engine.py holds ``Zero`` and its step; the stage's facts are a frozen
     ``StagePolicy`` (policy.py, from the one stage table in accounting.py);
-    the communicators are a ``Topology`` (topology.py); the schedule above is
-    a pure ``Plan`` (plan.py); the buffers are a ``ShardedState`` (state.py),
+    the communicators are a ``Topology`` (topology.py); when each unit is
+    materialized and reduced is a pure ``StepPlan`` (plan.py); the buffers are a ``ShardedState`` (state.py),
     the unit-sized slots ``Workspaces`` (workspace.py); the reports compare
     measurement with formula (reports.py). This module keeps the public names.
 
 What it is not
     It imports no model: it needs the ``UnitModel`` contract of
     nn/contract.py (``units``, ``forward_unit``, ``backward_unit``, ...).
-    Data, schedules and printing belong to the trainer.
+    Data, the learning-rate schedule and printing belong to the trainer.
 """
 from ringzero.runtime.engine import StepResult, Zero
 from ringzero.runtime.state import MemoryBudgetError, cast_into, check_budget

@@ -159,8 +159,9 @@ def print_traffic(psi, nd, rpn, cfg, metrics, f=None, grad_accum: int = 1, preci
           + (f", K = {sk}" if sk > 1 else ""))
         p(f"  traffic/step: measured {t['measured_bytes_per_step']:,} B   trainer's formula "
           f"{t['formula_bytes_per_step']:,} B   accounting on unpadded Ψ {ours:,.0f} B")
-        if "schedule_bytes_per_step" in t:
-            p(f"  the runtime's own schedule predicts {t['schedule_bytes_per_step']:,} B")
+        plan_bytes = t.get("plan_bytes_per_step", t.get("schedule_bytes_per_step"))   # (older files: schedule_)
+        if plan_bytes is not None:
+            p(f"  the runtime's step plan predicts {plan_bytes:,} B")
         d = t["measured_bytes_per_step"] - ours
         why = ["padding each unit to a multiple of Nd·align adds bytes"]
         if st in ("3", "hybrid"):

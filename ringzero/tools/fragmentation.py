@@ -143,7 +143,7 @@ def print_fragmentation(r: dict, f=None):
     for name, d in r["by_policy"].items():
         cv, rz = d["conventional"], d["ringzero"]
         p(f"\nallocator model: {name}")
-        p(f"  {'schedule':<13}{'peak live':>12}{'peak alloc':>12}{'peak reserved':>15}"
+        p(f"  {'allocation':<13}{'peak live':>12}{'peak alloc':>12}{'peak reserved':>15}"
           f"{'largest free':>14}{'smallest cap':>14}{'cap / live':>11}")
         for k, x in (("conventional", cv), ("ringzero", rz)):
             p(f"  {k:<13}{_b(x['peak_live']):>12}{_b(x['peak_allocated']):>12}"

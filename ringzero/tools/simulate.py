@@ -2,14 +2,14 @@
 
 What it is
     The step of ringzero's engine (runtime/zero.py), written as a list of
-    operations per schedule position, then timed:
+    operations per position of the step (``step_ops``), then timed:
 
         forward   for u = 0..U-1:  [gather u (stage 3)]  cast u  F(u)
         backward  for u = U-1..0:  [gather u again]  cast u  B(u)  cast grad  RS u  [AG u (stage 0)]
                                    [all-reduce the shard across nodes (hybrid)]
         update    AdamW on the rank's elements (Ψ at stage 0, Ψ/Nd otherwise)  [AG every unit (1, 2)]
 
-    A unit is gathered once per run of consecutive schedule positions that
+    A unit is gathered once per run of consecutive positions that
     read it (the engine's plan): a block twice, the last unit once, the tied
     embedding twice. Each collective costs, for S bytes over n ranks,
 
@@ -207,8 +207,8 @@ def _units(cfg):
     return gpt_units(cfg)
 
 
-# ---- the schedule --------------------------------------------------------------------
-def schedule(layout: Layout, stage: str, bwd_reads=lambda u: u != 0, overlap: bool = False) -> list:
+# ---- the step's operations ----------------------------------------------------------
+def step_ops(layout: Layout, stage: str, bwd_reads=lambda u: u != 0, overlap: bool = False) -> list:
     """[(kind, unit)] in program order for one step of the engine at ``stage``.
 
     kinds: gather, cast, F, B, gcast, rs, ag, ar (compute kinds: cast, F, B, gcast).
@@ -219,12 +219,12 @@ def schedule(layout: Layout, stage: str, bwd_reads=lambda u: u != 0, overlap: bo
     """
     st = acc.parse_stage(stage)
     U = len(layout.units)
-    sched = [("F", u) for u in range(U)] + [("B", u) for u in reversed(range(U))]
-    reads = [set(layout.needs(u)) if (ph == "F" or bwd_reads(u)) else set() for ph, u in sched]
-    writes = [set(layout.needs(u)) if ph == "B" else set() for ph, u in sched]
+    visits = [("F", u) for u in range(U)] + [("B", u) for u in reversed(range(U))]
+    reads = [set(layout.needs(u)) if (ph == "F" or bwd_reads(u)) else set() for ph, u in visits]
+    writes = [set(layout.needs(u)) if ph == "B" else set() for ph, u in visits]
     close = {w: max(i for i, s in enumerate(writes) if w in s) for w in range(U)}
     ops = []
-    for i, (ph, u) in enumerate(sched):
+    for i, (ph, u) in enumerate(visits):
         for w in sorted(reads[i]):
             if i == 0 or w not in reads[i - 1]:          # a new run: materialize
                 first = not any(w in r for r in reads[:i])
@@ -270,7 +270,7 @@ def durations(layout_full: Layout, stage, nd: int, comp: Compute, links: Links,
     nn = nd // group
     slow = comp.slow(nd)
     out = []
-    for kind, u in schedule(L, st, overlap=overlap):
+    for kind, u in step_ops(L, st, overlap=overlap):
         if kind in COMM_KINDS:
             S = L.unit_padded[u] * elem_bytes
             if kind == "ar":                           # the shard, across the Nn nodes
