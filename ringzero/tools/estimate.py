@@ -184,12 +184,8 @@ def _g(b):
     return f"{b / GB:,.4f}"
 
 
-def print_report(r: dict, cfg, f=None):
-    p = lambda *a: print(*a, file=f or sys.stdout)  # noqa: E731
-    psi, nd = r["psi"], r["nd"]
-    p(f"Ψ = {psi:,} parameters   Nd = {nd}" + (f"   Ng = {r['ranks_per_node']} ranks per node"
-                                                  if r["ranks_per_node"] else ""))
-    p("GB = 1e9 bytes (the ZeRO paper's unit); GiB = 2^30 bytes.\n")
+def _print_per_param(p, r):
+    """Bytes per parameter of each state class at stage 0."""
     pr, K = r["precision"], r["grad_accum"]
     p(f"Model state per parameter ({pr} params and grads, fp32 master and Adam"
       + (f", fp32 gradient accumulator for {K} micro-batches" if K > 1 else "") + "), stage 0:")
@@ -202,6 +198,11 @@ def print_report(r: dict, cfg, f=None):
         p("  bf16 takes the same bytes as fp16 (2 B params and grads, 12 B of fp32 master, m, v): "
           "every formula below is the fp16 one. What bf16 changes is range, so it runs without a "
           "loss scaler (python -m ringzero.explain precision).")
+
+
+def _print_stages(p, r):
+    """The stage table (bytes per rank, traffic per step), its notes, the padded buffers, the temporaries."""
+    pr, K = r["precision"], r["grad_accum"]
     p("")
     hdr = (f"{'stage':<7}{'FSDP':<14}{'bytes/param':<13}{'B/param':>8}{'GB exact':>16}{'GB 3sf':>8}"
            f"{'GiB':>12}{'vs 0':>7}   {'traffic/step (elements)':<42}{'GB sent':>10}")
@@ -235,54 +236,73 @@ def print_report(r: dict, cfg, f=None):
     p(f"\nTemporary buffers: a flattened fp32 all-reduce buffer of the whole model = 4Ψ = "
       f"{_g(b['fp32_flat_allreduce_bytes'])} GB (fp16: {_g(b['fp16_flat_allreduce_bytes'])} GB); "
       f"ringzero reduces unit by unit instead, so its buffer is one unit.")
+
+
+def _print_activations(p, a, cfg, nd, K):
+    """Activation bytes per rank by every count (ZeRO paper, checkpoints, Korthikanti), with the numbers in."""
+    ab = a["bytes"]
+    p(f"\nActivations per rank, micro-batch {a['batch']} x seq {a['seq']} "
+      f"(L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}, V={cfg.vocab}); one micro-batch is "
+      f"alive at a time, so they do not grow with K (global batch = {a['batch']} x K {K} x Nd "
+      f"{nd} = {a['global_batch']:,} sequences per step):")
+    for k, label in (("zero_paper", "ZeRO paper, no checkpointing"),
+                     ("ckpt_inputs", "layer-input checkpoints alone"),
+                     ("zero_ckpt", "ZeRO count, checkpoint per layer"),
+                     ("korthikanti", "Korthikanti et al., no recompute"),
+                     ("korthikanti_ckpt", "Korthikanti et al., full recompute"),
+                     ("logits", "fp16 logits (in neither count)")):
+        p(f"  {label:<36}{a['formulas'][k]:<38}{_g(ab[k]):>12} GB")
+    b_, s_, h_, L_ = a["batch"], a["seq"], cfg.n_embd, cfg.n_layer
+    p(f"  checkpoints alone, numbers in: 2 B x {b_}·{s_}·{h_}·{L_} = {ab['ckpt_inputs']:,} B = "
+      f"{ab['ckpt_inputs'] / GB:.1f} GB = {ab['ckpt_inputs'] / GIB:.1f} GiB")
+    for name, (pc, _, note) in PAPER_PRESETS.items():
+        if pc == cfg:
+            p(f"  {name}: {note}")
+            p(f"  the paper's ~60 GB is this count: {ab['ckpt_inputs'] / GB:.1f} GB "
+              f"({ab['ckpt_inputs'] / GIB:.1f} GiB) of fp16 layer inputs; with one layer "
+              f"recomputed, {ab['zero_ckpt'] / GB:.1f} GB")
+    p("  recompute cost of checkpointing: one more forward; backward is ~2 forwards, so "
+      "+1/(1+2) = 33 % of a step's compute.")
+    p("  used below: the ZeRO paper's count (the seed's ~60 GB / ~8 GB for GPT-2 1.5B, seq 1K,"
+      " batch 32).")
+    p("  why they differ: ZeRO's 12·bshL leaves out the a·s² attention scores and dropout masks"
+      " that Korthikanti counts; the paper gives no formula for its ~8 GB, which lies between"
+      " the per-layer checkpoints alone and checkpoints + one recomputed layer + logits.")
+
+
+def _print_fit(p, ft, nd):
+    """Which stages fit in --gpu-mem per rank, and the smallest group that fits."""
+    p(f"\nFits in {ft['gpu_mem'] / GB:g} GB per rank at Nd = {nd}? model state"
+      + (" + activations (ZeRO count)" if ft["activations_counted"]
+         else " (no GPT shape given: activations NOT counted)")
+      + f" + temporary buffer {ft['temp_buffer']} ({_g(ft['temp_buffer_bytes'])} GB)")
+    for x in ft["stages"]:
+        cells = []
+        kinds = (("no_ckpt", "no ckpt"), ("ckpt", "ckpt")) if ft["activations_counted"] \
+            else (("no_ckpt", "model state"),)
+        for k, label in kinds:
+            c = x[k]
+            sm = c["smallest_group"]
+            grp = "Ng" if x["stage"] == "hybrid" else "Nd"
+            cells.append(f"{label}: need {_g(c['need_bytes']):>12} GB "
+                         f"{'fits ' if c['fits'] else 'NO   '} smallest {grp} "
+                         f"{sm if sm else 'never':>6}")
+        p(f"  stage {x['stage']:<7}" + "   |   ".join(cells))
+
+
+def print_report(r: dict, cfg, f=None):
+    """The whole report of ``estimate``, printed (to f, or stdout)."""
+    p = lambda *a: print(*a, file=f or sys.stdout)  # noqa: E731
+    psi, nd = r["psi"], r["nd"]
+    p(f"Ψ = {psi:,} parameters   Nd = {nd}" + (f"   Ng = {r['ranks_per_node']} ranks per node"
+                                                  if r["ranks_per_node"] else ""))
+    p("GB = 1e9 bytes (the ZeRO paper's unit); GiB = 2^30 bytes.\n")
+    _print_per_param(p, r)
+    _print_stages(p, r)
     if "activations" in r:
-        a = r["activations"]
-        ab = a["bytes"]
-        p(f"\nActivations per rank, micro-batch {a['batch']} x seq {a['seq']} "
-          f"(L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}, V={cfg.vocab}); one micro-batch is "
-          f"alive at a time, so they do not grow with K (global batch = {a['batch']} x K {K} x Nd "
-          f"{nd} = {a['global_batch']:,} sequences per step):")
-        for k, label in (("zero_paper", "ZeRO paper, no checkpointing"),
-                         ("ckpt_inputs", "layer-input checkpoints alone"),
-                         ("zero_ckpt", "ZeRO count, checkpoint per layer"),
-                         ("korthikanti", "Korthikanti et al., no recompute"),
-                         ("korthikanti_ckpt", "Korthikanti et al., full recompute"),
-                         ("logits", "fp16 logits (in neither count)")):
-            p(f"  {label:<36}{a['formulas'][k]:<38}{_g(ab[k]):>12} GB")
-        b_, s_, h_, L_ = a["batch"], a["seq"], cfg.n_embd, cfg.n_layer
-        p(f"  checkpoints alone, numbers in: 2 B x {b_}·{s_}·{h_}·{L_} = {ab['ckpt_inputs']:,} B = "
-          f"{ab['ckpt_inputs'] / GB:.1f} GB = {ab['ckpt_inputs'] / GIB:.1f} GiB")
-        for name, (pc, _, note) in PAPER_PRESETS.items():
-            if pc == cfg:
-                p(f"  {name}: {note}")
-                p(f"  the paper's ~60 GB is this count: {ab['ckpt_inputs'] / GB:.1f} GB "
-                  f"({ab['ckpt_inputs'] / GIB:.1f} GiB) of fp16 layer inputs; with one layer "
-                  f"recomputed, {ab['zero_ckpt'] / GB:.1f} GB")
-        p("  recompute cost of checkpointing: one more forward; backward is ~2 forwards, so "
-          "+1/(1+2) = 33 % of a step's compute.")
-        p("  used below: the ZeRO paper's count (the seed's ~60 GB / ~8 GB for GPT-2 1.5B, seq 1K,"
-          " batch 32).")
-        p("  why they differ: ZeRO's 12·bshL leaves out the a·s² attention scores and dropout masks"
-          " that Korthikanti counts; the paper gives no formula for its ~8 GB, which lies between"
-          " the per-layer checkpoints alone and checkpoints + one recomputed layer + logits.")
+        _print_activations(p, r["activations"], cfg, nd, r["grad_accum"])
     if "fit" in r:
-        ft = r["fit"]
-        p(f"\nFits in {ft['gpu_mem'] / GB:g} GB per rank at Nd = {nd}? model state"
-          + (" + activations (ZeRO count)" if ft["activations_counted"]
-             else " (no GPT shape given: activations NOT counted)")
-          + f" + temporary buffer {ft['temp_buffer']} ({_g(ft['temp_buffer_bytes'])} GB)")
-        for x in ft["stages"]:
-            cells = []
-            kinds = (("no_ckpt", "no ckpt"), ("ckpt", "ckpt")) if ft["activations_counted"] \
-                else (("no_ckpt", "model state"),)
-            for k, label in kinds:
-                c = x[k]
-                sm = c["smallest_group"]
-                grp = "Ng" if x["stage"] == "hybrid" else "Nd"
-                cells.append(f"{label}: need {_g(c['need_bytes']):>12} GB "
-                             f"{'fits ' if c['fits'] else 'NO   '} smallest {grp} "
-                             f"{sm if sm else 'never':>6}")
-            p(f"  stage {x['stage']:<7}" + "   |   ".join(cells))
+        _print_fit(p, r["fit"], nd)
     p("\nOther accountings (labelled; bytes per rank at this Nd):")
     for k, v in r["other_accountings"].items():
         p(f"  {k:<52}{_g(v):>14} GB")
