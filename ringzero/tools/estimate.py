@@ -30,6 +30,7 @@ from ringzero.runtime import accounting as acc
 from ringzero.runtime.flat import Layout
 from ringzero.nn.gpt import PRESETS, GPTConfig, gpt_units
 from ringzero.sizes import parse_count, parse_size
+from ringzero.tools.activations import ACT_FORMULAS, activations
 
 GB, GIB = 10**9, 2**30
 FSDP_NAME = {"0": "NO_SHARD", "1": "-", "2": "SHARD_GRAD_OP", "3": "FULL_SHARD",
@@ -55,43 +56,6 @@ def gpt_psi(cfg: GPTConfig) -> int:
 def sig3(x: float) -> str:
     """Three significant figures, the way the seed prints its table (1.875 -> 1.88)."""
     return f"{x:.3g}" if x < 1000 else f"{x:.0f}"
-
-
-# ---- activations ---------------------------------------------------------------
-def activations(cfg: GPTConfig, batch: int, seq: int) -> dict:
-    """Activation bytes per rank for a micro-batch of ``batch`` sequences of ``seq`` tokens.
-
-    zero_paper      12·b·s·h·L elements in fp16 (ZeRO §3.2: "about 12 × hidden ×
-                    batch × seq × layers"); leaves out attention scores and logits.
-    ckpt_inputs     the fp16 checkpoints alone: one layer input (b·s·h) per layer.
-    zero_ckpt       one fp16 checkpoint (the layer input, b·s·h) per layer, plus one
-                    layer's 12·b·s·h recomputed during backward: 2·b·s·h·(L + 12).
-    korthikanti     Korthikanti et al. 2022, per layer s·b·h·(34 + 5·a·s/h) bytes
-                    (fp16, counts the a·s² attention scores, softmax and dropout masks).
-    korthikanti_ckpt  full recompute: 2·s·b·h per layer kept, plus one layer's peak.
-    logits          the fp16 (b, s, V) logits, outside every per-layer count.
-    """
-    b, s, h, L, a, V = batch, seq, cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.vocab
-    bsh = b * s * h
-    per_layer_k = s * b * h * 34 + 5 * a * s * s * b   # s·b·h·(34 + 5as/h), exact in ints
-    return {
-        "zero_paper": 2 * 12 * bsh * L,
-        "ckpt_inputs": 2 * bsh * L,
-        "zero_ckpt": 2 * bsh * (L + 12),
-        "korthikanti": per_layer_k * L,
-        "korthikanti_ckpt": 2 * bsh * L + per_layer_k,
-        "logits": 2 * b * s * V,
-    }
-
-
-ACT_FORMULAS = {
-    "zero_paper": "2 B x 12·b·s·h·L",
-    "ckpt_inputs": "2 B x b·s·h·L",
-    "zero_ckpt": "2 B x b·s·h·(L + 12)",
-    "korthikanti": "L·(34·s·b·h + 5·a·s²·b)",
-    "korthikanti_ckpt": "2·s·b·h·L + (34·s·b·h + 5·a·s²·b)",
-    "logits": "2 B x b·s·V",
-}
 
 
 # ---- fit ------------------------------------------------------------------------
