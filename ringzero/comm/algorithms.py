@@ -164,7 +164,7 @@ def ring_rs(pb, src, out, off, tmp):
     and sends each reduced segment on at once (the next add overlaps it).
     """
     n, r, isz = pb.n, pb.r, src.itemsize
-    left, right = pb.ring.left, pb.ring.right
+    left, right = pb.left, pb.right
     b = (r - 1) % n
     sends = [pb.send(src[off[b] + a:off[b] + e], right) for a, e in pb.segs(off[b + 1] - off[b], isz)]
     pb.start(sends)
@@ -197,7 +197,7 @@ def ring_ag(pb, buf, off, send=None):
     into buf runs while the first messages are on the wire.
     """
     n, r, isz = pb.n, pb.r, buf.itemsize
-    left, right = pb.ring.left, pb.ring.right
+    left, right = pb.left, pb.right
     own = buf[off[r]:off[r + 1]]
     src = own if send is None else send
     # segments let a block be forwarded while it arrives; n = 2 forwards nothing,

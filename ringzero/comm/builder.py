@@ -1,7 +1,10 @@
 """The primitives the schedules are written in: persistent requests and the steps that run them.
 
 What it is
-    ``Builder(ring, plan, phase)`` appends to one ``CollectivePlan``:
+    ``Builder(ring, plan, phase, group)`` appends to one ``CollectivePlan``
+    the messages among ``group`` (the Ring itself, or one of its node-aware
+    sub-groups, nodes.Group: peers are then the group's ranks, and every
+    Waiting names the Ring's rank of the peer):
     ``send``/``recv`` make a persistent request (and count the ledger's bytes
     and messages), ``start``/``wait``/``exchange``/``wait_many`` add the steps
     that start and wait for them, ``add``/``copy`` the local work between.
@@ -22,10 +25,17 @@ TAGS = {"all_reduce": 0, "reduce_scatter": 4, "all_gather": 8}  # + phase: ops n
 
 
 class Builder:
-    def __init__(self, ring, plan, phase):
+    def __init__(self, ring, plan, phase, group=None):
+        g = ring if group is None else group
         self.ring, self.p = ring, plan
-        self.comm, self.n, self.r = ring.comm, ring.size, ring.rank
+        self.comm, self.n, self.r, self.left, self.right = g.comm, g.size, g.rank, g.left, g.right
         self.tag = TAGS[plan.name] + phase
+        self._parent = getattr(g, "parent", None)   # group rank -> the Ring's rank
+        self._remote = ring.remote                  # the Ring's ranks on other nodes
+
+    def peer(self, p):
+        """The Ring's rank of group rank p (what Waiting records and errors name)."""
+        return p if self._parent is None else self._parent[p]
 
     def send(self, x, peer):
         q = self.comm.Send_init([x, MPI.BYTE], peer, self.tag)
@@ -33,6 +43,8 @@ class Builder:
         self.p.keep.append(x)
         self.p.sent += x.nbytes
         self.p.msgs += 1
+        if self.peer(peer) in self._remote:
+            self.p.sent_net += x.nbytes
         return q
 
     def recv(self, x, peer):
@@ -52,11 +64,11 @@ class Builder:
             return
         reqs = list(reqs)
         if recv_sizes is None:
-            self.p.steps.append(Wait(reqs, None, (), Waiting(self.p.name, peer, "send", reqs)))
+            self.p.steps.append(Wait(reqs, None, (), Waiting(self.p.name, self.peer(peer), "send", reqs)))
         else:
             sts = [MPI.Status() for _ in reqs]
             checks = tuple((sts[i], nb) for i, nb in enumerate(recv_sizes) if nb is not None)
-            self.p.steps.append(Wait(reqs, sts, checks, Waiting(self.p.name, peer, "recv", reqs)))
+            self.p.steps.append(Wait(reqs, sts, checks, Waiting(self.p.name, self.peer(peer), "recv", reqs)))
 
     def add(self, a, b, out):
         self.p.steps.append(Add(a, b, out, self.ring.adder(self.p.xp, a.dtype)))
@@ -85,7 +97,7 @@ class Builder:
         sts = [MPI.Status() for _ in rqs + sqs]
         checks = tuple((sts[i], (e - a) * isz) for i, (a, e) in enumerate(cuts))
         reqs = rqs + sqs
-        self.p.steps.append(Exchange(reqs, sts, checks, Waiting(self.p.name, peer, "recv", reqs)))
+        self.p.steps.append(Exchange(reqs, sts, checks, Waiting(self.p.name, self.peer(peer), "recv", reqs)))
 
     def wait_many(self, recvs, sends):
         """One MultiWait on every (peer, req, nbytes) of recvs and (peer, req) of sends."""
@@ -94,7 +106,7 @@ class Builder:
             return self.wait([q], p, None if nb is None else [nb])
         reqs = [q for _, q, _ in recvs] + [q for _, q in sends]
         expect = tuple(nb for _, _, nb in recvs) + (None,) * len(sends)
-        peers = tuple(p for p, _, _ in recvs) + tuple(p for p, _ in sends)
+        peers = tuple(self.peer(p) for p, _, _ in recvs) + tuple(self.peer(p) for p, _ in sends)
         dirs = ("recv",) * len(recvs) + ("send",) * len(sends)
         self.p.steps.append(MultiWait(reqs, [MPI.Status() for _ in reqs], expect,
                                       Waiting(self.p.name, peers, dirs, reqs), bytearray(len(reqs))))

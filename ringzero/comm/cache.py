@@ -28,14 +28,17 @@ MAX_PLANS = 256
 
 
 class Ledger:
-    """Cumulative per-op counters of this rank: bytes_sent, bytes_recv, messages, calls.
+    """Cumulative per-op counters of this rank: bytes_sent (of which bytes_sent_internode went to
+    ranks on other nodes), bytes_recv, messages, calls.
 
     A kept plan only counts its runs (the hot path adds 1); the counters are
     base + runs * the plan's per-call figures, folded into base when a plan
     is dropped. ``live`` is the container of kept plans (the cache's LRU).
     """
 
-    _KEYS = ("bytes_sent", "bytes_recv", "messages", "calls")
+    # ledger key -> the CollectivePlan's per-run figure
+    _PER_RUN = {"bytes_sent": "sent", "bytes_sent_internode": "sent_net", "bytes_recv": "recvd", "messages": "msgs"}
+    _KEYS = (*_PER_RUN, "calls")
 
     def __init__(self, live=()):
         self._live = live
@@ -46,28 +49,30 @@ class Ledger:
         for p in self._live:
             p.runs = 0
 
+    @classmethod
+    def _add(cls, d, plan, k):
+        for key, attr in cls._PER_RUN.items():
+            d[key] += k * getattr(plan, attr)
+        d["calls"] += k
+
     def fold(self, plan):
         """Move a plan's runs into the base counters (the plan is being dropped)."""
         k, plan.runs = plan.runs, 0
         if k:
-            d = self._d[plan.name]
-            d["bytes_sent"] += k * plan.sent
-            d["bytes_recv"] += k * plan.recvd
-            d["messages"] += k * plan.msgs
-            d["calls"] += k
+            self._add(self._d[plan.name], plan, k)
 
     def __getitem__(self, op):
         d = dict(self._d[op])
         for p in self._live:
             if p.name == op and p.runs:
-                d["bytes_sent"] += p.runs * p.sent
-                d["bytes_recv"] += p.runs * p.recvd
-                d["messages"] += p.runs * p.msgs
-                d["calls"] += p.runs
+                self._add(d, p, p.runs)
         return d
 
     def total_sent(self) -> int:
         return sum(self[op]["bytes_sent"] for op in OPS)
+
+    def total_sent_internode(self) -> int:
+        return sum(self[op]["bytes_sent_internode"] for op in OPS)
 
     def as_dict(self) -> dict:
         return {op: self[op] for op in OPS}
@@ -139,11 +144,17 @@ class PlanCache:
         self.hot.clear()
         self.ledger.fold(plan)
 
-    def scratch(self, xp, nbytes: int, k: int = 2) -> list:
-        """k grow-only scratch buffers of >= nbytes each (uint8); growing drops the kept plans."""
+    def scratch(self, xp, nbytes: int, k: int = 2, first: int = 0) -> list:
+        """Scratch buffers first .. first+k-1 (uint8, grow-only) of >= nbytes each; growing drops the kept plans.
+
+        A plan that needs scratch for several passes (the node-aware schedule) asks for each pass
+        at its own ``first``, so the passes never share a buffer.
+        """
         have = self._scratch.setdefault(xp.__name__, [])
+        while len(have) < first:
+            have.append(xp.empty(0, xp.uint8))
         grew = False
-        for i in range(k):
+        for i in range(first, first + k):
             if i == len(have) or have[i].nbytes < nbytes:
                 old = have[i].nbytes if i < len(have) else 0
                 cap = -(-max(nbytes, 2 * old, 4096) // 64) * 64  # any itemsize divides it
@@ -152,4 +163,4 @@ class PlanCache:
         if grew:
             self.scratch_growths += 1
             self.clear()  # they hold views of the old scratch
-        return have[:k]
+        return have[first:first + k]

@@ -24,31 +24,41 @@ from ringzero.comm.steps import CollectivePlan, Copy, blocks
 
 
 def build(ring, name, xp, send, recv, sched, scratch):
-    """The CollectivePlan of one call; `scratch(nbytes, k=2)` gives k grow-only uint8 buffers."""
+    """The CollectivePlan of one call; `scratch(nbytes, k=2, first=0)` gives grow-only uint8 buffers."""
     plan = CollectivePlan(name, xp)
-    n, r = ring.size, ring.rank
+    if sched == "node_aware":
+        node_aware(ring, plan, name, send, recv, scratch)
+    else:
+        passes(ring, plan, ring, name, send, recv, sched, scratch)
+    plan.keep += [send, recv]
+    return plan
+
+
+def passes(ring, plan, g, name, send, recv, sched, scratch, phase=0):
+    """Append to `plan` the steps of op `name` among group g (the Ring, or a nodes.Group) by `sched`."""
+    n, r = g.size, g.rank
     if name == "all_reduce":
         L = len(send)
         if n > 1 and L:
             if sched == "recursive_doubling":
                 t0, = scratch(send.nbytes, 1)
-                alg.recursive_doubling(Builder(ring, plan, 0), send, t0.view(send.dtype)[:L])
+                alg.recursive_doubling(Builder(ring, plan, phase, g), send, t0.view(send.dtype)[:L])
             elif sched == "direct":
                 off = blocks(L, n)
                 t0, = scratch((L - (off[r + 1] - off[r])) * send.itemsize, 1)
-                alg.direct_rs(Builder(ring, plan, 0), send, send[off[r]:off[r + 1]], off, t0.view(send.dtype))
-                alg.direct_ag(Builder(ring, plan, 1), send, L // n)
+                alg.direct_rs(Builder(ring, plan, phase, g), send, send[off[r]:off[r + 1]], off, t0.view(send.dtype))
+                alg.direct_ag(Builder(ring, plan, phase + 1, g), send, L // n)
             elif sched == "rabenseifner":
                 m = L // n
                 t0, = scratch(send.nbytes // 2, 1)
-                alg.halving_rs(Builder(ring, plan, 0), send, send[r * m:(r + 1) * m], None, t0.view(send.dtype))
-                alg.doubling_ag(Builder(ring, plan, 1), send, m)
+                alg.halving_rs(Builder(ring, plan, phase, g), send, send[r * m:(r + 1) * m], None, t0.view(send.dtype))
+                alg.doubling_ag(Builder(ring, plan, phase + 1, g), send, m)
             else:
                 off = blocks(L, n)
                 t0, t1 = scratch(max(off[i + 1] - off[i] for i in range(n)) * send.itemsize)
                 tmp = (t0.view(send.dtype), t1.view(send.dtype))
-                alg.ring_rs(Builder(ring, plan, 0), send, send[off[r]:off[r + 1]], off, tmp)
-                alg.ring_ag(Builder(ring, plan, 1), send, off)
+                alg.ring_rs(Builder(ring, plan, phase, g), send, send[off[r]:off[r + 1]], off, tmp)
+                alg.ring_ag(Builder(ring, plan, phase + 1, g), send, off)
     elif name == "reduce_scatter":
         m = len(recv)
         if n == 1 or m == 0:
@@ -57,14 +67,14 @@ def build(ring, name, xp, send, recv, sched, scratch):
         elif sched == "direct":
             off = blocks(len(send), n)
             t0, = scratch((n - 1) * m * send.itemsize, 1)
-            alg.direct_rs(Builder(ring, plan, 0), send, recv, off, t0.view(send.dtype))
+            alg.direct_rs(Builder(ring, plan, phase, g), send, recv, off, t0.view(send.dtype))
         elif sched == "tree":
             t0, t1 = scratch(send.nbytes // 2)
-            alg.halving_rs(Builder(ring, plan, 0), send, recv, t0.view(send.dtype), t1.view(send.dtype))
+            alg.halving_rs(Builder(ring, plan, phase, g), send, recv, t0.view(send.dtype), t1.view(send.dtype))
         else:
             off = blocks(len(send), n)
             t0, t1 = scratch(max(off[i + 1] - off[i] for i in range(n)) * send.itemsize)
-            alg.ring_rs(Builder(ring, plan, 0), send, recv, off, (t0.view(send.dtype), t1.view(send.dtype)))
+            alg.ring_rs(Builder(ring, plan, phase, g), send, recv, off, (t0.view(send.dtype), t1.view(send.dtype)))
     else:
         m = len(send)
         apart = m and ring.addr(send) != ring.addr(recv[r * m:(r + 1) * m])  # not in place: one local copy
@@ -72,10 +82,55 @@ def build(ring, name, xp, send, recv, sched, scratch):
             if apart:
                 plan.steps.append(Copy(recv, send))
         elif sched == "direct":
-            alg.direct_ag(Builder(ring, plan, 0), recv, m, send if apart else None)
+            alg.direct_ag(Builder(ring, plan, phase, g), recv, m, send if apart else None)
         elif sched == "tree":
-            alg.doubling_ag(Builder(ring, plan, 0), recv, m, send if apart else None)
+            alg.doubling_ag(Builder(ring, plan, phase, g), recv, m, send if apart else None)
         else:
-            alg.ring_ag(Builder(ring, plan, 0), recv, blocks(len(recv), n), send if apart else None)
-    plan.keep += [send, recv]
-    return plan
+            alg.ring_ag(Builder(ring, plan, phase, g), recv, blocks(len(recv), n), send if apart else None)
+
+
+def node_aware(ring, plan, name, send, recv, scratch):
+    """Sum inside each node, cross the network on 1/ppn of the buffer, gather inside again.
+
+    With N nodes of P ranks, the n = N*P blocks are laid out in ``perm`` (one
+    scratch buffer of S) local-index-major: block b at position
+    ``ring.node_order[b]`` = local_of[b] * N + (b's rank among the ranks with
+    its local index). Local rank l's super-block, perm[l*N*m:(l+1)*N*m], then
+    holds the N blocks of the ranks with local index l, one per node, so:
+
+        reduce-scatter  copy send into perm; RS inside the node, in place, to
+                        super-block l; RS of it across the N nodes (one rank per
+                        node, ppn such streams) to block r = the caller's recv
+        all-gather      AG of block r across the nodes into super-block l; AG
+                        inside the node, in place; copy perm back into recv
+        all-reduce      the two (so it is bitwise the reduce-scatter, then the
+                        all-gather)
+
+    Each pass takes the flat schedule comm/schedule.py picks for its group
+    and size. What leaves a node per pass is S (N-1)/N, the least any schedule
+    can send; the intra-node passes move (P-1)/P S over shared memory.
+    """
+    node, cross = ring.node_group, ring.cross_group
+    N, isz = cross.size, send.itemsize
+    L = len(recv) if name == "all_gather" else len(send)
+    m = L // ring.size
+    pos, r = ring.node_order, ring.rank
+
+    def sc(first):          # every pass its own scratch slots: 0 is perm, then 2 apiece
+        return lambda nb, k=2: scratch(nb, k, first)
+
+    perm = scratch(L * isz, 1, 0)[0].view(send.dtype)[:L]
+    mid = perm[node.rank * N * m:(node.rank + 1) * N * m]   # super-block l, in place in perm
+    if name != "all_gather":
+        for b in range(ring.size):
+            plan.steps.append(Copy(perm[pos[b] * m:(pos[b] + 1) * m], send[b * m:(b + 1) * m]))
+        passes(ring, plan, node, "reduce_scatter", perm, mid, ring.sub_schedule("reduce_scatter", node, perm), sc(2))
+        own = recv if name == "reduce_scatter" else send[r * m:(r + 1) * m]
+        passes(ring, plan, cross, "reduce_scatter", mid, own, ring.sub_schedule("reduce_scatter", cross, mid), sc(4))
+    if name != "reduce_scatter":
+        own = send if name == "all_gather" else send[r * m:(r + 1) * m]
+        passes(ring, plan, cross, "all_gather", own, mid, ring.sub_schedule("all_gather", cross, mid), sc(4), 1)
+        passes(ring, plan, node, "all_gather", mid, perm, ring.sub_schedule("all_gather", node, perm), sc(2), 1)
+        out = recv if name == "all_gather" else send
+        for b in range(ring.size):
+            plan.steps.append(Copy(out[b * m:(b + 1) * m], perm[pos[b] * m:(pos[b] + 1) * m]))

@@ -107,7 +107,8 @@ from ringzero.comm.cache import MAX_PLANS, PlanCache
 from ringzero.comm.checks import DTYPES, check_args
 from ringzero.comm.diagnostics import Diagnostics, Limits
 from ringzero.comm.executor import Executor
-from ringzero.comm.schedule import DIRECT_RANKS, EAGER_BYTES, SEG_BYTES, TREE_BYTES, choose, defaults
+from ringzero.comm.nodes import NodeMap, split
+from ringzero.comm.schedule import DIRECT_RANKS, EAGER_BYTES, NODE_BYTES, SEG_BYTES, TREE_BYTES, choose, defaults
 from ringzero.comm.staging import staged_call
 from ringzero.comm.steps import blocks
 from ringzero.comm.watchdog import WATCHDOG, set_context
@@ -128,10 +129,18 @@ class Ring:
 
     set_context = staticmethod(set_context)   # Ring.set_context("step 17"): quoted in stall lines
 
-    def __init__(self, comm, timeout: float | None = None, stall_warn: float | None = None):
+    def __init__(self, comm, timeout: float | None = None, stall_warn: float | None = None, nodes=None):
+        """Collective over comm. nodes: a node label per rank, to set the topology instead of asking MPI."""
         self.comm = comm.Dup()  # our own message space: user traffic can't match ours
         self.rank, self.size = self.comm.rank, self.comm.size
         self.left, self.right = (self.rank - 1) % self.size, (self.rank + 1) % self.size
+        self.nodes = NodeMap.discover(self.comm, nodes)   # collective: which ranks share a node
+        self.remote = frozenset(p for p in range(self.size) if self.nodes.crosses(self.rank, p))
+        self.node_group = self.cross_group = self.node_order = None
+        if self.nodes.uniform:       # the node-aware schedule's groups and block order (plan.node_aware)
+            self.node_group, self.cross_group = split(self.comm, self.nodes)
+            N, lo = self.nodes.count, self.nodes.local_of
+            self.node_order = tuple(lo[b] * N + sum(1 for q in range(b) if lo[q] == lo[b]) for b in range(self.size))
         self.limits = Limits.from_env(timeout, stall_warn)
         knobs = defaults(self.size)                      # schedule.py: the rule and its defaults
         self._small_bytes = int(os.environ.get("RINGZERO_SMALL_BYTES", knobs["small_bytes"]))
@@ -140,6 +149,7 @@ class Ring:
         self._seg_bytes = max(64, int(os.environ.get("RINGZERO_SEG_BYTES", SEG_BYTES)))
         self._direct_bytes = int(os.environ.get("RINGZERO_DIRECT_BYTES", knobs["direct_bytes"]))
         self._latency_bytes = int(os.environ.get("RINGZERO_LATENCY_BYTES", knobs["latency_bytes"]))
+        self._node_bytes = int(os.environ.get("RINGZERO_NODE_BYTES", NODE_BYTES))
         self.pow2 = self.size & (self.size - 1) == 0
         self.cache = PlanCache(MAX_PLANS)
         self._hot = self.cache.hot   # the hot path's one dictionary
@@ -167,6 +177,7 @@ class Ring:
     direct_bytes = _knob("direct_bytes")  # RS/AR at or below (3 <= n <= 16): direct; AG any S; 0: never
     latency_bytes = _knob("latency_bytes")  # RS/AG at or below (power-of-two n): the tree, not direct
     eager_bytes = _knob("eager_bytes")    # recursive doubling's largest message (up to 4 of them)
+    node_bytes = _knob("node_bytes")      # at or above, across N > 1 nodes of P > 1 ranks: node_aware; -1: never
     del _knob
 
     timeout = property(lambda self: self.limits.timeout)
@@ -179,6 +190,9 @@ class Ring:
         """Release the plans' requests and the communicator."""
         WATCHDOG.discard(self.executor)
         self.cache.clear()
+        for g in (self.node_group, self.cross_group):
+            if g is not None:
+                g.free()
         self.comm.Free()
 
     # ---- public ops ------------------------------------------------------
@@ -210,7 +224,13 @@ class Ring:
     def schedule(self, name: str, nbytes: int, length: int) -> str:
         """The schedule a call of op `name` on S = nbytes (len(send) = length) takes here (schedule.choose)."""
         return choose(name, self.size, nbytes, length, self._small_bytes, self._tree_bytes, self._direct_bytes,
-                      self._latency_bytes)
+                      self._latency_bytes, nodes=self.nodes.count if self.nodes.uniform else 1,
+                      node_bytes=self._node_bytes)
+
+    def sub_schedule(self, name: str, group, big) -> str:
+        """The flat schedule one pass of a node-aware call takes over `group` (big: its whole buffer)."""
+        return choose(name, group.size, big.nbytes, len(big), self._small_bytes, self._tree_bytes,
+                      self._direct_bytes, self._latency_bytes)
 
     # ---- the dispatcher: the kept plan, or check, build and maybe keep one
     def _call(self, name, send, recv, op):
@@ -240,7 +260,7 @@ class Ring:
             return (name, op, type(send), send.dtype, send.shape, send.strides, _where(send),
                     type(recv), recv.shape, recv.strides, _where(recv),
                     self._small_bytes, self._tree_bytes, self._seg_bytes, self._direct_bytes, self._eager_bytes,
-                    self._latency_bytes)
+                    self._latency_bytes, self._node_bytes)
         except Exception:  # noqa: BLE001 (not an array MPI takes: check_args says why)
             return None
 
@@ -262,7 +282,8 @@ class Ring:
             sync(send)
         big = recv if name == "all_gather" else send
         sched = self.schedule(name, big.nbytes, len(send))
-        plan = planmod.build(self, name, xp, send, recv, sched, lambda nb, k=2: self.cache.scratch(xp, nb, k))
+        plan = planmod.build(self, name, xp, send, recv, sched,
+                             lambda nb, k=2, first=0: self.cache.scratch(xp, nb, k, first))
         plan.post = op == "avg"
         plan.runs = 1
         kept = self.cache.offer(key, plan, send, recv, op, xp is not np)

@@ -9,6 +9,8 @@ What it is
 
         n          op       S                                  schedule  order
         ---------  -------  ---------------------------------  --------  -----
+        N nodes    AR,RS,AG S >= node_bytes (AR: n | length)   node_aware  node, then across
+        x P > 1
         not 2^k    AR, RS   S <= direct_bytes, 3 <= n <= 16    direct    ring
                             (all-reduce: also n | length)
                             otherwise                          ring      ring
@@ -66,6 +68,9 @@ What it is
 
 What it is not
     A cost model of the machine: rounds and bytes only (simulate.py fits α, β).
+    The node-aware schedule (``nodes`` > 1) is the first row of the rule: ranks
+    that span several nodes with the same number on each sum inside each node,
+    cross once, and gather back (plan.node_aware); its passes use this table.
 """
 from __future__ import annotations
 
@@ -81,6 +86,8 @@ DIRECT_RANKS = 16          # more ranks than this never take it (n-1 messages in
 EAGER_BYTES = 4000         # recursive doubling cuts a buffer of up to 4x this evenly into messages
                            # of at most this: Open MPI's shared-memory eager limit is 4096 bytes,
                            # header included, and a 4 KiB message pays a rendezvous round trip
+NODE_BYTES = 0             # at or above, on ranks that span N > 1 nodes of P > 1 ranks each: node_aware
+                           # (RINGZERO_NODE_BYTES; -1: never)
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 KNOBS = ("small_bytes", "tree_bytes", "direct_bytes", "latency_bytes")  # choose()'s thresholds, by name
 
@@ -91,8 +98,15 @@ def defaults(n: int) -> dict:
 
 
 def choose(op: str, n: int, nbytes: int, length: int, small_bytes: int, tree_bytes: int,
-           direct_bytes: int, latency_bytes: int) -> str:
-    """"direct" | "recursive_doubling" | "tree" | "rabenseifner" | "ring" for one call (the table above)."""
+           direct_bytes: int, latency_bytes: int, *, nodes: int = 1, node_bytes: int = NODE_BYTES) -> str:
+    """"direct" | "recursive_doubling" | "tree" | "rabenseifner" | "ring" | "node_aware" for one call.
+
+    nodes: the number of nodes when the n ranks span several with the same number (> 1) on each,
+    else 1 (nodes.NodeMap.uniform); the node-aware schedule's passes then take this rule
+    themselves, each over its own group (plan.node_aware).
+    """
+    if nodes > 1 and 0 <= node_bytes <= nbytes and (op != "all_reduce" or length % n == 0):
+        return "node_aware"
     direct = (3 <= n <= DIRECT_RANKS and direct_bytes > 0 and (op == "all_gather" or nbytes <= direct_bytes)
               and (op != "all_reduce" or length % n == 0))
     if n & (n - 1):           # no halving tree: direct, else the ring (both in the ring's order)
@@ -106,16 +120,26 @@ def choose(op: str, n: int, nbytes: int, length: int, small_bytes: int, tree_byt
     return "direct" if direct and nbytes > latency_bytes else "tree"
 
 
-def steps_wire(op: str, n: int, S: float, **knobs) -> tuple:
+def steps_wire(op: str, n: int, S: float, nodes: int = 1, **knobs) -> tuple:
     """(latency rounds, bytes sent per rank) of one call on S bytes; knobs default to ``defaults(n)``.
 
-    The length is taken as a multiple of n (what the engine passes).
+    The length is taken as a multiple of n (what the engine passes). nodes > 1 (n/nodes ranks on
+    each): the node-aware schedule's rounds and bytes, its passes' summed (``internode_bytes`` gives
+    the part of the bytes that leaves the node).
     """
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if n < 2:
         return 0, 0.0
-    k = {**defaults(n), **knobs}
+    if nodes > 1 and n % nodes == 0 and n // nodes > 1 and knobs.get("node_bytes", NODE_BYTES) >= 0:
+        P, k = n // nodes, {x: v for x, v in knobs.items() if x != "node_bytes"}
+        rounds, sent = 0, 0.0
+        for sub in ("reduce_scatter", "all_gather") if op == "all_reduce" else (op,):
+            a = steps_wire(sub, P, S, **k)               # inside the node, on the whole buffer
+            b = steps_wire(sub, nodes, S / P, **k)       # across the nodes, on one super-block
+            rounds, sent = rounds + a[0] + b[0], sent + a[1] + b[1]
+        return rounds, sent
+    k = {**defaults(n), **{x: v for x, v in knobs.items() if x != "node_bytes"}}
     sched = choose(op, n, S, n, k["small_bytes"], k["tree_bytes"], k["direct_bytes"], k["latency_bytes"])
     passes = 2 if op == "all_reduce" else 1
     if sched == "recursive_doubling":
@@ -123,3 +147,17 @@ def steps_wire(op: str, n: int, S: float, **knobs) -> tuple:
         return lg, S * lg
     per = {"direct": 1, "ring": n - 1}.get(sched) or int(math.log2(n))
     return passes * per, passes * S * (n - 1) / n
+
+
+def internode_bytes(op: str, n: int, S: float, nodes: int) -> float:
+    """Bytes one rank sends to other nodes in a node-aware call on S bytes (n/nodes ranks per node).
+
+    Only the passes across the nodes leave a node: (N-1)/N of one super-block (S/P) per pass, so a
+    node sends (N-1)/N S per pass, the least that must cross for a reduce-scatter or an all-gather.
+    """
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    if nodes < 2:
+        return 0.0
+    P = n // nodes
+    return (2 if op == "all_reduce" else 1) * S / P * (nodes - 1) / nodes

@@ -89,13 +89,14 @@ STARTS = (Start, Exchange)               # the steps that start requests
 class CollectivePlan:
     """One compiled call: its steps, requests, the buffers it keeps alive and its ledger figures."""
 
-    __slots__ = ("name", "steps", "reqs", "keep", "sent", "recvd", "msgs", "xp", "post", "runs",
+    __slots__ = ("name", "steps", "reqs", "keep", "sent", "sent_net", "recvd", "msgs", "xp", "post", "runs",
                  "hot", "guard")
 
     def __init__(self, name, xp):
         self.name, self.xp = name, xp
         self.steps, self.reqs, self.keep = [], [], []
         self.sent = self.recvd = self.msgs = 0   # per run: the ledger adds runs * these (Ledger.fold)
+        self.sent_net = 0  # the part of `sent` that goes to ranks on other nodes
         self.runs = 0
         self.post = False  # True for op="avg": divide recv by n after the steps
         self.hot = None    # the cache's id-key for this plan's own send/recv objects, once kept
