@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import numpy as np
 
