@@ -88,5 +88,6 @@ def copy_refs(xp, sizes, iters=20) -> list:
                 ts.append(time.perf_counter() - t0)
             t = float(np.median(ts[2:]))
             rows.append(dict(op="copy", impl=name, n=1, bytes=S, count=S, dtype="uint8", redop="",
-                             time_us=round(t * 1e6, 2), algbw_GBps=round(S / t / 1e9, 4), busbw_GBps=round(S / t / 1e9, 4), wrong=0))
+                             time_us=round(t * 1e6, 2), algbw_GBps=round(S / t / 1e9, 4),
+                             busbw_GBps=round(S / t / 1e9, 4), wrong=0))
     return rows
