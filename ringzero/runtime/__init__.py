@@ -4,7 +4,7 @@
     flat         the layout table every buffer comes from (offsets, padding, pieces)
     policy       StagePolicy: what a stage holds in full, gathers and reduces
     topology     the shard and replica communicators and their rings
-    plan         the pure step plan: when each unit is materialized and reduced
+    plan         StepPlan, pure: when each unit is materialized and reduced
     state        the five flat state buffers; cast_into; the memory budget
     workspace    the plan's unit-sized slots; gather+cast and cast+reduce
     optim        AdamW and the loss scaler
