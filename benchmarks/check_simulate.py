@@ -2,6 +2,7 @@
 
     python benchmarks/check_simulate.py                    # n = 2, 4, 8; two GPT sizes; a few minutes
     python benchmarks/check_simulate.py --ns 2 --json out.json
+    python benchmarks/check_simulate.py --ns 2 --models 1L-32C --iters 2 --max-bytes 16K   # tiny (smoke test)
 
 1. The collectives bench (``python -m ringzero.bench``, float16, ring only,
    reduce-scatter and all-gather, 1 KiB .. 4 MiB) at each n: the only thing
@@ -42,7 +43,9 @@ sys.path.insert(0, ROOT)
 MODELS = {   # name: (n_layer, n_head, n_embd, seq_len, batch per rank)
     "4L-256C": (4, 4, 256, 128, 8),
     "2L-128C": (2, 4, 128, 128, 8),
+    "1L-32C": (1, 2, 32, 16, 2),      # not a default: the smoke test's (tests/smoke/), seconds per n
 }
+DEFAULT_MODELS = ("4L-256C", "2L-128C")
 
 
 def mpirun(n: int, args: list, timeout: int) -> str:
@@ -83,10 +86,14 @@ def print_fit_held_out(rows):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ns", default="2,4,8", help="world sizes")
-    ap.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)}")
+    ap.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"of {', '.join(MODELS)}")
     ap.add_argument("--iters", type=int, default=5, help="timed steps per stage in bench_stages")
+    ap.add_argument("--max-bytes", default="4M", help="largest collective size the α–β fit sees (default 4M)")
     ap.add_argument("--json", help="write every row here")
     a = ap.parse_args()
+    bad = [m for m in a.models.split(",") if m not in MODELS]
+    if bad:
+        ap.error(f"--models: unknown {', '.join(bad)}; expected some of {', '.join(MODELS)}")
     from ringzero.nn.gpt import GPTConfig, gpt_units
     from ringzero.runtime.flat import Layout
     from ringzero.tools import simulate as sm
@@ -99,7 +106,7 @@ def main():
         for n in [n for n in ns if n > 1]:   # 1. the collectives: what α, β are fitted on
             for op in ("reduce_scatter", "all_gather"):
                 f = os.path.join(tmp, f"bench-{op}-{n}.json")
-                mpirun(n, ["-m", "ringzero.bench", "-b", "1K", "-e", "4M", "-f", "2", "-o", op,
+                mpirun(n, ["-m", "ringzero.bench", "-b", "1K", "-e", a.max_bytes, "-f", "2", "-o", op,
                            "-d", "float16", "-c", "0", "--no-mpi", "-n", "10", "-w", "2",
                            "--max-seconds", "0.5", "--json", f], 600)
                 with open(f) as fh:

@@ -22,8 +22,8 @@ What it is
     median over the steps after ``--warmup``; the same formula is applied to
     ringzero's ``step_time_s`` metric (its ``tokens_per_s`` is cross-checked).
     Peak RSS is each rank's ``ru_maxrss`` at exit, for both sides alike: the
-    ringzero ranks run the trainer through this file's ``--rz-worker`` shim,
-    which only adds that measurement. "RSS at start" is the resident size once
+    ranks run ``benchmarks/train_peer_worker.py`` (the ringzero side through
+    its ``ringzero`` shim, which only adds that measurement). "RSS at start" is the resident size once
     the libraries are imported, before any model exists (torch alone is a few
     hundred MiB of it).
 
@@ -35,10 +35,9 @@ What it is not
 from __future__ import annotations
 
 import argparse
-import datetime
+import importlib.util
 import json
 import os
-import resource
 import shutil
 import signal
 import socket
@@ -104,112 +103,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def env_rank_world():
-    """Rank and size from the launcher's environment (Open MPI, MPICH/PMI)."""
-    for r, w in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE")):
-        if r in os.environ:
-            return int(os.environ[r]), int(os.environ[w])
-    return 0, 1
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-
-
-def rss_now_bytes() -> int:
-    """Resident set size now (Linux /proc); 0 where that is not available."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-# ---- workers (run on every rank) ----------------------------------------------
-
-def torch_worker(a):
-    """One torch rank: wrap the model for ``a.mode``, train, write rank-R.json."""
-    import warnings
-    warnings.filterwarnings("ignore")
-    import torch
-    import torch.distributed as dist
-    sys.path.insert(0, HERE)
-    from torch_gpt import Block, TorchGPT
-    from ringzero.app.data import Batches, load_corpus
-    from ringzero.runtime.flat import Layout
-    from ringzero.nn.gpt import GPTConfig, gpt_units
-
-    torch.set_num_threads(1)
-    rank, world = env_rank_world()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=a.timeout))
-    rss_start = rss_now_bytes()          # libraries and process group, before any model
-    cfg = GPTConfig(a.n_layer, a.n_head, a.n_embd, a.seq_len, 256)  # block = seq_len
-    torch.manual_seed(a.seed)
-    model = TorchGPT(cfg)
-    n_params = sum(p.numel() for p in model.parameters())   # tied head counted once
-    if a.mode == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    else:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-        strategy = {"fsdp-grad-op": ShardingStrategy.SHARD_GRAD_OP,
-                    "fsdp-full": ShardingStrategy.FULL_SHARD}[a.mode]
-        # device_id=cpu: without it FSDP looks for an accelerator and refuses to start
-        model = FSDP(model, sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({Block}),
-                     device_id=torch.device("cpu"))
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    if a.mode == "ddp":
-        clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)  # noqa: E731
-    else:
-        clip = lambda: model.clip_grad_norm_(a.grad_clip)    # noqa: E731  (sharded norm)
-    corpus = load_corpus(None, a.seq_len)
-    batches = Batches(corpus.train, a.batch, a.seq_len, rank, world, a.seed)
-    times, losses = [], []
-    dist.barrier()
-    for step in range(a.steps):
-        t0 = time.perf_counter()
-        x, y = batches.get(step)                                  # (B, T) int64, reused
-        _, loss = model(torch.from_numpy(x), torch.from_numpy(y))
-        loss.backward()
-        if a.grad_clip > 0:
-            clip()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        lv = loss.item()
-        times.append(time.perf_counter() - t0)
-        losses.append(lv)
-    dist.barrier()
-    res = {"rank": rank, "world": world, "step_time_s": times, "loss": losses,
-           "peak_rss_bytes": peak_rss_bytes(), "rss_start_bytes": rss_start, "params": n_params,
-           "layout_params": Layout(gpt_units(cfg)).numel, "torch": torch.__version__}
-    with open(os.path.join(a.out, f"rank-{rank}.json"), "w") as f:
-        json.dump(res, f)
-    dist.destroy_process_group()
-
-
-def ringzero_worker(a, train_argv):
-    """Run the ringzero trainer as ``__main__`` on this rank, then record peak RSS."""
-    import importlib
-    import runpy
-    from mpi4py import MPI
-    importlib.import_module(a.rz_module)   # its imports only (no __main__): the libraries'
-    rss_start = rss_now_bytes()            # share of RSS, as measured on the torch side
-    sys.argv = [a.rz_module] + train_argv
-    code = 0
-    try:
-        runpy.run_module(a.rz_module, run_name="__main__", alter_sys=True)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    rank = MPI.COMM_WORLD.rank
-    with open(os.path.join(a.out, f"rank-{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "peak_rss_bytes": peak_rss_bytes(), "rss_start_bytes": rss_start}, f)
-    sys.exit(code)
-
-
 # ---- the driver ----------------------------------------------------------------
 
 def launch(cmd, log, timeout):
@@ -255,15 +148,14 @@ def run_mode(mode, n, a, work):
     d = os.path.join(work, f"{mode}-n{n}")
     os.makedirs(d, exist_ok=True)
     tokens = n * a.batch * a.seq_len                   # global tokens per step
-    py = [sys.executable, "-m", "mpi4py"]
-    me = os.path.abspath(__file__)
+    worker = os.path.join(HERE, "train_peer_worker.py")
     if mode in RZ_MODES:
         metrics = os.path.join(d, "metrics.jsonl")
-        cmd = mpirun_prefix(n) + py + [me, "--rz-worker", "--out", d, "--rz-module", a.rz_module,
-                                       "--"] + ringzero_args(a, RZ_MODES[mode], metrics)
+        cmd = mpirun_prefix(n) + [sys.executable, "-m", "mpi4py", worker, "ringzero", "--out", d,
+                                  "--rz-module", a.rz_module, "--"] + ringzero_args(a, RZ_MODES[mode], metrics)
     else:
-        cmd = mpirun_prefix(n) + [sys.executable, me, "--torch-worker", "--mode", mode,
-                                  "--out", d, "--port", str(free_port())] + model_args(a)
+        cmd = mpirun_prefix(n) + [sys.executable, worker, "torch", "--mode", mode, "--out", d,
+                                  "--port", str(free_port()), "--timeout", str(a.timeout)] + model_args(a)
     log = os.path.join(d, "log.txt")
     t0 = time.perf_counter()
     load = os.getloadavg()[0]           # 1-min load average at launch: the noise gauge
@@ -368,42 +260,31 @@ def parse(argv=None):
     ap.add_argument("--timeout", type=int, default=600, help="seconds per launch")
     ap.add_argument("--json", default=None, help="write the rows (with per-step times) here")
     ap.add_argument("--keep", default=None, help="keep logs and metrics in this folder")
-    # worker-side flags (the driver passes these; not for users)
-    ap.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--rz-worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--mode", default="ddp", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    argv = sys.argv[1:] if argv is None else argv
-    rest = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, rest = argv[:i], argv[i + 1:]
-    a = ap.parse_args(argv)
-    if not (a.torch_worker or a.rz_worker):
-        try:
-            a.ranks = [int(x) for x in a.ranks.split(",") if x]
-        except ValueError:
-            ap.error(f"--ranks must be a comma list of ints, got {a.ranks!r}")
-        a.modes = [m for m in a.modes.split(",") if m]
-        bad = [m for m in a.modes if m not in MODES]
-        if bad or not a.modes:
-            ap.error(f"--modes must be from {','.join(MODES)}, got {bad or a.modes}")
-        if min(a.ranks, default=0) < 1:
-            ap.error(f"--ranks must be >= 1, got {a.ranks}")
-        if a.steps <= a.warmup or a.warmup < 0:
-            ap.error(f"need 0 <= --warmup < --steps, got warmup {a.warmup}, steps {a.steps}")
-        if a.repeat < 1:
-            ap.error(f"--repeat must be >= 1, got {a.repeat}")
-    return a, rest
+    a = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        a.ranks = [int(x) for x in a.ranks.split(",") if x]
+    except ValueError:
+        ap.error(f"--ranks must be a comma list of ints, got {a.ranks!r}")
+    a.modes = [m for m in a.modes.split(",") if m]
+    bad = [m for m in a.modes if m not in MODES]
+    if bad or not a.modes:
+        ap.error(f"--modes must be from {','.join(MODES)}, got {bad or a.modes}")
+    if min(a.ranks, default=0) < 1:
+        ap.error(f"--ranks must be >= 1, got {a.ranks}")
+    if a.steps <= a.warmup or a.warmup < 0:
+        ap.error(f"need 0 <= --warmup < --steps, got warmup {a.warmup}, steps {a.steps}")
+    if a.repeat < 1:
+        ap.error(f"--repeat must be >= 1, got {a.repeat}")
+    return a
 
 
 def main(argv=None):
-    a, rest = parse(argv)
-    if a.torch_worker:
-        return torch_worker(a)
-    if a.rz_worker:
-        return ringzero_worker(a, rest)
+    a = parse(argv)
+    if importlib.util.find_spec("torch") is None and any(m in TORCH_MODES for m in a.modes):
+        print("train_peer: torch is not installed (RINGZERO_PEER=1 installs it): the torch rows are skipped")
+        a.modes = [m for m in a.modes if m not in TORCH_MODES]
+        if not a.modes:
+            return 0
     work = a.keep or tempfile.mkdtemp(prefix="train_peer-")
     os.makedirs(work, exist_ok=True)
     print(f"train_peer: GPT n_layer={a.n_layer} n_head={a.n_head} n_embd={a.n_embd} "
@@ -432,9 +313,7 @@ def main(argv=None):
                   f"{r['tokens_per_s']:.0f}")
     if a.json:
         with open(a.json, "w") as f:
-            cfg = {k: v for k, v in vars(a).items()
-                   if k not in ("torch_worker", "rz_worker", "mode", "out", "port")}
-            json.dump({"config": cfg,
+            json.dump({"config": vars(a),
                        "rows": rows, "launches": [r for v in launches.values() for r in v]},
                       f, indent=1)
     if not a.keep:

@@ -1,0 +1,73 @@
+"""Every script in benchmarks/ runs at tiny sizes, exits 0 and prints its table.
+
+What it is
+    ``RUNS`` holds, per script, the tiny command lines (ranks under mpirun or
+    None, arguments, one line of the table it must print).
+    ``test_every_script_is_covered`` fails when a script in benchmarks/ has
+    no entry, so a new benchmark cannot go untested. train_peer.py runs one
+    ringzero row and one torch row (DDP); without torch it prints one line
+    saying the torch rows are skipped, and the test checks that line instead.
+What it is not
+    A timing: the sizes are far too small for any figure to mean anything.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import sys
+
+import pytest
+from smoke_run import PY, ROOT, TINY_GPT, check, prev_comm, run, smoke_dir  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.smoke
+
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+PEER = ["--ranks", "2", "--steps", "3", "--warmup", "1", "--modes", "ringzero,ddp", "--timeout", "200", *TINY_GPT]
+PREV = "{prev}"   # replaced by the prev_comm fixture's folder
+
+# script -> [(ranks or None, args, a line of its table)]
+RUNS = {
+    "allreduce_schedules.py": [(4, ["4K", "16K"], r"^n=4 MPI time / schedule time: 4K recursive_doubling=")],
+    "bench_model.py": [(None, ["--batch", "1", "--seq", "16", "--repeats", "1", "--warmup", "0"],
+                        r"fwd\+bwd: median")],
+    "bench_stages.py": [(2, [*TINY_GPT, "--iters", "2", "--warmup", "1"], r"^\s+3\s+[\d.]+ ms\s+[\d.]+x"),
+                        (None, ["--rss", "-n", "2", "--stages", "0,3", *TINY_GPT], r"^\s+3\s+[\d.]+ MiB")],
+    "check_simulate.py": [(None, ["--ns", "2", "--models", "1L-32C", "--iters", "2", "--max-bytes", "16K"],
+                           r"^\|error\|: median")],
+    "interleave_bias.py": [(2, ["4096"], r"all_reduce\s+4096\s+loop\s+ring")],
+    "plan_profile.py": [(2, ["all_reduce", "4K", "20"], r"Ring call .* us, MPI")],
+    "ring_before_after.py": [(2, [PREV, "--ops", "all_reduce", "--sizes", "4K", "--allocs", "1", "--budget", "0.05"],
+                              r"all_reduce\s+4096")],
+    "stage3_ring_before_after.py": [(2, [PREV, "2"], r"new/old step time: [\d.]+")],
+    "train_peer.py": [(None, PEER, r"^\| ringzero \| 2 \| \d+")],
+}
+# not scripts of their own: what runs them
+COVERED_BY = {"torch_gpt.py": "bench_model.py and train_peer.py (the torch side)",
+              "train_peer_worker.py": "train_peer.py (its ranks)"}
+CASES = [(s, i, *r) for s, rs in RUNS.items() for i, r in enumerate(rs)]
+
+
+def test_every_script_is_covered():
+    scripts = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "benchmarks", "*.py"))}
+    missing = scripts - set(RUNS) - set(COVERED_BY)
+    assert not missing, f"benchmarks/ scripts with no smoke run (add them to RUNS): {sorted(missing)}"
+    stale = (set(RUNS) | set(COVERED_BY)) - scripts
+    assert not stale, f"RUNS / COVERED_BY name scripts that are gone: {sorted(stale)}"
+
+
+@pytest.mark.parametrize("script,i,ranks,args,table", CASES, ids=[f"{c[0]}#{c[1]}" for c in CASES])
+def test_benchmark(script, i, ranks, args, table, request):
+    if PREV in args:
+        args = [request.getfixturevalue("prev_comm") if a == PREV else a for a in args]
+    path = os.path.join("benchmarks", script)
+    argv = [PY, "-m", "mpi4py", path, *args] if ranks else [PY, path, *args]
+    rc, out = run(argv, ranks=ranks)
+    what = f"benchmarks/{script} ({'mpirun -n %d ' % ranks if ranks else ''}{' '.join(args)})"
+    check(rc, out, table, what)
+    if script == "train_peer.py":
+        if HAVE_TORCH:
+            check(rc, out, r"^\| ddp \| 2 \| \d+", what + ": the torch row")
+        else:
+            check(rc, out, r"torch is not installed", what + ": the line saying the torch rows are skipped")
+            print("train_peer.py: torch is not installed here, so its torch row was skipped", file=sys.stderr)

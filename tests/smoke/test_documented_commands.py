@@ -1,0 +1,125 @@
+"""Every ``python -m ringzero.X`` command in the README's and docs' code blocks runs, made tiny.
+
+What it is
+    tests/smoke/documented.py reads the commands out of the Markdown; each one
+    becomes a test here, named by the file and line that show it. ``tiny()``
+    keeps the command as written and changes only what CI cannot afford or
+    does not have: a 1-layer GPT and 2 steps for the trainer, 1-4 KiB and a
+    few iterations for the bench, the fixture's checkpoint, metrics and bench
+    files for placeholder inputs (``CKPT``, ``run.jsonl``, ``q2.json``), and a
+    temporary folder for every output (``-o``, ``--plot``, ``--json``: nothing
+    under docs/img is rewritten). Commands shown under mpirun run under the
+    venv's mpirun at the rank count shown (2 for ``$N``). Each must exit 0
+    and print its table (``TABLES``: one line of it, per module and word).
+What it is not
+    A check of any figure the docs quote; and the benchmarks/ scripts are
+    tests/smoke/test_benchmarks.py's.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+from smoke_run import PY, TINY_GPT, bench_files, check, run, smoke_dir, text_file, trained  # noqa: F401 (fixtures)
+from documented import commands
+
+pytestmark = pytest.mark.smoke
+
+# (module, first word or None) -> a line of the table the command prints
+TABLES = {
+    ("ringzero.train", None): r"^model state per rank\s+measured\s+formula",
+    ("ringzero.bench", None): r"^#\s+op\s+size\b.*\bbusbw",
+    ("ringzero.bench", "sched"): r"\bring=.*\bmpi=",
+    ("ringzero.bench", "dtypes"): r"float16",
+    ("ringzero.bench", "median"): r"^\| op \| n \|",
+    ("ringzero.estimate", None): r"^\s*stage\b",
+    ("ringzero.explain", "traffic"): r"^\s*stage\b",
+    ("ringzero.explain", "fragmentation"): r"OOMs",
+    ("ringzero.explain", "precision"): r"loss scaler",
+    ("ringzero.fit", None): r"α|alpha",
+    ("ringzero.simulate", None): r"^\s*stage\b",
+    ("ringzero.plot", None): r"\.png",
+    ("ringzero.checkpoint", "inspect"): r"step",
+    ("ringzero.checkpoint", "export"): r"safetensors",
+    ("ringzero.sample", None): r"\S",
+    ("ringzero.data", None): r"unigram entropy",
+}
+TINY_TRAIN = TINY_GPT + ["--steps", "2", "--eval-interval", "1", "--eval-batches", "1", "--sample-chars", "16"]
+BENCH_TINY = {"-b": "1K", "--minbytes": "1K", "-e": "4K", "--maxbytes": "4K", "-n": "2", "--iters": "2",
+              "--count": "1K"}
+OUTPUT_FLAGS = ("-o", "--plot", "--json")   # and the trainer's --metrics
+CMDS = commands()
+
+
+def word(cmd):
+    """The subcommand (``sched``, ``traffic``, ...) when the first argument is one."""
+    return cmd.args[0] if cmd.args and re.fullmatch(r"[a-z]+", cmd.args[0]) else None
+
+
+def tiny(cmd, inputs, out_dir):
+    """The command's argument list, made tiny and pointed at the fixtures' files."""
+    args, out = list(cmd.args), []
+    bench_inputs_done = False
+    i = 0
+    while i < len(args):
+        a = args[i]
+        prev = args[i - 1] if i else ""
+        outputs = OUTPUT_FLAGS + (("--metrics", "--save-dir") if cmd.module == "ringzero.train" else ())
+        if prev in outputs and re.search(r"\.\w+$", a):                # an output file: into the temporary folder
+            out.append(os.path.join(out_dir, os.path.basename(a.replace("$", "_"))))
+        elif cmd.module == "ringzero.bench" and prev in BENCH_TINY:
+            out.append(BENCH_TINY[prev])
+        elif prev == "--data":
+            out.append(inputs["text"])
+        elif a.endswith(".safetensors"):
+            out.append(os.path.join(out_dir, os.path.basename(a)))
+        elif re.search(r"(^|/)step-\d+$", a):
+            out.append(inputs["step_dir"]())
+        elif a in ("CKPT", "ckpt", "ck", "/tmp/ck", "DIR"):
+            out.append(inputs["save_dir"]())
+        elif a.endswith(".jsonl"):
+            out.append(inputs["metrics"]())
+        elif re.fullmatch(r"[\w*${}\-]+\.json(\.\.\.)?", a) or a == "...":   # bench files to read
+            if not bench_inputs_done:
+                out += inputs["bench"]()
+                bench_inputs_done = True
+        else:
+            out.append(a)
+        i += 1
+    if cmd.module == "ringzero.train" and not {"--help", "-h", "--check"} & set(out):
+        out += TINY_TRAIN
+    if cmd.module == "ringzero.bench" and word(cmd) is None:
+        out += ["-w", "1"]
+    return out
+
+
+@pytest.fixture
+def inputs(request, text_file):
+    """Lazy: only the commands that read a checkpoint or bench files pay for making them."""
+    fx = request.getfixturevalue
+    return {"text": text_file,
+            "save_dir": lambda: fx("trained")["save_dir"], "step_dir": lambda: fx("trained")["step_dir"],
+            "metrics": lambda: fx("trained")["metrics"], "bench": lambda: fx("bench_files")}
+
+
+def test_the_docs_show_commands():
+    """The extraction finds the commands it must (an extractor that finds none would pass everything)."""
+    found = {(c.module, word(c)) for c in CMDS}
+    for must in [("ringzero.train", None), ("ringzero.bench", None), ("ringzero.estimate", None)]:
+        assert must in found, f"no documented {must} command found in the code blocks: {sorted(found)}"
+    user = [c for c in CMDS if c.module == "ringzero.train" and c.ranks == 8 and c.where.startswith("README")]
+    assert user, "the README shows no `mpirun -n 8 python -m ringzero.train` command"
+
+
+@pytest.mark.parametrize("cmd", CMDS, ids=[f"{c.where}:{c.module}{' ' + w if (w := word(c)) else ''}" for c in CMDS])
+def test_documented_command(cmd, inputs, tmp_path):
+    key = (cmd.module, word(cmd))
+    table = TABLES.get(key, TABLES.get((cmd.module, None)))
+    assert table, f"{cmd.where}: no table pattern for {key} in TABLES; add one"
+    args = tiny(cmd, inputs, str(tmp_path))
+    if "--help" in args:
+        table = r"^usage:"
+    argv = [PY, "-m", "mpi4py", "-m", cmd.module, *args] if cmd.ranks else [PY, "-m", cmd.module, *args]
+    rc, out = run(argv, ranks=cmd.ranks, cwd=str(tmp_path))
+    check(rc, out, table, f"{cmd.where}: {cmd.text}\n  ran as: {' '.join(argv)}")
