@@ -65,6 +65,17 @@ def rng():
     return np.random.default_rng(7)
 
 
+@pytest.fixture(params=["c", "xp"])
+def path(request, monkeypatch):
+    """Both arithmetic paths of ringzero.nn.fused: the C kernels, and the NumPy fallback."""
+    from ringzero.nn import fused
+    if request.param == "c" and not fused.HAVE_C:
+        pytest.skip("ringzero.nn._fused was not built")
+    if request.param == "xp":
+        monkeypatch.setattr(fused, "_c", None)
+    return request.param
+
+
 def test_linear(rng):
     p = {"w": rng.standard_normal((5, 4)), "b": rng.standard_normal(4)}
     check_layer(Lr.Linear(), p, rng.standard_normal((2, 3, 5)), rng)
@@ -87,12 +98,12 @@ def test_unembed(rng):
     check_layer(Lr.Unembed(), {"w": rng.standard_normal((7, 4))}, rng.standard_normal((5, 4)), rng)
 
 
-def test_layernorm(rng):
+def test_layernorm(path, rng):
     p = {"w": 1 + 0.1 * rng.standard_normal(6), "b": rng.standard_normal(6)}
     check_layer(Lr.LayerNorm(), p, rng.standard_normal((2, 3, 6)) * 2 + 0.5, rng)
 
 
-def test_layernorm_matches_formula(rng):
+def test_layernorm_matches_formula(path, rng):
     x = rng.standard_normal((4, 8))
     p = {"w": rng.standard_normal(8), "b": rng.standard_normal(8)}
     y, _ = Lr.LayerNorm().forward(p, x)
@@ -100,11 +111,11 @@ def test_layernorm_matches_formula(rng):
     np.testing.assert_allclose(y, ref, rtol=1e-12, atol=1e-12)
 
 
-def test_gelu(rng):
+def test_gelu(path, rng):
     check_layer(Lr.GELU(), {}, rng.standard_normal((3, 7)) * 2, rng)
 
 
-def test_gelu_matches_formula(rng):
+def test_gelu_matches_formula(path, rng):
     x = rng.standard_normal(50) * 3
     y, _ = Lr.GELU().forward({}, x)
     ref = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
@@ -124,7 +135,7 @@ def test_residual(rng):
         lay.forward(None, (x, r.T))
 
 
-def test_embedding(rng):
+def test_embedding(path, rng):
     p = {"wte": rng.standard_normal((9, 4)), "wpe": rng.standard_normal((6, 4))}
     idx = rng.integers(0, 9, (3, 5))
     idx[0, :2] = 3                          # repeated tokens: the scatter-add must accumulate
@@ -142,7 +153,7 @@ def test_embedding_errors(rng):
 
 
 @pytest.mark.parametrize("H", [1, 2])
-def test_attention(rng, H):
+def test_attention(path, rng, H):
     C = 4
     p = {"attn.w": rng.standard_normal((C, 3 * C)) * 0.5, "attn.b": rng.standard_normal(3 * C) * 0.1,
          "proj.w": rng.standard_normal((C, C)) * 0.5, "proj.b": rng.standard_normal(C) * 0.1}
@@ -162,7 +173,7 @@ def test_attention_is_causal(rng):
     assert not np.allclose(y1[0, 4:], y2[0, 4:])
 
 
-def test_cross_entropy(rng):
+def test_cross_entropy(path, rng):
     lay = Lr.SoftmaxCrossEntropy()
     logits = rng.standard_normal((6, 5)) * 3
     t = rng.integers(0, 5, 6)
@@ -178,7 +189,7 @@ def test_cross_entropy(rng):
     assert rel_err(dl, fd_grad(f, logits)) <= TOL
 
 
-def test_cross_entropy_stable_and_checked():
+def test_cross_entropy_stable_and_checked(path):
     lay = Lr.SoftmaxCrossEntropy()
     logits = np.array([[1000.0, 0.0], [0.0, -1000.0]])
     loss, _ = lay.forward(None, (logits, np.array([0, 0])))

@@ -209,14 +209,27 @@ def _torch():
     return torch, torch_gpt
 
 
-def test_gpt_matches_torch():
+@pytest.fixture(params=["c", "xp"])
+def path(request, monkeypatch):
+    """Both arithmetic paths of ringzero.nn.fused: the C kernels, and the NumPy fallback."""
+    from ringzero.nn import fused
+    if request.param == "c" and not fused.HAVE_C:
+        pytest.skip("ringzero.nn._fused was not built")
+    if request.param == "xp":
+        monkeypatch.setattr(fused, "_c", None)
+    return request.param
+
+
+# T = 16 is one causal block; T = 80 (> the 64-row block) takes the blocked attention products on the C path
+@pytest.mark.parametrize("T", [16, 80])
+def test_gpt_matches_torch(path, T):
     torch, tg = _torch()
-    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab=50)
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=T, vocab=50)
     m = GPT(cfg)
     lay, buf, gbuf = make(m.units, np.float32, seed=3)
     P, G = lay.views(buf), lay.views(gbuf)
     rng = np.random.default_rng(8)
-    idx, t = rng.integers(0, 50, (3, 16)), rng.integers(0, 50, (3, 16))
+    idx, t = rng.integers(0, 50, (3, T)), rng.integers(0, 50, (3, T))
     loss = m.loss_and_grad(P, G, idx, t)
     torch.manual_seed(0)
     tm = tg.load_from_flat(tg.TorchGPT(cfg), P)
@@ -235,6 +248,29 @@ def test_gpt_matches_torch():
     out = m.generate(P, idx[:, :5], 1, temperature=0)
     logits, _ = tm(torch.from_numpy(idx[:, :5]))
     assert np.array_equal(out[:, 5], logits[:, -1].argmax(-1).numpy())
+
+
+def test_gpt_step_c_and_numpy_paths_agree_in_float32(monkeypatch):
+    """One float32 fwd+bwd of a GPT through the C kernels and through the NumPy fallback:
+    the loss and every gradient agree to float32 rounding (the paths round differently)."""
+    from ringzero.nn import fused
+    if not fused.HAVE_C:
+        pytest.skip("ringzero.nn._fused was not built")
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=72, vocab=40)
+    rng = np.random.default_rng(4)
+    idx, t = rng.integers(0, 40, (2, 72)), rng.integers(0, 40, (2, 72))
+    out = []
+    for c in (fused._c, None):
+        monkeypatch.setattr(fused, "_c", c)
+        m = GPT(cfg)
+        lay, buf, gbuf = make(m.units, np.float32, seed=5)
+        loss = m.loss_and_grad(lay.views(buf), lay.views(gbuf), idx, t)
+        out.append((loss, lay.views(gbuf)))
+    (l1, g1), (l2, g2) = out
+    assert abs(l1 - l2) <= 1e-6 * abs(l2)
+    bad = {n: float(np.linalg.norm(g1[n] - g2[n]) / np.linalg.norm(g2[n])) for n in g2
+           if not np.linalg.norm(g1[n] - g2[n]) <= 1e-5 * np.linalg.norm(g2[n])}
+    assert not bad, bad
 
 
 @pytest.mark.gpu

@@ -82,7 +82,11 @@ def gelu_forward(x, y, s, b=None):
     s += 1.0
     s *= x
     s *= -2.0 * GELU_K
-    xp.exp(s, out=s)                                           # exp(-2u): inf for very negative x, s -> 0
+    if xp is np:
+        with np.errstate(over="ignore"):                       # exp(-2u) = inf for very negative x: s = 0
+            np.exp(s, out=s)
+    else:
+        xp.exp(s, out=s)
     s += 1.0
     xp.divide(1.0, s, out=s)
     xp.multiply(x, s, out=y)
