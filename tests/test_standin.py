@@ -185,9 +185,12 @@ def _run(comm, stage, device, steps=3, precision="fp32", **kw):
 @pytest.fixture
 def same_embed_sum(monkeypatch):
     """The CPU reference uses the device's embedding-gradient sum (NumPy's
-    default np.add.at differs from it in the last bits; see test_layers)."""
-    from ringzero.nn import layers
+    default np.add.at differs from it in the last bits; see test_layers), and
+    the device's elementwise formulas (the host's C kernels round differently;
+    see tests/test_fused.py)."""
+    from ringzero.nn import fused, layers
     monkeypatch.setattr(layers.Embedding, "grad_sum", "segmented")
+    monkeypatch.setattr(fused, "_c", None)
 
 
 @pytest.mark.mpi
