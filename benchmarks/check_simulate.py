@@ -55,11 +55,16 @@ def mpirun(n: int, args: list, timeout: int) -> str:
     mpi = os.path.join(os.path.dirname(sys.executable), "mpirun")
     cmd = [mpi if os.path.exists(mpi) else "mpirun", *flags, "-n", str(n),
            sys.executable, "-m", "mpi4py", *args]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT, check=False)
     if res.returncode:
         raise SystemExit(f"check_simulate: {' '.join(args[:3])} at n={n} failed: "
                          f"{(res.stderr.strip().splitlines() or ['?'])[-1]}")
     return res.stdout
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
 
 
 def load() -> str:
@@ -130,7 +135,7 @@ def main():
                 mpirun(n, ["-m", "ringzero.simulate", "measure", *dims, "--json", cj[1]], 600)
                 with open(f) as fh:
                     meas[(m, n)] = {r["stage"]: r["median_step_s"] for r in json.load(fh)["rows"]}
-                c0, c1 = (json.load(open(c)) for c in cj)   # before and after: their mean
+                c0, c1 = (read_json(c) for c in cj)         # before and after: their mean
                 comps[(m, n)] = sm.Compute(*[list((np.array(c0[k]) + np.array(c1[k])) / 2)
                                              for k in ("fwd", "bwd")],
                                            (c0["cast_s"] + c1["cast_s"]) / 2,

@@ -86,7 +86,7 @@ def mpirun_prefix(n: int) -> list:
     mpirun = venv_mpirun if os.path.exists(venv_mpirun) else shutil.which("mpirun")
     if not mpirun:
         raise SystemExit("train_peer: no mpirun next to this python or on PATH")
-    out = subprocess.run([mpirun, "--version"], capture_output=True, text=True).stdout
+    out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, check=False).stdout
     cmd = [mpirun]
     if "open mpi" in out.lower():
         cmd += ["--oversubscribe", "--bind-to", "none"]
@@ -216,8 +216,8 @@ def table(rows, launches):
     the median of the per-round ratios, with their range when rounds > 1."""
     cols = [m for m in RZ_MODES if any(r["mode"] == m and r.get("ok") for r in rows)]
     head = "".join(f" {m} / peer |" for m in cols)
-    lines = [f"| mode | ranks | tokens/s | peak RSS per rank | RSS at start | loss first → last |{head}"
-             " every launch (load) |", "|---|---|---|---|---|---|" + "---|" * len(cols) + "---|"]
+    lines = [(f"| mode | ranks | tokens/s | peak RSS per rank | RSS at start | loss first → last |{head}"
+              " every launch (load) |"), "|---|---|---|---|---|---|" + "---|" * len(cols) + "---|"]
     for r in rows:
         if not r.get("ok"):
             lines.append(f"| {r['mode']} | {r['ranks']} | failed: {r['error']} | — | — | — |"
@@ -302,7 +302,9 @@ def main(argv=None):
     rows = [best_of(launches[(m, n)]) for n in a.ranks for m in a.modes]
     print(table(rows, launches))
     params = {r["mode"]: r["params"] for r in rows if r.get("params")}
-    params.update({"ringzero layout": r["layout_params"] for r in rows if r.get("layout_params")})
+    layout = [r["layout_params"] for r in rows if r.get("layout_params")]
+    if layout:
+        params["ringzero layout"] = layout[-1]
     if params:
         print("params: " + ", ".join(f"{k} {v:,}" for k, v in params.items())
               + ("" if len(set(params.values())) == 1 else "  !! MISMATCH: the models differ"))

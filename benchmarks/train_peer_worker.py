@@ -58,9 +58,10 @@ def torch_worker(a):
     import torch.distributed as dist
     sys.path.insert(0, HERE)
     from torch_gpt import Block, TorchGPT
+
     from ringzero.app.data import Batches, load_corpus
-    from ringzero.runtime.flat import Layout
     from ringzero.nn.gpt import GPTConfig, gpt_units
+    from ringzero.runtime.flat import Layout
 
     torch.set_num_threads(1)
     rank, world = env_rank_world()
@@ -74,7 +75,8 @@ def torch_worker(a):
     if a.mode == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     else:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import ShardingStrategy
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
         strategy = {"fsdp-grad-op": ShardingStrategy.SHARD_GRAD_OP,
                     "fsdp-full": ShardingStrategy.FULL_SHARD}[a.mode]
@@ -117,6 +119,7 @@ def ringzero_worker(a, train_argv):
     """Run the ringzero trainer as ``__main__`` on this rank, then record peak RSS."""
     import importlib
     import runpy
+
     from mpi4py import MPI
     importlib.import_module(a.rz_module)   # its imports only (no __main__): the libraries'
     rss_start = rss_now_bytes()            # share of RSS, as measured on the torch side

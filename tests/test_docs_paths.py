@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
 FOLDERS = ("ringzero", "benchmarks", "launch", "tests", "docs")
 # a path starts at one of the folders, not inside a longer path (/tmp/prev/ringzero_prev/...)
-PATH_RE = re.compile(r"(?<![\w./~$-])((?:%s)/[\w.*/-]*)" % "|".join(FOLDERS))
+PATH_RE = re.compile(r"(?<![\w./~$-])((?:" + "|".join(FOLDERS) + r")/[\w.*/-]*)")
 NAME_RE = re.compile(r"(?<![\w./\\-])ringzero(?:\.[A-Za-z_]\w*)+")
 RUN_RE = re.compile(r"python -m (?:mpi4py -m )?(ringzero(?:\.[A-Za-z_]\w*)+)")
 LINK_RE = re.compile(r"\]\(([^)\s]+)\)")
@@ -64,7 +64,7 @@ def table_files(text):
     Each ``name.py`` / ``csrc/f16.c`` token of the row is read inside that folder."""
     out = []
     for line in text.splitlines():
-        m = re.match(r"\|\s*`((?:%s)/[\w/]*/)`" % "|".join(FOLDERS), line)
+        m = re.match(r"\|\s*`((?:" + "|".join(FOLDERS) + r")/[\w/]*/)`", line)
         if not m:
             continue
         for name in re.findall(r"`([\w/]+\.(?:py|c|sh))`", line):
@@ -104,7 +104,8 @@ def defined_names(source_path):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             top.add(node.name)
             if isinstance(node, ast.ClassDef):
-                members[node.name] = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+                members[node.name] = {n.name for n in node.body
+                                      if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
                 for n in node.body:
                     if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
                         members[node.name].add(n.target.id)
@@ -178,7 +179,7 @@ def test_cited_modules_exist(doc):
     text = read(doc)
     bad = {n: why for n in set(NAME_RE.findall(text)) if (why := check_name(n))}
     for mod in set(RUN_RE.findall(text)):
-        name, spec, rest = locate(mod)
+        _, spec, rest = locate(mod)
         if spec is None or rest:
             bad[f"python -m {mod}"] = f"no module {mod}"
         elif spec.submodule_search_locations and not PathFinder.find_spec(

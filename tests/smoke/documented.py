@@ -17,7 +17,7 @@ import glob
 import os
 import re
 import shlex
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
@@ -27,7 +27,7 @@ RUN = re.compile(r"python -m (mpi4py -m )?(ringzero(?:\.\w+)+)(.*)$")
 class Command(NamedTuple):
     module: str             # "ringzero.bench"
     args: tuple             # as written, shell words ("[--verify]" groups removed)
-    ranks: Optional[int]    # the mpirun -n, None when it runs as one process
+    ranks: int | None    # the mpirun -n, None when it runs as one process
     where: str              # "README.md:212"
     text: str               # the line as written (continuations joined)
 

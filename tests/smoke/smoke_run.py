@@ -40,7 +40,7 @@ def mpirun_argv(ranks: int) -> list:
     if not os.path.exists(mpirun):
         mpirun = shutil.which("mpirun") or "mpirun"
     flags = []
-    out = subprocess.run([mpirun, "--version"], capture_output=True, text=True).stdout.lower()
+    out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, check=False).stdout.lower()
     if "open mpi" in out:
         flags = ["--oversubscribe", "--bind-to", "none"] + (["--allow-run-as-root"] if os.getuid() == 0 else [])
         for v in THREADS:
@@ -71,7 +71,7 @@ def check(rc, out, table, what):
     tail = "\n".join(out.strip().splitlines()[-40:])
     if rc != 0:
         pytest.fail(f"{what}: exit code {rc}; its output ends:\n{tail}", pytrace=False)
-    if not re.search(table, out, re.M):
+    if not re.search(table, out, re.MULTILINE):
         pytest.fail(f"{what}: exit 0 but no line matching {table!r}; its output ends:\n{tail}", pytrace=False)
 
 

@@ -63,7 +63,7 @@ def test_benchmark(script, i, ranks, args, table, request):
     path = os.path.join("benchmarks", script)
     argv = [PY, "-m", "mpi4py", path, *args] if ranks else [PY, path, *args]
     rc, out = run(argv, ranks=ranks)
-    what = f"benchmarks/{script} ({'mpirun -n %d ' % ranks if ranks else ''}{' '.join(args)})"
+    what = f"benchmarks/{script} ({f'mpirun -n {ranks} ' if ranks else ''}{' '.join(args)})"
     check(rc, out, table, what)
     if script == "train_peer.py":
         if HAVE_TORCH:

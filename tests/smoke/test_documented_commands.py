@@ -21,8 +21,8 @@ import os
 import re
 
 import pytest
-from smoke_run import PY, TINY_GPT, bench_files, check, run, smoke_dir, text_file, trained  # noqa: F401 (fixtures)
 from documented import commands
+from smoke_run import PY, TINY_GPT, bench_files, check, run, smoke_dir, text_file, trained  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.smoke
 
@@ -95,10 +95,10 @@ def tiny(cmd, inputs, out_dir):
 
 
 @pytest.fixture
-def inputs(request, text_file):
+def inputs(request):
     """Lazy: only the commands that read a checkpoint or bench files pay for making them."""
     fx = request.getfixturevalue
-    return {"text": text_file,
+    return {"text": fx("text_file"),
             "save_dir": lambda: fx("trained")["save_dir"], "step_dir": lambda: fx("trained")["step_dir"],
             "metrics": lambda: fx("trained")["metrics"], "bench": lambda: fx("bench_files")}
 
