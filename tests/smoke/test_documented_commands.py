@@ -2,9 +2,10 @@
 
 What it is
     tests/smoke/documented.py reads the commands out of the Markdown; each one
-    becomes a test here, named by the file and line that show it. ``tiny()``
-    keeps the command as written and changes only what CI cannot afford or
-    does not have: a 1-layer GPT and 2 steps for the trainer, 1-4 KiB and a
+    becomes a test here, named by the file and line that show it and the tool
+    (``README.md:39:train``). ``tiny()`` keeps the command as written and
+    changes only what CI cannot afford or does not have: a 1-layer GPT and
+    2 steps for the trainer, 1-4 KiB and a
     few iterations for the bench, the fixture's checkpoint, metrics and bench
     files for placeholder inputs (``CKPT``, ``run.jsonl``, ``q2.json``), and a
     temporary folder for every output (``-o``, ``--plot``, ``--json``: nothing
@@ -112,7 +113,11 @@ def test_the_docs_show_commands():
     assert user, "the README shows no `mpirun -n 8 python -m ringzero.train` command"
 
 
-@pytest.mark.parametrize("cmd", CMDS, ids=[f"{c.where}:{c.module}{' ' + w if (w := word(c)) else ''}" for c in CMDS])
+# ids without "ringzero" in them, so that ``./launch/test -k zero`` does not select every command
+IDS = [f"{c.where}:{c.module.removeprefix('ringzero.')}{' ' + w if (w := word(c)) else ''}" for c in CMDS]
+
+
+@pytest.mark.parametrize("cmd", CMDS, ids=IDS)
 def test_documented_command(cmd, inputs, tmp_path):
     key = (cmd.module, word(cmd))
     table = TABLES.get(key, TABLES.get((cmd.module, None)))
