@@ -6,7 +6,7 @@ What it checks
       included (``ringzero/comm/_f16*.so`` must match a file), and a
       ``path.py::name`` suffix names something that file defines;
     - relative Markdown links (``[model](docs/model.md#anchor)``), against the
-      file that holds them;
+      file that holds them, and their anchors against the target's headings;
     - dotted names ``ringzero.x.y``: the longest prefix is found as a module
       without importing it (``importlib.machinery.PathFinder`` walks the
       package folders; nothing under ``ringzero`` is executed), and what is left
@@ -162,16 +162,32 @@ def test_cited_paths_exist(doc):
     assert not bad, f"{doc} cites what is not there:\n  " + "\n  ".join(sorted(set(bad)))
 
 
+def anchors(md_path):
+    """The anchors GitHub gives a Markdown file's headings (lower case, punctuation dropped, spaces to -)."""
+    with open(md_path, encoding="utf-8") as f:
+        text = re.sub(r"```.*?```", "", f.read(), flags=re.DOTALL)  # a "# comment" in a code block is no heading
+    seen, out = {}, set()
+    for h in re.findall(r"^#{1,6}\s+(.+?)\s*$", text, re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
 @pytest.mark.parametrize("doc", DOCS)
 def test_links_resolve(doc):
     bad = []
     for target in LINK_RE.findall(read(doc)):
-        if re.match(r"[a-z]+:", target) or target.startswith("#"):   # http:, mailto:, an anchor in the same file
+        if re.match(r"[a-z]+:", target):                # http:, mailto:
             continue
-        path = target.split("#")[0]
-        if not os.path.exists(os.path.join(ROOT, os.path.dirname(doc), path)):
-            bad.append(target)
-    assert not bad, f"{doc} links to files that are not there: {sorted(set(bad))}"
+        path, _, anchor = target.partition("#")
+        full = os.path.join(ROOT, os.path.dirname(doc), path) if path else os.path.join(ROOT, doc)
+        if not os.path.exists(full):
+            bad.append(f"{target}: no such file")
+        elif anchor and full.endswith(".md") and anchor not in anchors(full):
+            bad.append(f"{target}: no heading with that anchor in {os.path.relpath(full, ROOT)}")
+    assert not bad, f"{doc} links to what is not there:\n  " + "\n  ".join(sorted(set(bad)))
 
 
 @pytest.mark.parametrize("doc", DOCS)
@@ -199,5 +215,6 @@ def test_the_checks_can_fail():
     assert check_name("ringzero.comm.nosuchmodule") is not None
     assert check_name("ringzero.comm.backend.no_such_function") is not None
     assert NAME_RE.findall("sed 's/ringzero\\.comm/ringzero_prev.comm/'") == []
+    assert "benchmark-python--m-ringzerobench" in anchors(os.path.join(ROOT, "docs", "collectives.md"))
     assert table_files("| `ringzero/comm/` | `ring.py` (the Ring), `csrc/f16.c` |") == [
         "ringzero/comm/ring.py", "ringzero/comm/csrc/f16.c"]
