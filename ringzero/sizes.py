@@ -98,3 +98,21 @@ def human(nbytes: int) -> str:
         if nbytes >= f and nbytes % f == 0:
             return f"{nbytes // f}{unit}"
     return str(nbytes)
+
+
+_TC_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def parse_link(text) -> float:
+    """Bytes per second of a link rate written as tc writes it: '1gbit' -> 1.25e8, '500mbit', '10gbit';
+    'mbps' and the other '...bps' are BYTES per second, as in tc; a size per second ('125MB/s') too."""
+    s = str(text).strip().lower()
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)([kmgt]?)(bit|bps)", s)
+    if m:
+        v = float(m.group(1)) * _TC_UNITS[m.group(2)]
+        return v / 8 if m.group(3) == "bit" else v
+    try:
+        return parse_rate(text, "link rate")
+    except QuantityError:
+        raise QuantityError(f"cannot read link rate {text!r}: expected a tc rate (1gbit, 500mbit, 125mbps) or "
+                            "a size per second (125MB/s)") from None

@@ -65,3 +65,25 @@ def test_argparse_prints_the_line(capsys):
         ap.parse_args(["-b", "4X"])
     err = capsys.readouterr().err.strip().splitlines()
     assert "cannot read size '4X'" in err[-1]
+
+
+@pytest.mark.parametrize("text, want", [("1gbit", 125e6), ("10gbit", 1.25e9), ("500mbit", 62.5e6),
+                                        ("125mbps", 125e6), ("125MB/s", 125e6), ("8kbit", 1e3)])
+def test_parse_link_reads_tc_rates(text, want):
+    """tc's units: ...bit are bits per second, ...bps BYTES per second."""
+    assert sizes.parse_link(text) == want
+
+
+def test_parse_link_rejects_in_one_line():
+    with pytest.raises(sizes.QuantityError) as e:
+        sizes.parse_link("fast")
+    assert "\n" not in str(e.value) and "1gbit" in str(e.value)
+
+
+def test_bench_link_limit_is_the_bytes_that_leave_a_node():
+    from ringzero.tools.bench import link_limit_s
+    S, rate = 16 << 20, 125e6
+    assert link_limit_s("reduce_scatter", S, 2, rate) == pytest.approx(S / 2 / rate)      # 67.1 ms
+    assert link_limit_s("all_gather", S, 4, rate) == pytest.approx(S * 3 / 4 / rate)
+    assert link_limit_s("all_reduce", S, 2, rate) == pytest.approx(S / rate)              # two passes
+    assert link_limit_s("all_reduce", S, 1, rate) is None and link_limit_s("all_gather", S, 2, None) is None

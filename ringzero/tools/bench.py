@@ -42,24 +42,36 @@ What it is not
     A model benchmark: main() dispatches on a first word so one can be added
     (``python -m ringzero.bench coll ...`` is the same as no word).
 
+    Across nodes (ranks on several hosts, or launch/cluster's emulated
+    ones) the header names the topology the Ring found and whether its
+    node-aware schedule runs (``# nodes:``), and the MPI component that runs
+    the peer's collectives (``# MPI coll:``, tools/mpi_info.py). Given the
+    link's rate (``--link 1gbit``, or RINGZERO_LINK, which launch/cluster
+    sets) two more columns give the link's limit, the bytes that must leave
+    a node over the rate (S (N-1)/N for a reduce-scatter or all-gather
+    across N nodes, twice that for an all-reduce), and the Ring's time over
+    it.
+
     mpirun -n 4 python -m mpi4py -m ringzero.bench -b 4K -e 64M -f 4 -c 1 --json out.json
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 import numpy as np
 
 from ringzero.comm.schedule import KNOBS  # (no MPI in it)
-from ringzero.sizes import human, parse_size
+from ringzero.sizes import human, parse_link, parse_size
 from ringzero.tools.bench_cases import OP_NAMES, Case, bench_dtype, mpi_call, ring_call
 # sched, dtypes and median live in their own module (the Ring timed against itself)
 from ringzero.tools.bench_extra import (dtypes_parser, median_parser, run_dtypes, run_median, run_sched,
                                         sched_parser)
 from ringzero.tools.bench_timing import copy_refs, paired_ratio, time_blocks
+from ringzero.tools.mpi_info import coll_component
 
 _Case = Case   # the name benchmarks/interleave_bias.py imports
 # what the benchmarks import from here (the code lives in bench_cases, bench_timing, ringzero.sizes)
@@ -85,8 +97,18 @@ def coll_parser() -> argparse.ArgumentParser:
                    help="cut the iterations of a row so that it takes about this long")
     p.add_argument("--small-bytes", type=int, default=None, help="Ring.small_bytes for this run")
     p.add_argument("--seg-bytes", type=int, default=None, help="Ring.seg_bytes for this run")
+    p.add_argument("--link", type=parse_link, default=None,
+                   help="the inter-node link's rate (1gbit, 10gbit, 125MB/s; default RINGZERO_LINK): adds the "
+                        "link's limit and the Ring's time over it")
     p.add_argument("--json", default=None, help="write the rows here")
     return p
+
+
+def link_limit_s(op: str, nbytes: int, nodes: int, rate: float | None) -> float | None:
+    """Seconds the bytes that must leave a node take at `rate` (bytes/s): S (N-1)/N per pass; None on one node."""
+    if nodes < 2 or not rate:
+        return None
+    return (2 if op == "all_reduce" else 1) * nbytes * (nodes - 1) / nodes / rate
 
 
 def _sizes(args) -> list:
@@ -133,12 +155,14 @@ def _timed(case, impls, args, comm, xp) -> dict:
 
 
 def _row_line(op, nbytes, count, dtype, redop, rg, mp, ratio) -> str:
-    """One printed row: the ring's columns, the MPI's (or n/a), the ratio."""
+    """One printed row: the ring's columns, the MPI's (or n/a), the ratio (and the link's limit, if known)."""
     mcol = (f"{mp['time_us']:>10.1f} {mp['algbw_GBps']:>7.3f} {mp['busbw_GBps']:>7.3f} {mp['wrong']:>6}"
             if mp else f"{'n/a':>10} {'':>7} {'':>7} {'':>6}")
+    lim = rg.get("link_limit_us")
+    lcol = f" | {lim / 1e3:>8.1f} {rg['time_us'] / lim:>10.2f}" if lim else ""
     return (f"  {op:>14} {human(nbytes):>9} {count:>10} {dtype.name:>8} {redop:>5} | "
             f"{rg['time_us']:>10.1f} {rg['algbw_GBps']:>7.3f} {rg['busbw_GBps']:>7.3f} {rg['wrong']:>6} | "
-            f"{mcol} | {ratio:>14.2f}")
+            f"{mcol} | {ratio:>14.2f}{lcol}")
 
 
 def _op_rows(op, S, ring, comm, xp, dtype, args, mpi_on_host, out) -> list:
@@ -160,6 +184,10 @@ def _op_rows(op, S, ring, comm, xp, dtype, args, mpi_on_host, out) -> list:
         res[which] = dict(op=op, impl=which, n=n, bytes=nbytes, count=count, dtype=dtype.name,
                           redop=args.redop, time_us=round(t * 1e6, 2), algbw_GBps=round(alg, 4),
                           busbw_GBps=round(alg * factor, 4), wrong=wrong[which])
+    lim = link_limit_s(op, nbytes, ring.nodes.count, args.link)
+    if lim:
+        for r in res.values():
+            r["link_limit_us"] = round(lim * 1e6, 2)
     ratio = float("nan")
     if "mpi" in res:
         ratio = paired_ratio(times["mpi"], times["ring"])  # busbw ring/mpi = time mpi/ring
@@ -186,7 +214,8 @@ def _write_json(path, rows, args, ring, n, dtype, mpi_on_host):
 
     from ringzero.comm.backend import cuda_support
     meta = dict(n=n, dtype=dtype.name, device=args.device, iters=args.iters, warmup=args.warmup_iters,
-                **{k: getattr(ring, k) for k in KNOBS}, seg_bytes=ring.seg_bytes,
+                **{k: getattr(ring, k) for k in KNOBS}, seg_bytes=ring.seg_bytes, node_bytes=ring.node_bytes,
+                nodes=ring.nodes.count, ppn=ring.nodes.ppn, link_Bps=args.link,
                 mpi=MPI.Get_library_version().split(",")[0], mpi_on_host=mpi_on_host, mpi_staged=mpi_on_host,
                 cuda_aware=cuda_support()[1] if args.device == "cuda" else None,
                 argv=sys.argv[1:], time=time.strftime("%Y-%m-%dT%H:%M:%S"))
@@ -211,6 +240,9 @@ def run_coll(args, comm) -> list:
         ring.seg_bytes = args.seg_bytes
     mpi_on_host = args.device == "cuda" and not cuda_aware()  # then both sides stage, see Case
     ops = OP_NAMES if args.op == "all" else (args.op,)
+    if args.link is None and os.environ.get("RINGZERO_LINK", "none") != "none":
+        args.link = parse_link(os.environ["RINGZERO_LINK"])
+    spans = ring.nodes.count > 1
 
     def out(line):
         if rank == 0:
@@ -220,8 +252,16 @@ def run_coll(args, comm) -> list:
         f"warmup={args.warmup_iters} small_bytes={ring.small_bytes} seg_bytes={ring.seg_bytes}"
         + (" (MPI is not CUDA-aware: ring and MPI both copy device->pinned host, reduce there, copy back)"
            if mpi_on_host else ""))
+    nodes = ring.nodes
+    out(f"# nodes: {nodes.describe()}; across nodes the Ring runs "
+        + ("its node-aware schedule" if nodes.uniform and ring.node_bytes >= 0 else "its flat schedules"
+           if spans else "-") + (f"; link {args.link / 1e6:g} MB/s" if args.link and spans else ""))
+    coll = coll_component(spans) if rank == 0 else ""
+    out(f"# MPI coll: {coll}")
+    limit_head = f" | {'limit ms':>8} {'ring/limit':>10}" if args.link and spans else ""
     out(f"# {'op':>14} {'size':>9} {'count':>10} {'type':>8} {'redop':>5} | {'ring us':>10} {'algbw':>7} "
-        f"{'busbw':>7} {'#wrong':>6} | {'mpi us':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} | {'busbw ring/mpi':>14}")
+        f"{'busbw':>7} {'#wrong':>6} | {'mpi us':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} | "
+        f"{'busbw ring/mpi':>14}{limit_head}")
     rows = [r for op in ops for S in _sizes(args)
             for r in _op_rows(op, S, ring, comm, xp, dtype, args, mpi_on_host, out)]
     if xp is not np:
