@@ -3,7 +3,7 @@ import argparse
 
 import pytest
 
-from ringzero.sizes import QuantityError, human, parse_count, parse_quantity, parse_rate, parse_size
+from ringzero.sizes import QuantityError, human, parse_count, parse_link, parse_quantity, parse_rate, parse_size
 
 
 @pytest.mark.parametrize("text,want", [
@@ -71,12 +71,12 @@ def test_argparse_prints_the_line(capsys):
                                         ("125mbps", 125e6), ("125MB/s", 125e6), ("8kbit", 1e3)])
 def test_parse_link_reads_tc_rates(text, want):
     """tc's units: ...bit are bits per second, ...bps BYTES per second."""
-    assert sizes.parse_link(text) == want
+    assert parse_link(text) == want
 
 
 def test_parse_link_rejects_in_one_line():
-    with pytest.raises(sizes.QuantityError) as e:
-        sizes.parse_link("fast")
+    with pytest.raises(QuantityError) as e:
+        parse_link("fast")
     assert "\n" not in str(e.value) and "1gbit" in str(e.value)
 
 
