@@ -16,7 +16,8 @@ What it is
     shapes and operand layouts, on preallocated arrays, timed as one more
     interleaved variant. Its median is the time the step would take if
     everything but the BLAS calls were free; the step's GEMM FLOPs over it is
-    the sgemm rate of this run.
+    the sgemm rate of this run. The header prints which elementwise path ran
+    (the C kernels of ringzero.nn._fused, or NumPy) and the load average.
 
 What it is not
     A training benchmark (no optimizer, no communication): that is
@@ -154,6 +155,46 @@ def gemm_floor(cfg, B, T, dtype=np.float32):
     return run, flops
 
 
+def torch_step(cfg, layout, host, idx_h, tgt_h, backend, dtype):
+    """The same step in torch (same weights, one thread), or None without torch."""
+    try:
+        import torch
+    except ImportError:
+        print("torch not installed: timing ringzero only")
+        return None
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from torch_gpt import TorchGPT, load_from_flat
+    torch.set_num_threads(1)
+    dev = "cuda" if backend == "cupy" else "cpu"
+    tm = load_from_flat(TorchGPT(cfg), layout.views(host)).to(dev, getattr(torch, dtype))
+    ti, tt = torch.from_numpy(idx_h).to(dev), torch.from_numpy(tgt_h).to(dev)
+    tsync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+
+    def theirs():
+        tm.zero_grad(set_to_none=False)
+        _, loss = tm(ti, tt)
+        loss.backward()
+        tsync()
+        return loss.item()
+    return theirs
+
+
+def print_medians(med, losses, models, tok, floor_flops):
+    """One line per variant, then each model's ratios to torch and to the GEMM floor."""
+    for n in med:
+        if n == "gemm-floor":
+            print(f"{n:14s} fwd+bwd: median {med[n] * 1e3:8.1f} ms  ({floor_flops / 1e9:.2f} GFLOP at "
+                  f"{floor_flops / med[n] / 1e9:.1f} GFLOP/s: the step's GEMMs alone, this run's sgemm rate)")
+            continue
+        print(f"{n:14s} fwd+bwd: median {med[n] * 1e3:8.1f} ms  ({tok / med[n]:7.0f} tokens/s)  "
+              f"loss {losses[n]:.4f}")
+    for n in models:
+        if "torch" in med:
+            print(f"ratio {n}/torch: {med[n] / med['torch']:.2f}x  (target <= 0.9x)")
+        if "gemm-floor" in med:
+            print(f"ratio {n}/gemm-floor: {med[n] / med['gemm-floor']:.2f}x  (target <= 1.25x)")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=8)
@@ -207,32 +248,17 @@ def main(argv=None):
         steps["gemm-floor"], floor_flops = gemm_floor(cfg, a.batch, a.seq, dtype)
 
     if not a.no_torch:
-        try:
-            import torch
-        except ImportError:
-            print("torch not installed: timing ringzero only")
-        else:
-            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-            from torch_gpt import TorchGPT, load_from_flat
-            torch.set_num_threads(1)
-            dev = "cuda" if a.backend == "cupy" else "cpu"
-            tm = load_from_flat(TorchGPT(cfg), layout.views(host)).to(dev, getattr(torch, a.dtype))
-            ti, tt = torch.from_numpy(idx_h).to(dev), torch.from_numpy(tgt_h).to(dev)
-            tsync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-
-            def theirs():
-                tm.zero_grad(set_to_none=False)
-                _, loss = tm(ti, tt)
-                loss.backward()
-                tsync()
-                return loss.item()
+        theirs = torch_step(cfg, layout, host, idx_h, tgt_h, a.backend, a.dtype)
+        if theirs is not None:
             steps["torch"] = theirs
 
     print(f"GPT {cfg}: {layout.numel:,} params, batch {a.batch} x T {a.seq}, {a.backend} {a.dtype}, "
           f"OMP={os.environ.get('OMP_NUM_THREADS')} "
           f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')} "
           f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}")
-    print(f"numpy BLAS: {blas_info()}")
+    from ringzero.nn import fused
+    print(f"numpy BLAS: {blas_info()}; elementwise: {'C kernels' if fused.HAVE_C else 'NumPy (no C)'}; "
+          f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     for _ in range(a.warmup):
         for f in steps.values():
             f()
@@ -244,19 +270,7 @@ def main(argv=None):
             losses[n] = f()
             times[n].append(time.perf_counter() - t0)
     med = {n: statistics.median(t) for n, t in times.items()}
-    tok = a.batch * a.seq
-    for n in steps:
-        if n == "gemm-floor":
-            print(f"{n:14s} fwd+bwd: median {med[n] * 1e3:8.1f} ms  ({floor_flops / 1e9:.2f} GFLOP at "
-                  f"{floor_flops / med[n] / 1e9:.1f} GFLOP/s: the step's GEMMs alone, this run's sgemm rate)")
-            continue
-        print(f"{n:14s} fwd+bwd: median {med[n] * 1e3:8.1f} ms  ({tok / med[n]:7.0f} tokens/s)  "
-              f"loss {losses[n]:.4f}")
-    for n in models:
-        if "torch" in med:
-            print(f"ratio {n}/torch: {med[n] / med['torch']:.2f}x  (target <= 0.9x)")
-        if "gemm-floor" in med:
-            print(f"ratio {n}/gemm-floor: {med[n] / med['gemm-floor']:.2f}x  (target <= 1.25x)")
+    print_medians(med, losses, models, a.batch * a.seq, floor_flops)
     for n, m in models.items():
         print(f"{n}: activations held by caches after forward "
               f"{activation_bytes(m, P, idx, tgt) / 2**20:.1f} MiB; pool {m.pool.allocs} buffers, "

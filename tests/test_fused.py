@@ -258,3 +258,17 @@ def test_attention_causal_row_blocks(path, rng, monkeypatch, H):
     np.testing.assert_allclose(g["attn.w"], fd(f, p["attn.w"]), rtol=1e-6, atol=1e-8)
     monkeypatch.setattr(attention.CausalSelfAttention, "ROW_BLOCK", 1000)
     np.testing.assert_allclose(Lr.CausalSelfAttention(H).forward(p, x)[0], y, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.skipif(not fused.HAVE_C, reason="ringzero.nn._fused was not built")
+def test_overlapping_buffers_take_the_numpy_path(rng):
+    """The C kernels' pointers are restrict: an output that overlaps an input goes to NumPy."""
+    x = rng.standard_normal((4, 6)).astype(np.float32)
+    assert fused.use_c(x, np.empty_like(x), outs=1)
+    assert not fused.use_c(x, x, outs=1)
+    assert not fused.use_c(x, x[1:], outs=1)
+    s = x.copy()
+    fused.gelu_forward(s.copy(), s, s)                        # y and s the same buffer: the NumPy formula
+    want = np.empty_like(x)
+    fused.gelu_forward(x.copy(), want, np.empty_like(x))
+    np.testing.assert_allclose(s, want, rtol=1e-6, atol=1e-7)

@@ -1,9 +1,12 @@
 """Models and layers with hand-written forward/backward on flat-buffer views.
 
-``layers`` holds the layer pairs and the buffer ``Pool`` (``attention``, the
-longest, in its own module); ``gpt`` the GPT
-declaration (``GPTConfig``, ``gpt_units``) and model; ``mlp`` the MLP. The
-sharding runtime imports none of these: it is handed a model object.
+``layers`` names every layer pair and the buffer ``Pool``: ``base`` holds the
+pool, the ``Layer`` plumbing and ``Linear``; ``pointwise`` layernorm, GELU,
+residual and cross-entropy; ``attention`` the attention block; ``fused`` the
+elementwise passes they call (single-pass C kernels from ``csrc/fused.c``
+on the host, NumPy/CuPy formulas otherwise). ``gpt`` the GPT declaration
+(``GPTConfig``, ``gpt_units``) and model; ``mlp`` the MLP. The sharding
+runtime imports none of these: it is handed a model object.
 """
 from ringzero.nn.gpt import GPT, PRESETS, GPTConfig, gpt_units
 from ringzero.nn.layers import Pool, cache_nbytes

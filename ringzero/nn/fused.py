@@ -46,13 +46,22 @@ GELU_A = 0.044715
 _C_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def use_c(*arrays) -> bool:
-    """True when the C kernels take these arrays: host, one float32/float64 dtype, C-contiguous."""
+def use_c(*arrays, outs=0) -> bool:
+    """True when the C kernels take these arrays: host, one float32/float64 dtype, C-contiguous.
+
+    The last ``outs`` arrays are written: each must not overlap any other
+    (the kernels' pointers are ``restrict``); the NumPy path handles overlap.
+    """
     if _c is None:
         return False
-    dt = arrays[0].dtype
-    return dt in _C_DTYPES and all(type(a) is np.ndarray and a.dtype == dt and a.flags.c_contiguous
-                                   for a in arrays if a is not None)
+    n_in = len(arrays) - outs
+    ins = [a for a in arrays[:n_in] if a is not None]
+    ws = [a for a in arrays[n_in:] if a is not None]
+    dt = (ins + ws)[0].dtype
+    if not (dt in _C_DTYPES and all(type(a) is np.ndarray and a.dtype == dt and a.flags.c_contiguous
+                                    for a in ins + ws)):
+        return False
+    return not any(np.may_share_memory(o, a) for i, o in enumerate(ws) for a in ins + ws[i + 1:])
 
 
 def _dbl(a) -> bool:
@@ -71,7 +80,7 @@ def _scratch(ws, name, shape, dtype, xp):
 def gelu_forward(x, y, s, b=None):
     """x (N, M) += b (M,) if given (in place: x is what backward reads); y = gelu(x); s = sigmoid(2u)."""
     N, M = x.shape
-    if use_c(x, y, s, b):
+    if use_c(b, x, y, s, outs=2):       # x is updated in place, read by nothing else
         _c.gelu_fwd(x, b, y, s, N, M, _dbl(x))
         return y
     xp = array_module(x)
@@ -96,7 +105,7 @@ def gelu_forward(x, y, s, b=None):
 def gelu_backward(dy, x, s, dx, colsum=None, ws=None):
     """dx = dy * gelu'(x), all (N, M), from forward's s; colsum (M,) = dx summed over rows if given."""
     N, M = x.shape
-    if use_c(dy, x, s, dx, colsum):
+    if use_c(dy, x, s, dx, colsum, outs=2):
         _c.gelu_bwd(dy, x, s, dx, colsum, N, M, _dbl(x))
         return dx
     xp = array_module(x)
@@ -132,7 +141,7 @@ def bias_residual(y, b, x):
 def layernorm_forward(x, w, b, y, xhat, rstd, eps, ws=None):
     """Per row of x (N, C): xhat = (x - mean) * rstd, rstd (N, 1) = 1/sqrt(var + eps); y = xhat w + b."""
     N, C = x.shape
-    if use_c(x, w, b, y, xhat, rstd):
+    if use_c(x, w, b, y, xhat, rstd, outs=3):
         _c.ln_fwd(x, w, b, y, xhat, rstd, N, C, _dbl(x), eps)
         return y
     xp = array_module(x)
@@ -155,7 +164,7 @@ def layernorm_forward(x, w, b, y, xhat, rstd, eps, ws=None):
 def layernorm_backward(dy, xhat, rstd, w, dx, dw, db, ws=None):
     """dx (N, C) of a layernorm; dw, db (C,) are SET to this call's weight and bias gradients."""
     N, C = dy.shape
-    if use_c(dy, xhat, rstd, w, dx, dw, db):
+    if use_c(dy, xhat, rstd, w, dx, dw, db, outs=3):
         _c.ln_bwd(dy, xhat, rstd, w, dx, dw, db, _scratch(ws, "tmp", (C,), dy.dtype, np), N, C, _dbl(dy))
         return dx
     xp = array_module(dy)
@@ -221,7 +230,7 @@ def softmax_causal_(att, scale, ws=None):
 def softmax_causal_backward_(datt, att, scale, ws=None):
     """datt (R, T, T) <- att * (datt - sum(datt * att)) * scale: the gradient of the scores, in place."""
     R, T, _ = att.shape
-    if use_c(datt, att):
+    if use_c(att, datt, outs=1):
         _c.softmax_causal_bwd(datt, att, _scratch(ws, "tmp", (T,), att.dtype, np), R, T, _dbl(att), scale)
         return datt
     xp, dtype = array_module(att), att.dtype
@@ -247,7 +256,7 @@ def rows_add_at(g, ids, d):
 
     ids: int64 (N,), already range-checked (the embedding checks token ids on the host).
     """
-    if use_c(g, d) and ids.dtype == np.int64 and ids.flags.c_contiguous:
+    if use_c(d, g, outs=1) and ids.dtype == np.int64 and ids.flags.c_contiguous:
         _c.rows_add_at(g, ids, d, d.shape[0], g.shape[0], g.shape[1], _dbl(g))
         return g
     np.add.at(g, ids, d)
@@ -262,7 +271,7 @@ def cross_entropy_forward(logits, targets, at, probs, nll, ws=None):
     targets: int (N,), already range-checked; at (N,): the flat index i*V + t_i.
     """
     N, V = logits.shape
-    if use_c(logits, probs, nll) and probs.dtype == logits.dtype and at.dtype == np.int64:
+    if use_c(logits, probs, nll, outs=2) and probs.dtype == logits.dtype and at.dtype == np.int64:
         tg = _scratch(ws, "tg", (N,), np.int64, np)
         np.copyto(tg, targets, casting="unsafe")
         _c.ce_fwd(logits, tg, probs, nll, N, V, _dbl(logits))
