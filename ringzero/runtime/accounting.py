@@ -12,6 +12,11 @@ What it is
         3       FULL_SHARD      16Ψ/Nd                         3Ψ(n-1)/n   (AG fwd + AG bwd + RS)
         hybrid  HYBRID_SHARD    16Ψ/Ng                         3Ψ(Ng-1)/Ng + 2(Ψ/Ng)(Nn-1)/Nn
 
+    Of those, across nodes (N nodes of P ranks, the node-aware schedule;
+    ``internode_elements``): 2(Ψ/P)(N-1)/N at stages 0-2, 3(Ψ/P)(N-1)/N at
+    stage 3, and at hybrid only the all-reduce, 2(Ψ/P)(N-1)/N: stage 3's
+    all-gathers cross the network, hybrid's stay in the node.
+
     Mixed-precision Adam keeps per parameter: fp16 parameter (2 B), fp16
     gradient (2 B), fp32 master (4 B), fp32 Adam m (4 B), fp32 Adam v (4 B).
     HYBRID here means stage-3 sharding inside a node of Ng ranks and
@@ -250,6 +255,79 @@ def traffic_formula(stage, grad_accum: int = 1) -> str:
     if k > 1 and st in ("3", "hybrid"):
         base = f"{k} x {base}"
     return base + (" + 2(Ψ/Ng)(Nn-1)/Nn" if st == "hybrid" else "")
+
+
+def _check_nodes(nd: int, nodes) -> int:
+    """P, the ranks per node, of nd ranks on ``nodes`` nodes of the same size."""
+    if not isinstance(nodes, numbers.Integral) or isinstance(nodes, bool) or nodes < 1 or nd % nodes:
+        raise ValueError(f"nodes must be an int >= 1 that divides nd: expected nd % N == 0, "
+                         f"got nd={nd}, N={nodes!r}")
+    return nd // nodes
+
+
+def internode_elements(stage, psi: int, nd: int, nodes: int = 1, ranks_per_node: int | None = None,
+                       grad_accum: int = 1) -> dict:
+    """Elements one rank sends to ranks on OTHER nodes per optimizer step, by collective.
+
+    The nd ranks sit on N = ``nodes`` nodes of P = nd/N ranks each, and every
+    collective that spans nodes runs the node-aware schedule (comm/plan.py
+    node_aware: a pass inside the node on the whole buffer, then a pass across
+    the N nodes on 1/P of it). A reduce-scatter or all-gather of Ψ elements
+    over the nd ranks then sends, per rank,
+
+        inside the node   Ψ(P-1)/P
+        across nodes      (Ψ/P)(N-1)/N        (= Ψ(N-1)/Nd: a node sends Ψ(N-1)/N, the least possible)
+
+    which add up to the flat ring's Ψ(Nd-1)/Nd. Per step, across nodes:
+
+        stage 0-2   2(Ψ/P)(N-1)/N        stage 0's all-reduce is its RS + AG; 1-2: RS grads + AG params
+        stage 3     3(Ψ/P)(N-1)/N        AG fwd + AG bwd + RS, K times with K micro-batches
+        hybrid      2(Ψ/P)(N-1)/N        only the all-reduce of the shard (Ψ/Ng) among the replicas
+                                         crosses; with Ng = P it is flat over N ranks, 2(Ψ/Ng)(N-1)/N
+
+    Hybrid needs its shard group inside a node (P % Ng == 0; Ng defaults to P):
+    its reduce-scatters and all-gathers then never leave the node. With P = 1
+    there is no node-aware schedule: every byte crosses, as the formula says
+    (Ψ(N-1)/N per pass). nodes = 1: nothing crosses (all zeros). Same keys as
+    ``traffic_elements``. A flat all-reduce that takes recursive doubling
+    (shards of at most 64 KiB, comm/schedule.py SMALL_BYTES) sends S·log2 N
+    instead of 2S(N-1)/N: the same at N = 2, more above. A hybrid shard that does
+    not split into N equal blocks sends up to an element per pass more or less
+    on a rank (the ring's blocks differ by one); the ranks' sum stays exact.
+    """
+    st = parse_stage(stage)
+    P = _check_nodes(nd, nodes)
+    k = _check_k(grad_accum)
+    if STAGE_TABLE[st][1]:
+        ng = P if ranks_per_node is None else ranks_per_node
+        _check(psi, nd, st, ng)
+        if P % ng:
+            raise ValueError(f"hybrid's shard group must sit inside a node: expected P % Ng == 0, "
+                             f"got P={P} ranks per node, Ng={ng}")
+    else:
+        _check(psi, nd, st, ranks_per_node)
+    one = _div(psi * (nodes - 1), nd)             # one pass across nodes: (Ψ/P)(N-1)/N
+    if STAGE_TABLE[st][1]:
+        return {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 2 * one}
+    if "params_fp16" not in STAGE_TABLE[st][0]:
+        return {"reduce_scatter": one, "all_gather": one}
+    return {"reduce_scatter": k * one, "all_gather": 2 * k * one}
+
+
+def internode_bytes(stage, psi: int, nd: int, nodes: int = 1, ranks_per_node: int | None = None,
+                    grad_accum: int = 1, precision: str = "fp16") -> dict:
+    """``internode_elements`` in bytes of the storage dtype (fp16 and bf16: 2 B, fp32: 4 B)."""
+    eb = storage_bytes(precision)
+    return {c: v * eb for c, v in internode_elements(stage, psi, nd, nodes, ranks_per_node, grad_accum).items()}
+
+
+def internode_formula(stage, grad_accum: int = 1) -> str:
+    """Elements sent across nodes per rank per step, as a formula (N nodes of P ranks)."""
+    st = parse_stage(stage)
+    k = _check_k(grad_accum)
+    base = {"0": "2(Ψ/P)(N-1)/N", "1": "2(Ψ/P)(N-1)/N", "2": "2(Ψ/P)(N-1)/N", "3": "3(Ψ/P)(N-1)/N",
+            "hybrid": "2(Ψ/P)(N-1)/N"}[st]
+    return f"{k} x {base}" if k > 1 and st == "3" else base
 
 
 def stages_that_fit(budget_bytes, psi: int, nd: int, ranks_per_node: int | None = None,

@@ -77,7 +77,7 @@ class Zero:
 
     def __init__(self, model: "ShardableModel", comm, stage="2", *, precision="fp16", device="cpu", seed=0,
                  adam: AdamConfig | None = None, ranks_per_node=None, mem_budget=None,
-                 scaler: LossScaler | None = None, timeout=None, grad_accum: int = 1):
+                 scaler: LossScaler | None = None, timeout=None, grad_accum: int = 1, nodes=None):
         self.model, self.comm = model, comm
         self.policy = P = StagePolicy.of(stage)
         self.stage = P.stage
@@ -93,7 +93,8 @@ class Zero:
             select_device(comm)          # one GPU per rank, by node-local rank
         # fp32 compute on CPU (NumPy has no fast fp16 GEMM), the storage dtype on GPU
         self.compute_dtype = np.float32 if xp is np else self.storage_dtype
-        self.topology = topo = Topology.build(comm, P, ranks_per_node, timeout=timeout)
+        # nodes: a node label per rank, to emulate nodes on one host (topology.py)
+        self.topology = topo = Topology.build(comm, P, ranks_per_node, timeout=timeout, nodes=nodes)
         self.ring = topo.ring
         self.layout = L = Layout(model.units, shards=topo.shard_size)
         U = len(L.units)
@@ -122,6 +123,7 @@ class Zero:
         self.activation_peak = 0
         self.step_count = 0
         self.last_step_ledger = {}
+        self.last_step_internode = {}        # the part of last_step_ledger sent to other nodes
 
     @property
     def bufs(self) -> dict:
@@ -192,6 +194,7 @@ class Zero:
         grad_accum micro-batches of B/K rows."""
         Ring.set_context(f"step {self.step_count}")   # named by the Ring's stall and timeout lines
         led0 = reports.ledger_totals(self.topology)
+        net0 = reports.ledger_totals(self.topology, "bytes_sent_internode")
         scale, n, K = self.scaler.scale, self.topology.world_size, self.grad_accum
         seed = self._seed()
         loss = 0.0
@@ -230,6 +233,8 @@ class Zero:
         self.step_count += 1
         led1 = reports.ledger_totals(self.topology)
         self.last_step_ledger = {k: led1[k] - led0.get(k, 0) for k in led1}
+        net1 = reports.ledger_totals(self.topology, "bytes_sent_internode")
+        self.last_step_internode = {k: net1[k] - net0.get(k, 0) for k in net1}
         return StepResult(loss, gnorm, skipped, scale, int(self._all_scalars[:, 2].max()))
 
     def _share_scalars(self, loss, partial) -> float:

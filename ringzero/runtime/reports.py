@@ -5,8 +5,10 @@ What it is
     (the buffers' own ``nbytes``) beside the stage formula, plus workspaces,
     optimizer scratch and the activation peak. ``traffic_report(engine)``:
     bytes this rank sent in the last step, from the rings' ledgers, beside
-    the formula and the exact figure of the engine's step plan (plan.py). ``ledger_totals`` sums
-    the ledgers the engine snapshots around each step.
+    the formula and the exact figure of the engine's step plan (plan.py), and the part of
+    those bytes that went to ranks on other nodes beside its formula (N nodes of P ranks,
+    accounting.internode_elements). ``ledger_totals`` sums the ledgers the engine snapshots
+    around each step.
 
     Vocabulary, as in accounting.py: Nd is the world size (data-parallel
     ranks); the sharding group is Nd ranks, or Ng for hybrid.
@@ -22,13 +24,14 @@ from ringzero.runtime import accounting
 from ringzero.runtime.policy import ACCUM_BUFFER, BUFFER_CLASS
 
 
-def ledger_totals(topology) -> dict:
-    """{op: bytes sent so far}; replica-ring ops as "op@replica"."""
+def ledger_totals(topology, counter: str = "bytes_sent") -> dict:
+    """{op: bytes sent so far} (or another ledger counter: "bytes_sent_internode" is the
+    part sent to ranks on other nodes); replica-ring ops as "op@replica"."""
     out = {}
     for name, ring in topology.rings():
         for op, rec in ring.ledger.as_dict().items():
             key = op if name == "shard" else f"{op}@replica"
-            out[key] = out.get(key, 0) + rec["bytes_sent"]
+            out[key] = out.get(key, 0) + rec[counter]
     return out
 
 
@@ -84,4 +87,35 @@ def traffic_report(engine) -> dict:
             "formula_bytes_per_step": int(formula),
             "plan_bytes_per_step": int(exact),
             "formula": accounting.traffic_formula(engine.stage, K), "grad_accum": K,
-            "formula_elements": elements}
+            "formula_elements": elements, **internode_report(engine, itemsize)}
+
+
+def internode_report(engine, itemsize: int) -> dict:
+    """The part of the last step's bytes that went to other nodes, beside its formula.
+
+    N and P come from the world's NodeMap (topology.nodes). A map with several
+    nodes of different sizes, or a hybrid shard group wider than a node, has no
+    formula (None).
+    The plan figure corrects stage 3 as traffic_report does: each unit is
+    gathered once per run of consecutive uses, (N-1)/Nd of it crossing.
+    """
+    L, topo, K, nm = engine.layout, engine.topology, engine.grad_accum, engine.topology.nodes
+    nd = topo.world_size
+    measured = sum(getattr(engine, "last_step_internode", {}).values())
+    formula = plan = None
+    try:                 # hybrid's shard group must sit inside a node, else no formula
+        el = accounting.internode_elements(engine.stage, L.padded, nd, nm.count,
+                                           engine.policy.ranks_per_node(topo.shard_size), K)
+    except ValueError:
+        el = None
+    if el is not None and (nm.count == 1 or nm.ppn is not None):
+        formula = plan = int(sum(el.values()) * itemsize)
+        if engine.policy.gather_params and not engine.policy.hybrid:
+            gathered = sum(L.unit_padded[w] for w, a, b in engine.plan.param_runs)
+            plan = formula - K * ((2 * L.padded - gathered) * (nm.count - 1) // nd) * itemsize
+    return {"nodes": nm.count, "ranks_per_node": nm.ppn, "node_map": nm.describe(),
+            "by_op_internode": dict(getattr(engine, "last_step_internode", {})),
+            "measured_internode_bytes_per_step": int(measured),
+            "formula_internode_bytes_per_step": formula,
+            "plan_internode_bytes_per_step": plan,
+            "internode_formula": accounting.internode_formula(engine.stage, K)}

@@ -12,7 +12,11 @@ What it is
                          are all-reduced
 
     ``Topology.build(comm, policy, ranks_per_node)`` makes the sub-communicators
-    with ``Split`` and a ``Ring`` over each.
+    with ``Split`` and a ``Ring`` over each. Every Ring finds its nodes itself
+    (MPI's shared-memory split); ``nodes=`` (a node label per world rank)
+    sets them instead, so one host can stand for several nodes in tests:
+    each ring gets its members' labels, and hybrid's shard group is then a
+    labelled node. ``topology.nodes`` is the world's NodeMap (count, ppn).
 
 What it is not
     No state and no schedule; it only says who talks to whom.
@@ -21,24 +25,28 @@ from __future__ import annotations
 
 import numpy as np
 
+from ringzero.comm.nodes import NodeMap
 from ringzero.comm.ring import Ring
 
 
 class Topology:
     """The communicators and rings of one engine."""
 
-    def __init__(self, world, shard, replica=None, *, timeout=None):
+    def __init__(self, world, shard, replica=None, *, timeout=None, nodes=None):
         self.world, self.shard, self.replica = world, shard, replica
         self.rank, self.world_size = world.rank, world.size
         self.shard_rank, self.shard_size = shard.rank, shard.size
         self.replicas = replica.size if replica is not None else 1
         self.replica_rank = replica.rank if replica is not None else 0
-        self.replica_ring = Ring(replica, timeout=timeout) if replica is not None else None
-        self.ring = Ring(shard, timeout=timeout)
+        label = None if nodes is None else nodes[world.rank]    # each ring: its members' labels
+        sub = lambda c: None if label is None else c.allgather(label)  # noqa: E731 (collective)
+        self.replica_ring = Ring(replica, timeout=timeout, nodes=sub(replica)) if replica is not None else None
+        self.ring = Ring(shard, timeout=timeout, nodes=sub(shard))
         # the world's small exchanges (the step's [loss, sumsq, stop] scalars,
         # eval losses, the trainer's step barrier) go through a Ring too, so the
         # stall inspector watches them; its ledger is not the step's traffic
-        self.control = Ring(world, timeout=timeout)
+        self.control = Ring(world, timeout=timeout, nodes=nodes)
+        self.nodes = self.control.nodes      # the world's NodeMap: the inter-node formulas' N and P
         self._one, self._all = np.zeros(1, np.float64), np.zeros(world.size, np.float64)
         self._members = None
 
@@ -47,22 +55,30 @@ class Topology:
         self.control.all_gather(self._one, self._all)
 
     @classmethod
-    def build(cls, comm, policy, ranks_per_node=None, *, timeout=None) -> "Topology":
+    def build(cls, comm, policy, ranks_per_node=None, *, timeout=None, nodes=None) -> "Topology":
         """The shard group is the world, or (hybrid) ``ranks_per_node`` consecutive
-        ranks, or (hybrid, ranks_per_node None) the MPI shared-memory node."""
+        ranks, or (hybrid, ranks_per_node None) the MPI shared-memory node, or
+        the ranks that share a label of ``nodes`` (one label per rank, emulated nodes)."""
+        if nodes is not None:
+            nodes = list(nodes)
+            if len(nodes) != comm.size:
+                raise ValueError(f"nodes must give one node label per rank: expected {comm.size}, "
+                                 f"got {len(nodes)}")
         if not policy.hybrid:
-            return cls(comm, comm, None, timeout=timeout)
+            return cls(comm, comm, None, timeout=timeout, nodes=nodes)
         if ranks_per_node:
             g = int(ranks_per_node)
             if g < 1 or comm.size % g:
                 raise ValueError(f"ranks_per_node must divide the world size: expected "
                                  f"{comm.size} % Ng == 0, got Ng={g}")
             shard = comm.Split(comm.rank // g, comm.rank)
+        elif nodes is not None:
+            shard = comm.Split(NodeMap.from_labels(nodes).node_of[comm.rank], comm.rank)
         else:
             from mpi4py import MPI
             shard = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
         replica = comm.Split(shard.rank, comm.rank)
-        return cls(comm, shard, replica, timeout=timeout)
+        return cls(comm, shard, replica, timeout=timeout, nodes=nodes)
 
     @property
     def writes_checkpoint(self) -> bool:
