@@ -82,7 +82,7 @@ def test_internode_bytes_match_formula(comm, stage):
                 or (not uneven and rep["plan_internode_bytes_per_step"] != want)):
             bad.append(f"{name}: report's formula {rep['formula_internode_bytes_per_step']} / plan "
                        f"{rep['plan_internode_bytes_per_step']} B, expected {formula} / {want} B")
-        if (rep["nodes"], rep["ranks_per_node"]) != (N, P):
+        if (rep["nodes"], rep["node_ppn"]) != (N, P):
             bad.append(f"{name}: report says {rep['nodes']} nodes of {rep['ranks_per_node']}")
         # the node-aware schedule moves the rest inside the node: the total is the flat ring's
         flat = 2 * psi * (n - 1) // n if stage != "hybrid" else None

@@ -170,7 +170,8 @@ def train_loop(cfg: Config, comm, engine, train, evaluate, writer, say, stop=Non
         if writer:
             writer.step(step=step, loss=res.loss, lr=lr, loss_scale=res.loss_scale,
                         grad_norm=res.grad_norm, tokens_per_s=tps, step_time_s=dt,
-                        bytes_sent=int(sum(engine.last_step_ledger.values())), skipped=res.skipped)
+                        bytes_sent=int(sum(engine.last_step_ledger.values())),
+                        bytes_sent_internode=int(sum(engine.last_step_internode.values())), skipped=res.skipped)
         if bar:
             bar.set_postfix_str(f"loss {res.loss:.3f} | {tps:,.0f} tok/s | scale {res.loss_scale:g}")
             bar.update(1)
@@ -224,6 +225,10 @@ def end_report(say, cfg: Config, engine, loop: LoopResult, eval_loss: float, H: 
     if traffic["plan_bytes_per_step"] != traffic["formula_bytes_per_step"]:
         say(f"  differs by {traffic['formula_bytes_per_step'] - traffic['measured_bytes_per_step']:,} B: the "
             f"last unit's forward and backward are adjacent, so it is gathered once, not twice (as FSDP does)")
+    if traffic["nodes"] > 1:              # the part that left the node (N nodes of P ranks)
+        f = traffic["formula_internode_bytes_per_step"]
+        say(f"  across nodes ({traffic['node_map']})  measured {traffic['measured_internode_bytes_per_step']:,} B   "
+            + (f"formula {traffic['internode_formula']} = {f:,} B" if f is not None else "no formula"))
     rss = peak_rss_per_rank(engine.comm)
     say(f"ringzero | peak RSS per rank: max {rss[int(np.argmax(rss))] / 2**20:.1f} MiB (rank {int(np.argmax(rss))}), "
         f"min {min(rss) / 2**20:.1f} MiB")
@@ -249,7 +254,9 @@ def summarize(cfg: Config, engine, mem: dict, end: dict, H: float) -> dict:
                        for c, d in mem["classes"].items()},
             "traffic": {"measured_bytes_per_step": traffic["measured_bytes_per_step"],
                         "formula_bytes_per_step": traffic["formula_bytes_per_step"],
-                        "plan_bytes_per_step": traffic["plan_bytes_per_step"]},
+                        "plan_bytes_per_step": traffic["plan_bytes_per_step"],
+                        **{k: traffic[k] for k in ("nodes", "node_ppn", "measured_internode_bytes_per_step",
+                                                   "formula_internode_bytes_per_step", "internode_formula")}},
             "train_loss": end["train_loss"], "eval_loss": end["eval_loss"], "unigram_entropy": H,
             "tokens_per_s": end["tokens_per_s"], "activation_peak_bytes": engine.activation_peak,
             "peak_rss_bytes": end["peak_rss_bytes"]}

@@ -93,7 +93,9 @@ def traffic_report(engine) -> dict:
 def internode_report(engine, itemsize: int) -> dict:
     """The part of the last step's bytes that went to other nodes, beside its formula.
 
-    N and P come from the world's NodeMap (topology.nodes). A map with several
+    N and P come from the world's NodeMap (topology.nodes): keys ``nodes``, ``node_ppn``
+    (ranks per node; not hybrid's Ng), ``by_op_internode`` and the measured, formula and
+    plan figures in bytes (``internode_formula`` in elements). A map with several
     nodes of different sizes, or a hybrid shard group wider than a node, has no
     formula (None).
     The plan figure corrects stage 3 as traffic_report does: each unit is
@@ -113,7 +115,7 @@ def internode_report(engine, itemsize: int) -> dict:
         if engine.policy.gather_params and not engine.policy.hybrid:
             gathered = sum(L.unit_padded[w] for w, a, b in engine.plan.param_runs)
             plan = formula - K * ((2 * L.padded - gathered) * (nm.count - 1) // nd) * itemsize
-    return {"nodes": nm.count, "ranks_per_node": nm.ppn, "node_map": nm.describe(),
+    return {"nodes": nm.count, "node_ppn": nm.ppn, "node_map": nm.describe(),
             "by_op_internode": dict(getattr(engine, "last_step_internode", {})),
             "measured_internode_bytes_per_step": int(measured),
             "formula_internode_bytes_per_step": formula,
