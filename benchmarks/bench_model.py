@@ -11,10 +11,12 @@ What it is
     and, with --allocs, the bytes of transient NumPy temporaries (tracemalloc).
 
     The GEMM floor (NumPy backend): every matrix product of the step (the
-    Linears' forward and both backward products, the attention's four batched
+    Linears' forward and both backward products, the attention's six batched
     products over strided head views, the tied head's three) with the same
     shapes and operand layouts, on preallocated arrays, timed as one more
-    interleaved variant. Its median is the time the step would take if
+    interleaved variant. The attention products are counted dense (T x T),
+    as the issue's 21 GFLOP are; the model's host path skips the tiles above
+    the causal diagonal (about 0.4 GFLOP fewer at the default shapes). Its median is the time the step would take if
     everything but the BLAS calls were free; the step's GEMM FLOPs over it is
     the sgemm rate of this run. The header prints which elementwise path ran
     (the C kernels of ringzero.nn._fused, or NumPy) and the load average.
