@@ -231,3 +231,52 @@ def test_traffic_metrics_with_grad_accum_and_bf16(tmp_path, capsys):
     ex.main(["traffic", "--metrics", path])
     out = capsys.readouterr().out
     assert f"accounting on unpadded Ψ {want:,} B" in out and "exact match" in out and "K = 3" in out
+
+
+# ---- traffic across nodes ------------------------------------------------------------
+@pytest.mark.parametrize("nd,nodes", [(16, 2), (8, 4), (8, 8)])
+def test_traffic_split_within_and_across_nodes(nd, nodes):
+    """Per pass of Ψ, a rank sends Ψ(P-1)/P inside its node and (Ψ/P)(N-1)/N across (written out here)."""
+    psi, P = 7 * 2**20, nd // nodes
+    inside, across = psi * (P - 1) / P, psi / P * (nodes - 1) / nodes
+    passes = {"0": (2, 2), "1": (2, 2), "2": (2, 2), "3": (3, 3), "hybrid": (3, 2)}  # (in node, across)
+    rows = {r["stage"]: r for r in ex.traffic_rows(psi, nd, P, None, 1, "fp16", nodes)}
+    for st, (k_in, k_net) in passes.items():
+        r = rows[st]
+        assert r["internode_total"] == pytest.approx(k_net * across, rel=1e-12), st
+        if st == "hybrid":    # its RS and AG stay in the node; the all-reduce is all it sends across
+            assert r["internode"]["all_gather"] == r["internode"]["reduce_scatter"] == 0
+            assert r["internode"]["all_reduce"] == r["by_collective"]["all_reduce"]
+        assert r["elements"] - r["internode_total"] == pytest.approx(k_in * inside, rel=1e-12), st
+    one = {r["stage"]: r["internode_total"] for r in ex.traffic_rows(psi, nd, P)}
+    assert set(one.values()) == {0}                 # one host: nothing crosses
+
+
+def test_traffic_nodes_cli_states_hybrids_point(capsys):
+    assert ex.main(["traffic", "--params", "1.5B", "--nd", "16", "--nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    net = 1_500_000_000 // 8 // 2                   # (Ψ/P)(N-1)/N per pass, P = 8, N = 2
+    assert "N = 2 nodes of P = 8" in out and "stage hybrid" in out       # Ng defaults to P
+    assert f"across nodes 3(Ψ/P)(N-1)/N = {3 * net:,} el" in out
+    assert f"stage 3 sends its all-gathers over the network ({2 * net:,} of its {3 * net:,} el" in out
+    assert f"only the all-reduce of the Ψ/Ng shard crosses, {2 * net:,} el" in out
+
+
+@pytest.mark.parametrize("args", [["--nd", "8", "--nodes", "3"], ["--nd", "8", "--nodes", "0"],
+                                  ["--nd", "8", "--nodes", "2", "--ranks-per-node", "8"]])
+def test_traffic_bad_nodes_exit_2(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        ex.main(["traffic", "--params", "8M", *args])
+    assert e.value.code == 2
+    assert "error:" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_traffic_metrics_across_nodes(tmp_path, capsys):
+    path, mine = _metrics(tmp_path, psi=1024, n=4, stage="3")
+    lines = [json.loads(x) for x in open(path)]
+    lines[-1]["traffic"].update(nodes=2, node_ppn=2, measured_internode_bytes_per_step=1536,
+                                formula_internode_bytes_per_step=1536, internode_formula="3(Ψ/P)(N-1)/N")
+    open(path, "w").write("\n".join(json.dumps(x) for x in lines) + "\n")
+    ex.main(["traffic", "--metrics", path])
+    out = capsys.readouterr().out
+    assert "across nodes (2 nodes of 2): measured 1,536 B   formula 3(Ψ/P)(N-1)/N = 1,536 B" in out

@@ -18,6 +18,10 @@ What it is
                beside formula when a training run's ``--metrics`` file is given.
                ``--grad-accum K``: per micro-batch and per step (stages 0-2 reduce
                once per step, stage 3 gathers and reduce-scatters every micro-batch).
+               ``--nodes N``: the Nd ranks span N nodes; every figure is split into
+               what stays in the node and what crosses the network (the node-aware
+               schedule, accounting.internode_elements), and hybrid's point is
+               stated with numbers: stage 3's all-gathers cross, hybrid's do not.
     fragmentation  A caching allocator's OOM with memory free, by replaying a
                training step's allocations (ringzero.tools.fragmentation).
 
@@ -58,9 +62,10 @@ _STAGE_STEPS["hybrid"] = _STAGE_STEPS["3"] + [
 
 
 def traffic_rows(psi: int, nd: int, ranks_per_node=None, units=None, grad_accum: int = 1,
-                 precision: str = "fp16") -> list:
-    """[{stage, elements, bytes, by_collective, per_unit?}] for every stage, per optimizer step
-    of ``grad_accum`` micro-batches (per_unit: per micro-batch)."""
+                 precision: str = "fp16", nodes: int = 1) -> list:
+    """[{stage, elements, bytes, by_collective, internode, per_unit?}] for every stage, per optimizer
+    step of ``grad_accum`` micro-batches (per_unit: per micro-batch). ``internode``: the elements
+    of by_collective sent to other nodes when the Nd ranks span ``nodes`` nodes (node-aware schedule)."""
     rows = []
     for st in acc.STAGES:
         if st == "hybrid" and not ranks_per_node:
@@ -69,8 +74,11 @@ def traffic_rows(psi: int, nd: int, ranks_per_node=None, units=None, grad_accum:
              "by_collective": acc.traffic_elements(st, psi, nd, ranks_per_node, grad_accum),
              "bytes": acc.traffic_bytes(st, psi, nd, ranks_per_node, grad_accum=grad_accum,
                                         precision=precision),
-             "per_micro_batch": acc.traffic_elements(st, psi, nd, ranks_per_node, 1)}
+             "per_micro_batch": acc.traffic_elements(st, psi, nd, ranks_per_node, 1),
+             "internode": acc.internode_elements(st, psi, nd, nodes, ranks_per_node, grad_accum),
+             "internode_formula": acc.internode_formula(st, grad_accum)}
         r["elements"] = sum(r["by_collective"].values())
+        r["internode_total"] = sum(r["internode"].values())
         r["total_bytes"] = sum(r["bytes"].values())
         if units is not None:
             from ringzero.runtime.flat import Layout
@@ -110,7 +118,26 @@ _ACCUM["hybrid"] = (_ACCUM["3"].replace("Nd", "Ng") + "; the accumulated shard i
                     "across nodes once per step")
 
 
-def print_traffic(psi, nd, rpn, cfg, metrics, f=None, grad_accum: int = 1, precision: str = "fp16"):
+def hybrid_point(rows, psi: int, nd: int, nodes: int, rpn: int, eb: int) -> list:
+    """Lines that say, with the rows' numbers, why hybrid exists once ranks span nodes."""
+    by = {r["stage"]: r for r in rows}
+    if nodes < 2 or "3" not in by or "hybrid" not in by:
+        return []
+    s3, hy = by["3"], by["hybrid"]
+    n3, nh, ag3 = s3["internode_total"], hy["internode_total"], s3["internode"]["all_gather"]
+    m3, mh = acc.model_state_total("3", psi, nd), acc.model_state_total("hybrid", psi, nd, rpn)
+    return [f"hybrid's point, across {nodes} nodes of {nd // nodes} ranks: stage 3 sends its all-gathers over "
+            f"the network ({ag3:,.0f} of its {n3:,.0f} el across nodes per rank per step, "
+            f"{ag3 * eb / 1e9:.4f} GB), hybrid does not: its gathers and reduce-scatters stay in the node "
+            f"and only the all-reduce of the Ψ/Ng shard crosses, {nh:,.0f} el ({nh * eb / 1e9:.4f} GB, "
+            f"{nh / n3 if n3 else 0:.2f}x stage 3's; stage 2 sends {by['2']['internode_total']:,.0f}). "
+            f"With K micro-batches per step stage 3's 3 passes cross K times, hybrid's 2 once "
+            f"(--grad-accum). The price is memory: 16Ψ/Ng = {mh / 1e9:.3f} GB of model state per rank, "
+            f"not 16Ψ/Nd = {m3 / 1e9:.3f} GB."]
+
+
+def print_traffic(psi, nd, rpn, cfg, metrics, f=None, grad_accum: int = 1, precision: str = "fp16",
+                  nodes: int = 1):
     p = lambda *a: print(*a, file=f or sys.stdout)  # noqa: E731
     units = None
     if cfg is not None:
@@ -122,7 +149,14 @@ def print_traffic(psi, nd, rpn, cfg, metrics, f=None, grad_accum: int = 1, preci
       + (f"; K = {K} micro-batches per step" if K > 1 else "") + ").")
     p(f"A ring reduce-scatter or all-gather over n ranks takes n-1 steps; in each, every rank sends "
       f"one block of 1/n of the buffer to its right neighbour: Ψ(n-1)/n elements in all.\n")
-    for r in traffic_rows(psi, nd, rpn, units, K, precision):
+    if nodes > 1:
+        P = nd // nodes
+        p(f"The Nd = {nd} ranks span N = {nodes} nodes of P = {P}: every collective that spans nodes runs "
+          f"the node-aware schedule (a pass inside the node on the whole buffer, Ψ(P-1)/P per rank over "
+          f"shared memory; then a pass across nodes on 1/P of it, (Ψ/P)(N-1)/N per rank over the network, "
+          f"so a node sends Ψ(N-1)/N, the least that must leave it). The sum is the ring's Ψ(Nd-1)/Nd.\n")
+    rows = traffic_rows(psi, nd, rpn, units, K, precision, nodes)
+    for r in rows:
         st = r["stage"]
         one = sum(r["per_micro_batch"].values())
         p(f"stage {st}: {r['formula']} = {r['elements']:,.0f} elements = "
@@ -135,7 +169,12 @@ def print_traffic(psi, nd, rpn, cfg, metrics, f=None, grad_accum: int = 1, preci
               f"{r['elements'] / one if one else 0:.3g}x; per sample {r['elements'] / one / K if one else 0:.3g}x "
               f"of K = 1")
         for k, v in r["by_collective"].items():
-            p(f"  {'':<16} {k:<15} {v:>18,.0f} el  {r['bytes'][k] / 1e9:>10.4f} GB")
+            p(f"  {'':<16} {k:<15} {v:>18,.0f} el  {r['bytes'][k] / 1e9:>10.4f} GB"
+              + (f"   across nodes {r['internode'][k]:>16,.0f} el" if nodes > 1 else ""))
+        if nodes > 1:
+            net = r["internode_total"]
+            p(f"  {'split':<16} within the node {r['elements'] - net:,.0f} el; across nodes "
+              f"{r['internode_formula']} = {net:,.0f} el = {net * eb / 1e9:.4f} GB")
         if st in ("3", "hybrid") and "per_unit" in r:
             p(f"  per unit and micro-batch (padded to a multiple of Nd·align; total padded Ψ = "
               f"{r['padded_psi']:,}):")
@@ -148,6 +187,8 @@ def print_traffic(psi, nd, rpn, cfg, metrics, f=None, grad_accum: int = 1, preci
             p("    (formula: each unit gathered for forward and again for backward; a runtime that "
               "keeps a unit gathered across the forward/backward turn sends less, a tied head "
               "that gathers the embedding again sends more)")
+    for line in hybrid_point(rows, psi, nd, nodes, rpn, eb):
+        p("\n" + line)
     if metrics:
         s = read_summary(metrics)
         st, n, P = acc.parse_stage(s["stage"]), int(s["world_size"]), int(s["params"])
@@ -159,6 +200,11 @@ def print_traffic(psi, nd, rpn, cfg, metrics, f=None, grad_accum: int = 1, preci
           + (f", K = {sk}" if sk > 1 else ""))
         p(f"  traffic/step: measured {t['measured_bytes_per_step']:,} B   trainer's formula "
           f"{t['formula_bytes_per_step']:,} B   accounting on unpadded Ψ {ours:,.0f} B")
+        if t.get("nodes", 1) > 1:
+            fn = t.get("formula_internode_bytes_per_step")
+            p(f"  across nodes ({t['nodes']} nodes of {t.get('node_ppn')}): measured "
+              f"{t['measured_internode_bytes_per_step']:,} B   formula {t.get('internode_formula')} = "
+              + (f"{fn:,} B" if fn is not None else "none (nodes of different sizes)"))
         plan_bytes = t.get("plan_bytes_per_step", t.get("schedule_bytes_per_step"))   # (older files: schedule_)
         if plan_bytes is not None:
             p(f"  the runtime's step plan predicts {plan_bytes:,} B")
@@ -195,7 +241,10 @@ def main(argv=None):
                                     "with --metrics, measured bytes beside the formula.")
     add_model_args(tp)
     tp.add_argument("--nd", type=int, default=64, help="data-parallel ranks (default 64)")
-    tp.add_argument("--ranks-per-node", type=int, help="Ng: adds HYBRID_SHARD")
+    tp.add_argument("--ranks-per-node", type=int, help="Ng: adds HYBRID_SHARD (default with --nodes: Nd/N)")
+    tp.add_argument("--nodes", type=int, default=1,
+                    help="N: the Nd ranks span N nodes of Nd/N; splits each figure into within the node "
+                         "and across nodes (default 1: one host)")
     tp.add_argument("--metrics", help="a trainer metrics .jsonl: measured beside formula")
     add_step_args(tp)
     from ringzero.tools import fragmentation
@@ -225,10 +274,17 @@ def main(argv=None):
         if a.nd < 1 or (a.ranks_per_node and a.nd % a.ranks_per_node):
             raise ValueError(f"--nd must be >= 1 and divisible by --ranks-per-node: got nd={a.nd}, "
                              f"ranks-per-node={a.ranks_per_node}")
+        if a.nodes < 1 or a.nd % a.nodes:
+            raise ValueError(f"--nodes must be >= 1 and divide --nd: got nd={a.nd}, nodes={a.nodes}")
+        if a.nodes > 1:
+            a.ranks_per_node = a.ranks_per_node or a.nd // a.nodes
+            if (a.nd // a.nodes) % a.ranks_per_node:
+                raise ValueError(f"hybrid's shard group must sit inside a node: expected (Nd/N) % Ng == 0, "
+                                 f"got {a.nd // a.nodes} ranks per node, Ng={a.ranks_per_node}")
     except (ValueError, OSError) as e:
         tp.error(str(e))
     print_traffic(psi, a.nd, a.ranks_per_node, cfg, a.metrics, grad_accum=a.grad_accum,
-                  precision=a.precision)
+                  precision=a.precision, nodes=a.nodes)
     return 0
 
 
