@@ -96,6 +96,7 @@ What it is not
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -108,6 +109,7 @@ from ringzero.comm.checks import DTYPES, check_args
 from ringzero.comm.diagnostics import Diagnostics, Limits
 from ringzero.comm.executor import Executor
 from ringzero.comm.nodes import NodeMap, split
+from ringzero.comm.progress import Pending, Progress
 from ringzero.comm.schedule import DIRECT_RANKS, EAGER_BYTES, NODE_BYTES, SEG_BYTES, TREE_BYTES, choose, defaults
 from ringzero.comm.staging import staged_call
 from ringzero.comm.steps import blocks
@@ -160,6 +162,7 @@ class Ring:
         self.diagnostics = Diagnostics(self.comm, self.limits)
         self.executor = Executor(self.comm, self.limits, self.diagnostics, self._on_fail)
         self._run = self.executor.run
+        self._progress = None        # the progress thread of the nonblocking forms, once one is started
         WATCHDOG.add(self.executor)
 
     # ---- schedule knobs: setting one drops the id-keyed shortcut to kept plans
@@ -232,27 +235,41 @@ class Ring:
         return choose(name, group.size, big.nbytes, len(big), self._small_bytes, self._tree_bytes,
                       self._direct_bytes, self._latency_bytes)
 
+    # ---- nonblocking forms (progress.py): the same plans, run on the Ring's progress thread
+    def all_reduce_start(self, buf, op: str = "sum") -> Pending:
+        """Start all_reduce(buf, op); ``.wait()`` returns buf. buf belongs to the call until then."""
+        return self._start("all_reduce", buf, buf, op)
+
+    def reduce_scatter_start(self, send, recv, op: str = "sum") -> Pending:
+        """Start reduce_scatter(send, recv, op); ``.wait()`` returns recv."""
+        return self._start("reduce_scatter", send, recv, op)
+
+    def all_gather_start(self, send, recv) -> Pending:
+        """Start all_gather(send, recv); ``.wait()`` returns recv."""
+        return self._start("all_gather", send, recv, "sum")
+
     # ---- the dispatcher: the kept plan, or check, build and maybe keep one
     def _call(self, name, send, recv, op):
+        if self._progress is not None and self._progress.busy() and not self._progress.on_worker():
+            return self._start(name, send, recv, op).wait()     # started calls first: one order
         plan = self._hot.get((id(send), id(recv), name, op))
         if plan is not None and self._guard(plan, send, recv):
+            plan.runs += 1
+            self._run(plan)
             return recv
-        return self._call_slow(name, send, recv, op)
+        self._prepare(name, send, recv, op)()
+        return recv
 
     def _guard(self, plan, send, recv):
-        """The hot path: run `plan` if these very objects still are what it was built for.
+        """May `plan` run for these very objects? (The hot path.)
 
         The objects ran before and the plan holds them, so their ids are
         theirs; the guard reads what an array can change in place (dtype,
-        shape, writeable). False: nothing ran, take the slow path.
+        shape, writeable). False: take the slow path.
         """
         g = plan.guard
-        if self._broken is None and send.dtype is g[0] and send.shape == g[1] and recv.shape == g[2] \
-                and (g[3] or recv.flags.writeable):
-            plan.runs += 1
-            self._run(plan)
-            return True
-        return False
+        return self._broken is None and send.dtype is g[0] and send.shape == g[1] and recv.shape == g[2] \
+            and (g[3] or recv.flags.writeable)
 
     def _key(self, name, send, recv, op):
         """The cache key of a call: what the plan depends on; None for anything MPI could not take."""
@@ -264,18 +281,22 @@ class Ring:
         except Exception:  # noqa: BLE001 (not an array MPI takes: check_args says why)
             return None
 
-    def _call_slow(self, name, send, recv, op):
+    def _prepare(self, name, send, recv, op):
+        """Everything a call does before its first message, on the caller's thread; returns what runs it.
+
+        Arguments are checked and the plan found or built (and counted) here, so errors come before
+        any message, whether the call then runs inline or on the progress thread.
+        """
         if self._broken:
             raise RuntimeError(self.diagnostics.unusable(name, self._broken))
         key = self._key(name, send, recv, op)
         plan = self.cache.get(key) if key is not None else None
         if plan is not None:
             plan.runs += 1
-            self._run(plan)
-            return recv
+            return lambda: self._run(plan)
         xp = check_args(name, send, recv, op, self.size, self.rank)
         if xp is not np and not self._device_direct():
-            return staged_call(self, name, send, recv, op)
+            return lambda: staged_call(self, name, send, recv, op)
         if xp is not np:
             # building a plan hands the device buffers to MPI (persistent
             # requests); the producer's kernels must be done by then
@@ -286,11 +307,33 @@ class Ring:
                              lambda nb, k=2, first=0: self.cache.scratch(xp, nb, k, first))
         plan.post = op == "avg"
         plan.runs = 1
-        kept = self.cache.offer(key, plan, send, recv, op, xp is not np)
-        self._run(plan)
-        if not kept:
+        if self.cache.offer(key, plan, send, recv, op, xp is not np):
+            return lambda: self._run(plan)
+
+        def once():                  # seen once: run, count, free its requests
+            self._run(plan)
             self.cache.release(plan)
-        return recv
+        return once
+
+    def _start(self, name, send, recv, op) -> Pending:
+        if self._progress is None:
+            self._progress = Progress(f"ringzero-progress-{self.rank}")
+        pr = self._progress
+        owner = pr.owner(send, recv)
+        if owner is not None:
+            raise ValueError(f"ring {name}: a buffer is still owned by a started {owner.name}; "
+                             "HINT: wait() for it before the buffer is used again")
+        plan = self._hot.get((id(send), id(recv), name, op))
+        if plan is not None and self._guard(plan, send, recv):
+            plan.runs += 1
+            job = functools.partial(self._run, plan)
+        else:
+            # a new plan may grow the scratch, which frees the kept plans (one may be in flight):
+            # let the started calls finish first (it happens on a buffer's first two calls only)
+            for p in pr.inflight:
+                p._done.wait()
+            job = self._prepare(name, send, recv, op)
+        return pr.submit(job, Pending(name, send, recv))
 
     # ---- what plans are made of --------------------------------------------
     @staticmethod

@@ -1,0 +1,118 @@
+"""Nonblocking collectives: a Ring's calls run on one background thread, in call order, while the caller computes.
+
+What it is
+    ``ring.all_gather_start(send, recv)`` (and ``reduce_scatter_start``,
+    ``all_reduce_start``) checks its arguments and compiles its plan on the
+    caller's thread, exactly as the blocking call does, then hands the plan to
+    the Ring's ``Progress`` thread and returns a ``Pending``;
+    ``pending.wait()`` returns recv once the collective is done.
+
+    Why a thread: Open MPI makes no asynchronous progress by default, so a
+    rendezvous message (above 4 KiB on shared memory, 64 KiB on TCP) moves
+    only while some thread of the process is inside MPI. The progress thread
+    is: it runs the plan's steps (executor.py), blocking inside MPI's waits
+    with the GIL released, while the caller's NumPy/BLAS work (which releases
+    the GIL too) goes on. One thread per Ring, started on first use.
+
+    Promises kept from the blocking forms:
+      - order: every call on a Ring, blocking or not, runs in the order made
+        (a blocking call made while started ones are in flight waits its turn),
+        so every rank's message stream stays in step;
+      - bits and ledger: the same plans run, counted when started;
+      - errors: bad arguments raise at the start, before any message; an error
+        in the background (a bad count, a timeout naming op, context and peer)
+        is raised by ``wait`` on the caller's thread, and the Ring is then
+        unusable as after any error;
+      - ownership: until ``wait`` returns, the collective owns its buffers:
+        it reads send and writes recv. A Ring call that would write what a
+        started one reads or writes, or read what it writes, raises ValueError
+        (``owner`` names the started call) instead of racing it; two calls
+        may read one buffer.
+
+What it is not
+    A scheduler: when to start and wait is the caller's (the engine's plan).
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+
+def _span(x):
+    """(first byte, end) of an array's memory, host or device."""
+    a = x.ctypes.data if hasattr(x, "ctypes") else x.data.ptr
+    return a, a + x.nbytes
+
+
+class Pending:
+    """A started collective. ``wait()`` returns its recv or raises what the background run raised."""
+
+    __slots__ = ("name", "recv", "reads", "writes", "_done", "_error")
+
+    def __init__(self, name, send, recv):
+        self.name, self.recv = name, recv
+        self.reads, self.writes = _span(send), _span(recv)
+        self._done = threading.Event()
+        self._error = None
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self):
+        self._done.wait()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+        return self.recv
+
+    def conflicts(self, send, recv) -> bool:
+        """Would a call reading `send` and writing `recv` race this one?"""
+        def meet(p, q):
+            return p[0] < p[1] and q[0] < q[1] and p[0] < q[1] and q[0] < p[1]
+        w, r = _span(recv), _span(send)
+        return meet(w, self.reads) or meet(w, self.writes) or meet(r, self.writes)
+
+
+class Progress:
+    """One daemon thread that runs a Ring's started jobs, first in, first out."""
+
+    def __init__(self, name: str):
+        self._jobs = deque()
+        self._cv = threading.Condition()
+        self.inflight = []             # Pendings not yet waited for (the owner checks read it)
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def on_worker(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def busy(self) -> bool:
+        """Anything started and not yet finished?"""
+        self.inflight = [p for p in self.inflight if not p.done()]
+        return bool(self.inflight)
+
+    def submit(self, job, pending: Pending) -> Pending:
+        self.inflight.append(pending)
+        with self._cv:
+            self._jobs.append((job, pending))
+            self._cv.notify()
+        return pending
+
+    def owner(self, send, recv):
+        """The started collective that a call reading send and writing recv would race, if any."""
+        for p in self.inflight:
+            if not p.done() and p.conflicts(send, recv):
+                return p
+        return None
+
+    def _loop(self):
+        while True:
+            with self._cv:
+                while not self._jobs:
+                    self._cv.wait()
+                job, pending = self._jobs.popleft()
+            try:
+                job()
+            except BaseException as e:  # noqa: BLE001 (raised again by pending.wait, on the caller's thread)
+                pending._error = e
+            pending._done.set()
