@@ -23,11 +23,14 @@ What it is
         in the background (a bad count, a timeout naming op, context and peer)
         is raised by ``wait`` on the caller's thread, and the Ring is then
         unusable as after any error;
-      - ownership: until ``wait`` returns, the collective owns its buffers:
-        it reads send and writes recv. A Ring call that would write what a
-        started one reads or writes, or read what it writes, raises ValueError
-        (``owner`` names the started call) instead of racing it; two calls
-        may read one buffer.
+      - ownership: until ``wait`` returns, the collective owns its buffers
+        (it reads send and writes recv). Calls on one Ring run in order, like
+        work on one CUDA stream, so a later call may read what an earlier one
+        writes (a reduce-scatter started, then the all-gather of its result).
+        Code outside the Ring must not touch an owned buffer:
+        ``ring.owner(send, recv)`` names the started call that would race an
+        access reading ``send`` and writing ``recv`` (the engine checks every
+        buffer it touches against it when RINGZERO_CHECK_OWNERSHIP=1).
 
 What it is not
     A scheduler: when to start and wait is the caller's (the engine's plan).
@@ -35,6 +38,7 @@ What it is not
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 
@@ -47,11 +51,12 @@ def _span(x):
 class Pending:
     """A started collective. ``wait()`` returns its recv or raises what the background run raised."""
 
-    __slots__ = ("name", "recv", "reads", "writes", "_done", "_error")
+    __slots__ = ("name", "recv", "reads", "writes", "ran", "_done", "_error")
 
     def __init__(self, name, send, recv):
         self.name, self.recv = name, recv
         self.reads, self.writes = _span(send), _span(recv)
+        self.ran = 0.0
         self._done = threading.Event()
         self._error = None
 
@@ -71,6 +76,10 @@ class Pending:
             return p[0] < p[1] and q[0] < q[1] and p[0] < q[1] and q[0] < p[1]
         w, r = _span(recv), _span(send)
         return meet(w, self.reads) or meet(w, self.writes) or meet(r, self.writes)
+
+    def seconds(self) -> float:
+        """How long the collective ran on the progress thread (0 until done)."""
+        return self.ran
 
 
 class Progress:
@@ -111,8 +120,10 @@ class Progress:
                 while not self._jobs:
                     self._cv.wait()
                 job, pending = self._jobs.popleft()
+            t0 = time.perf_counter()
             try:
                 job()
             except BaseException as e:  # noqa: BLE001 (raised again by pending.wait, on the caller's thread)
                 pending._error = e
+            pending.ran = time.perf_counter() - t0
             pending._done.set()
