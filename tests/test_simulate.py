@@ -164,3 +164,77 @@ def test_hybrid_wire_bytes_match_the_accounting():
     want = sum(acc.traffic_bytes("hybrid", L.padded, nd, ng).values())
     want -= 2 * L.unit_padded[-1] * (ng - 1) // ng          # the head: gathered once
     assert got["comm"] == pytest.approx(want)
+
+
+# ---- two links: inside a node, across nodes ------------------------------------------------------
+def _zero(L):
+    return sm.Compute([0.0] * len(L.units), [0.0] * len(L.units), 0.0, 0.0)
+
+
+@pytest.mark.parametrize("stage", ["0", "1", "2", "3", "hybrid"])
+@pytest.mark.parametrize("nd,N", [(4, 2), (8, 2), (8, 4), (4, 4)])
+def test_two_links_split_the_bytes(stage, nd, N):
+    """α = 0; a network of P B/s per node (1 s/B per rank) and a free intra-node link: the step is
+    the bytes a rank sends across nodes, (Ψ/P)(N-1)/N per pass; the other way round it is the
+    bytes that stay inside, Ψ(P-1)/P per pass (both written out here)."""
+    cfg = GPTConfig(3, 2, 64, 32, 100)
+    L1, P = Layout(gpt_units(cfg)), nd // N
+    L = Layout(gpt_units(cfg), shards=P if stage == "hybrid" else nd)
+    psi, last = L.padded, L.unit_padded[-1]
+    across = lambda el: 2 * el * (N - 1) / nd        # fp16 bytes of one pass across nodes   # noqa: E731
+    inside = lambda el: 2 * el * (P - 1) / P         # ... and of one inside a node          # noqa: E731
+    net = {"3": 3 * across(psi) - across(last), "hybrid": 2 * across(psi)}.get(stage, 2 * across(psi))
+    ins = {"3": 3 * inside(psi) - inside(last), "hybrid": 3 * inside(psi) - inside(last)}.get(stage, 2 * inside(psi))
+    if stage == "hybrid":   # the shard's all-reduce among N ranks, one per node, unit by unit: a shard
+        # of up to 64 KiB takes recursive doubling at N = 4 (S log2 N, not 2S(N-1)/N; the same at N = 2)
+        shard = [2 * u // P for u in L.unit_padded]
+        net = sum(S * 2 if N == 4 and S <= 64 * 1024 else 2 * S * (N - 1) / N for S in shard)
+    rpn = P if stage == "hybrid" else None
+    got = sm.step_time(L1, stage, nd, _zero(L), sm.Links.given(0.0, math.inf), ranks_per_node=rpn,
+                       nodes=sm.Nodes(N, 0.0, float(P)))
+    assert got["comm"] == pytest.approx(net) and got["internode_bytes"] == pytest.approx(net)
+    got = sm.step_time(L1, stage, nd, _zero(L), sm.Links.given(0.0, 1.0), ranks_per_node=rpn,
+                       nodes=sm.Nodes(N, 0.0, math.inf))
+    assert got["comm"] == pytest.approx(ins)
+
+
+def test_node_aware_time_by_hand():
+    """A reduce-scatter of 4 MiB over 2 nodes x 2: the halving tree inside (1 round, S/2 on the
+    intra link), then across on S/P (1 round, S/4, the node's link shared by its P = 2 ranks)."""
+    S, a1, bw1, a2, bw2 = 4 * MIB, 3e-6, 50e9, 20e-6, 1e9
+    t = sm.Nodes(2, a2, bw2).time("reduce_scatter", 4, S, sm.Links.given(a1, bw1))
+    assert t == pytest.approx(a1 + S / 2 / bw1 + a2 + (S / 4) * 2 / bw2)
+    # one rank per node: the flat schedule, all of it on the network
+    assert sm.Nodes(4, a2, bw2).time("all_gather", 4, S, sm.Links.given(a1, bw1)) == pytest.approx(
+        a2 + S * 3 / 4 / bw2)
+
+
+def test_one_node_is_the_one_host_model():
+    cfg = GPTConfig(2, 2, 64, 32, 100)
+    L = Layout(gpt_units(cfg))
+    comp = sm.Compute([1e-3] * 4, [2e-3] * 4, 1e-9, 3e-9)
+    lk = sm.Links.given(5e-6, 1e9)
+    for st in ("0", "2", "3"):
+        for ov in (False, True):
+            assert (sm.step_time(L, st, 4, comp, lk, ov, nodes=sm.Nodes(1, 1.0, 1.0))
+                    == sm.step_time(L, st, 4, comp, lk, ov))
+
+
+@pytest.mark.parametrize("args", [["--nodes", "2"], ["--nodes", "3", "--inter-bandwidth", "1GB/s"],
+                                  ["--inter-bandwidth", "1GB/s"], ["--nodes", "0"],
+                                  ["--nodes", "2", "--inter-bandwidth", "1GB/s", "--stages", "hybrid",
+                                   "--ranks-per-node", "2"]])
+def test_cli_nodes_bad_input_exit_2(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--block-size", "32", "--vocab", "100",
+                  "--nd", "8", "--flops", "1T", "--link", "nvlink", *args])
+    assert e.value.code == 2
+    assert "error:" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_cli_nodes_prints_the_bytes_across(capsys):
+    assert cli.main(["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--block-size", "32", "--vocab", "100",
+                     "--nd", "8", "--flops", "1T", "--link", "nvlink", "--stages", "2,3,hybrid",
+                     "--nodes", "2", "--inter-bandwidth", "125MB/s"]) == 0
+    out = capsys.readouterr().out
+    assert "nodes: 2" in out and "across nodes" in out and "0.125 GB/s leaving each node" in out

@@ -19,7 +19,13 @@ What it is
                   the ring; wire (n-1)/n · S per pass, S·log2 n for recursive doubling)
 
     with α, β fitted per (op, n) on ``python -m ringzero.bench`` rows (the fitting
-    routine of ringzero.fit), or given for a link (NVLink, InfiniBand figures).
+    routine of ringzero.fit), or given for a link (NVLink, InfiniBand figures):
+    links.py. By default every rank shares one host (one link). ``Nodes``
+    (links.py) models two: the ranks span N nodes of P, each collective that
+    spans them runs the node-aware schedule (steps_wire(op, n, S, nodes=N)), its
+    inside passes on the intra-node link and its ``internode_bytes`` on the
+    network (a node's bandwidth shared by its P ranks); hybrid's shard group is
+    a node and only its all-reduce crosses. ``internode_per_step``: the bytes.
     Compute per unit is measured on this machine from the model's own
     forward_unit/backward_unit, or derived from a FLOP rate (6·tokens·Ψ_u plus
     attention); casts and the update are timed on the runtime's own kernels.
@@ -41,68 +47,15 @@ What it is not
 """
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from ringzero.comm.schedule import OPS, TREE_BYTES, steps_wire  # the Ring's own rule (no MPI in it)
+from ringzero.comm.schedule import internode_bytes, steps_wire  # the Ring's own rule (no MPI in it)
 from ringzero.runtime import accounting as acc
 from ringzero.runtime.flat import Layout
-
-# Links given, not fitted (α in s, bandwidth in bytes/s per rank on the wire).
-LINKS = {
-    "nvlink": (10e-6, 150e9),   # NVLink/NVSwitch class (DGX-2 V100: ~150 GB/s per GPU)
-    "ib": (5e-6, 12.5e9),       # InfiniBand EDR, 100 Gb/s per rank
-    "ib-hdr": (5e-6, 25e9),     # InfiniBand HDR, 200 Gb/s per rank
-}
-
-
-# ---- links -----------------------------------------------------------------------
-@dataclass
-class Links:
-    """α, β per (op, n); ``fixed`` serves every (op, n) with one (α, β)."""
-    fits: dict = field(default_factory=dict)    # (op, n) -> (alpha, beta)
-    fixed: tuple | None = None
-    source: str = ""
-
-    @classmethod
-    def given(cls, alpha: float, bandwidth: float, name: str = "given"):
-        return cls(fixed=(float(alpha), 1.0 / float(bandwidth)), source=name)
-
-    @classmethod
-    def from_rows(cls, rows, impl: str = "ring", tree_bytes: int = TREE_BYTES):
-        """One robust fit (ringzero.fit's least |log error|) per (op, n) on bench rows."""
-        from ringzero.tools import fit
-        fits = {}
-        for op in OPS:
-            for n in sorted({int(r["n"]) for r in rows}):
-                sel = [r for r in fit.select(rows, op, impl) if int(r["n"]) == n]
-                if len(sel) < 2:
-                    continue
-                X = np.array([steps_wire(op, n, float(r["bytes"]), **{"tree_bytes": tree_bytes, **r.get("knobs", {})})
-                              for r in sel], np.float64)  # the thresholds the bench ran with (its meta)
-                t = np.array([float(r["time_us"]) * 1e-6 for r in sel])
-                a, b = fit._l1log(X, t)
-                fits[(op, n)] = (float(a), float(b))
-        if not fits:
-            raise ValueError(f"no bench rows of impl {impl!r} with n >= 2 and >= 2 sizes per op")
-        return cls(fits=fits, source=f"fitted per (op, n) on {len(rows)} bench rows")
-
-    def ab(self, op: str, n: int) -> tuple:
-        if self.fixed is not None:
-            return self.fixed
-        if (op, n) in self.fits:
-            return self.fits[(op, n)]
-        have = sorted(k for k in self.fits if k[0] == op) or sorted(self.fits)
-        k = min(have, key=lambda k: (abs(math.log(k[1] / n)), k[1]))   # nearest n measured
-        return self.fits[k]
-
-    def time(self, op: str, n: int, S: float) -> float:
-        st, w = steps_wire(op, n, S)
-        a, b = self.ab(op, n)
-        return st * a + w * b
+from ringzero.tools.links import LINKS, Links, Nodes  # noqa: F401 (importable from here)
 
 
 # ---- compute ---------------------------------------------------------------------
@@ -258,26 +211,71 @@ def step_ops(layout: Layout, stage: str, bwd_reads=lambda u: u != 0, overlap: bo
 COMM_KINDS = ("gather", "rs", "ag", "ar")
 
 
+def _group(stage: str, nd: int, ranks_per_node, nodes) -> int:
+    """The shard group's size: Nd, or hybrid's Ng (a node's ranks when the nodes are modelled)."""
+    if stage != "hybrid":
+        return nd
+    if nodes is not None and nodes.count > 1:
+        if nd % nodes.count or ranks_per_node not in (None, nd // nodes.count):
+            raise ValueError(f"hybrid across {nodes.count} nodes shards inside each node: expected Nd % N == 0 "
+                             f"and Ng = Nd/N, got Nd={nd}, Ng={ranks_per_node}")
+        return nd // nodes.count
+    if not ranks_per_node:
+        raise ValueError("stage hybrid needs ranks_per_node (Ng), got None")
+    return ranks_per_node
+
+
+def comm_ops(layout_full: Layout, stage, nd: int, ranks_per_node=None, nodes: Nodes | None = None,
+             elem_bytes: int = 2, overlap: bool = False):
+    """Yield (kind, unit, op, ranks, S bytes) of every operation of one step (op None: compute)."""
+    st = acc.parse_stage(stage)
+    group = _group(st, nd, ranks_per_node, nodes)
+    L = Layout(layout_full.units, shards=group)
+    for kind, u in step_ops(L, st, overlap=overlap):
+        if kind not in COMM_KINDS:
+            yield kind, u, None, 0, 0
+        elif kind == "ar":                             # the shard, among the Nn = Nd/Ng replicas
+            yield kind, u, "all_reduce", nd // group, L.unit_padded[u] * elem_bytes // group
+        else:
+            yield kind, u, "reduce_scatter" if kind == "rs" else "all_gather", group, L.unit_padded[u] * elem_bytes
+
+
+def internode_per_step(layout_full: Layout, stage, nd: int, nodes: int, ranks_per_node=None,
+                       elem_bytes: int = 2) -> float:
+    """Bytes one rank sends to other nodes in one step: comm/schedule.py's ``internode_bytes`` of
+    every collective of the step (hybrid's all-reduce: among one rank per node, all of it)."""
+    out = 0.0
+    for kind, u, op, n, S in comm_ops(layout_full, stage, nd, ranks_per_node, Nodes(nodes, 0.0, 1.0), elem_bytes):
+        if op is None or nodes < 2:
+            continue
+        if kind == "ar":                 # among one rank per node: every byte crosses
+            out += steps_wire(op, n, S)[1]
+        elif n == nd:                    # the world's collectives (P = 1: the flat schedule, the same bytes)
+            out += internode_bytes(op, n, S, nodes)
+    return out
+
+
 def durations(layout_full: Layout, stage, nd: int, comp: Compute, links: Links,
               ranks_per_node: int | None = None, inter: Links | None = None,
-              elem_bytes: int = 2, overlap: bool = False) -> list:
-    """[(kind, unit, seconds)] of one step in program order, for one rank."""
+              elem_bytes: int = 2, overlap: bool = False, nodes: Nodes | None = None) -> list:
+    """[(kind, unit, seconds)] of one step in program order, for one rank.
+
+    nodes None (or one node): every collective on ``links`` (hybrid's all-reduce on ``inter``
+    if given); else the two links of ``Nodes``: ``links`` inside a node, the network across."""
     st = acc.parse_stage(stage)
-    if st == "hybrid" and not ranks_per_node:
-        raise ValueError("stage hybrid needs ranks_per_node (Ng), got None")
-    group = ranks_per_node if st == "hybrid" else nd
+    group = _group(st, nd, ranks_per_node, nodes)
     L = Layout(layout_full.units, shards=group)
-    nn = nd // group
+    two = nodes is not None and nodes.count > 1
     slow = comp.slow(nd)
     out = []
-    for kind, u in step_ops(L, st, overlap=overlap):
-        if kind in COMM_KINDS:
-            S = L.unit_padded[u] * elem_bytes
-            if kind == "ar":                           # the shard, across the Nn nodes
-                d = (inter or links).time("all_reduce", nn, S // group)
-            else:
-                op = "reduce_scatter" if kind == "rs" else "all_gather"
-                d = links.time(op, group, S)
+    for kind, u, op, n, S in comm_ops(layout_full, st, nd, ranks_per_node, nodes, elem_bytes, overlap):
+        if op is not None:
+            if kind == "ar":
+                d = nodes.across(op, n, S, group) if two else (inter or links).time(op, n, S)
+            elif two and n == nd:                      # the shard group spans the nodes
+                d = nodes.time(op, n, S, links)
+            else:                                      # inside one node (hybrid), or one host
+                d = links.time(op, n, S)
         elif kind == "update":
             d = comp.update_s * (L.padded if st == "0" else L.shard_numel) * slow
         elif kind in ("cast", "gcast"):
@@ -290,17 +288,18 @@ def durations(layout_full: Layout, stage, nd: int, comp: Compute, links: Links,
 
 def step_time(layout_full: Layout, stage, nd: int, comp: Compute, links: Links, overlap=False,
               ranks_per_node: int | None = None, inter: Links | None = None,
-              elem_bytes: int = 2) -> dict:
+              elem_bytes: int = 2, nodes: Nodes | None = None) -> dict:
     """Predicted seconds of one step per rank, and its parts (compute, comm, update).
 
     No overlap: the sum of every operation. Overlap: two streams; a gather
     may start when the compute before it in program order starts; a
     unit's reduce-scatter waits for its gradient cast; a materializing cast
     waits for its gather; the update waits for every collective; stage 1-2's
-    all-gathers wait for the update.
+    all-gathers wait for the update. ``nodes`` (several): the two links (Nodes), and the
+    result's ``internode_bytes``, what one rank sends across nodes per step.
     """
     st = acc.parse_stage(stage)
-    ops = durations(layout_full, st, nd, comp, links, ranks_per_node, inter, elem_bytes, overlap)
+    ops = durations(layout_full, st, nd, comp, links, ranks_per_node, inter, elem_bytes, overlap, nodes)
     parts = {"compute": 0.0, "comm": 0.0, "update": 0.0}
     for kind, _, d in ops:
         parts["comm" if kind in COMM_KINDS else "update" if kind == "update" else "compute"] += d
@@ -326,6 +325,10 @@ def step_time(layout_full: Layout, stage, nd: int, comp: Compute, links: Links, 
                 t_comp = ready + d
                 fin[(kind, u)] = t_comp
         total = max(t_comp, t_comm)
-    return {"stage": st, "nd": nd, "overlap": bool(overlap), "step_s": total, **parts,
-            "exposed_comm_s": total - parts["compute"] - parts["update"]}
+    out = {"stage": st, "nd": nd, "overlap": bool(overlap), "step_s": total, **parts,
+           "exposed_comm_s": total - parts["compute"] - parts["update"]}
+    if nodes is not None and nodes.count > 1:
+        out["nodes"] = nodes.count
+        out["internode_bytes"] = internode_per_step(layout_full, st, nd, nodes.count, ranks_per_node, elem_bytes)
+    return out
 

@@ -3,7 +3,8 @@
 What it is
     Arguments to a GPT shape, a Compute (measured here, read from a
     ``measure`` JSON, or from a FLOP rate) and Links (fitted on bench files or
-    given), then ringzero.tools.simulate.step_time for every stage and Nd,
+    given; with ``--nodes N --inter-bandwidth R`` a second link between N
+    nodes), then ringzero.tools.simulate.step_time for every stage and Nd,
     with and without overlap; ``--plot`` draws step time against link
     bandwidth. ``measure`` (under mpirun) times the model's units on N ranks at once.
 
@@ -20,7 +21,7 @@ import numpy as np
 from ringzero.runtime import accounting as acc
 from ringzero.runtime.flat import Layout
 from ringzero.sizes import parse_quantity, parse_rate
-from ringzero.tools.simulate import (LINKS, Compute, Links, flops_compute, measure_compute,
+from ringzero.tools.simulate import (LINKS, Compute, Links, Nodes, flops_compute, measure_compute,
                                      step_time)
 
 
@@ -78,7 +79,14 @@ def build_parser():
     lk.add_argument("--alpha", help="latency per step, e.g. 10us (with --bandwidth)")
     lk.add_argument("--bandwidth", help="bytes/s per rank, e.g. 100GB/s")
     lk.add_argument("--bench", nargs="+", help="python -m ringzero.bench JSON files: α, β fitted per (op, n)")
-    lk.add_argument("--inter-link", choices=sorted(LINKS), help="hybrid: the link between nodes")
+    lk.add_argument("--inter-link", choices=sorted(LINKS), help="hybrid on one link model: the link between nodes")
+    nk = ap.add_argument_group("nodes (two links: the one above inside a node, a network between nodes)")
+    nk.add_argument("--nodes", type=int, default=1,
+                    help="N: the Nd ranks span N nodes of Nd/N (node-aware collectives; hybrid's Ng = Nd/N); "
+                         "default 1, one host")
+    nk.add_argument("--inter-bandwidth", help="with --nodes: bytes/s leaving one node, shared by its ranks, "
+                                              "e.g. 125MB/s (1 Gbit/s) or 25GB/s")
+    nk.add_argument("--inter-alpha", default="5us", help="with --nodes: latency per round across nodes (default 5us)")
     ap.add_argument("--plot", help="PNG: step time against link bandwidth per stage (matplotlib)")
     ap.add_argument("--json", help="write the predictions (or, for measure, the compute) here")
     return ap
@@ -122,6 +130,25 @@ def _links(a):
     return Links.from_rows([r for f in a.bench for r in fit.load_rows(f)])
 
 
+def _nodes(a, stages):
+    """The Nodes of --nodes, --inter-bandwidth, --inter-alpha (None on one host)."""
+    if a.nodes < 1:
+        raise ValueError(f"--nodes must be >= 1, got {a.nodes}")
+    if a.nodes == 1:
+        if a.inter_bandwidth:
+            raise ValueError("--inter-bandwidth needs --nodes N > 1")
+        return None
+    if not a.inter_bandwidth:
+        raise ValueError(f"--nodes {a.nodes} needs --inter-bandwidth (bytes/s leaving one node), e.g. 125MB/s")
+    bad = [n for n in a.nd if n % a.nodes]
+    if bad:
+        raise ValueError(f"--nd must be a multiple of --nodes {a.nodes}, got {bad}")
+    if "hybrid" in stages and a.ranks_per_node and any(n // a.nodes != a.ranks_per_node for n in a.nd):
+        raise ValueError(f"hybrid across --nodes shards inside each node: expected --ranks-per-node = Nd/N, "
+                         f"got {a.ranks_per_node} for Nd = {a.nd}")
+    return Nodes(a.nodes, _seconds(a.inter_alpha, "--inter-alpha"), parse_rate(a.inter_bandwidth, "--inter-bandwidth"))
+
+
 def run_measure(a, cfg, seq) -> int:
     """Every rank times the units at once (ranks share the machine as in training); the
     slowest rank's time per unit is kept, as a step waits for it."""
@@ -153,7 +180,7 @@ def run_measure(a, cfg, seq) -> int:
     return 0
 
 
-def print_predictions(rows, cfg, comp, links, psi, f=None):
+def print_predictions(rows, cfg, comp, links, psi, f=None, nodes=None):
     import sys
     p = lambda *x: print(*x, file=f or sys.stdout)  # noqa: E731
     p(f"GPT {cfg.n_layer}L C={cfg.n_embd} H={cfg.n_head} V={cfg.vocab}: Ψ = {psi:,}")
@@ -162,16 +189,24 @@ def print_predictions(rows, cfg, comp, links, psi, f=None):
                                                      if comp.cores else ""))
     p(f"links: {links.source}" + ("" if links.fixed is None else
                                   f": α = {links.fixed[0] * 1e6:g} us, {1 / links.fixed[1] / 1e9:g} GB/s"))
+    if nodes is not None:
+        p(f"nodes: {nodes.count}, Nd/{nodes.count} ranks each, node-aware collectives; the link above "
+          f"inside a node, {nodes.bandwidth / 1e9:g} GB/s leaving each node (shared by its ranks), "
+          f"α = {nodes.alpha * 1e6:g} us across")
     p(f"\n{'stage':>6}{'Nd':>6}{'no overlap':>14}{'overlap':>12}{'compute':>12}{'comm':>12}"
-      f"{'update':>12}{'exposed (ov)':>14}{'vs stage 0':>11}")
+      f"{'update':>12}{'exposed (ov)':>14}{'vs stage 0':>11}" + (f"{'across nodes':>15}" if nodes else ""))
     base = {r0["nd"]: r0["step_s"] for r0, _ in rows if r0["stage"] == "0"}   # no-overlap stage 0
     for r0, r1 in rows:
         b = base.get(r0["nd"])
         p(f"{r0['stage']:>6}{r0['nd']:>6}{_t(r0['step_s']):>14}{_t(r1['step_s']):>12}"
           f"{_t(r0['compute']):>12}{_t(r0['comm']):>12}{_t(r0['update']):>12}"
-          f"{_t(r1['exposed_comm_s']):>14}" + (f"{r0['step_s'] / b:>10.3f}x" if b else ""))
+          f"{_t(r1['exposed_comm_s']):>14}" + (f"{r0['step_s'] / b:>10.3f}x" if b else f"{'':>11}" if nodes else "")
+          + (f"{r0['internode_bytes'] / 2**20:>11.2f} MiB" if nodes else ""))
     p("no overlap: every operation in program order, as ringzero runs; overlap: collectives on a "
       "second stream (one-ahead gathers, reduce-scatters behind the backward).")
+    if nodes is not None:
+        p("across nodes: bytes one rank sends to other nodes per step (stage 3 sends its all-gathers "
+          "over the network, hybrid only its all-reduce)")
 
 
 def _t(s):
@@ -248,19 +283,21 @@ def main(argv=None):
         if a.what == "measure":
             return run_measure(a, cfg, seq)
         stages = [acc.parse_stage(s) for s in a.stages.split(",")]
-        if "hybrid" in stages and not a.ranks_per_node:
-            raise ValueError("stage hybrid needs --ranks-per-node (Ng)")
+        if "hybrid" in stages and not a.ranks_per_node and a.nodes == 1:
+            raise ValueError("stage hybrid needs --ranks-per-node (Ng), or --nodes (Ng = Nd/N)")
         if any(n < 1 or (a.ranks_per_node and n % a.ranks_per_node) for n in a.nd):
             raise ValueError(f"--nd must be >= 1 and a multiple of --ranks-per-node, got {a.nd}")
         comp, links = _compute(a, cfg, seq), _links(a)
         inter = Links.given(*LINKS[a.inter_link], name=a.inter_link) if a.inter_link else None
+        nodes = _nodes(a, stages)
     except (ValueError, OSError) as e:
         ap.error(str(e))
     from ringzero.nn.gpt import gpt_units
     L = Layout(gpt_units(cfg))
-    rows = [tuple(step_time(L, st, n, comp, links, ov, a.ranks_per_node, inter) for ov in (False, True))
+    rpn = lambda n: n // nodes.count if nodes else a.ranks_per_node  # noqa: E731 (hybrid's Ng)
+    rows = [tuple(step_time(L, st, n, comp, links, ov, rpn(n), inter, nodes=nodes) for ov in (False, True))
             for n in a.nd for st in stages]
-    print_predictions(rows, cfg, comp, links, L.numel)
+    print_predictions(rows, cfg, comp, links, L.numel, nodes=nodes)
     out = {"psi": L.numel, "rows": [r for pair in rows for r in pair]}
     if a.plot:
         alpha = links.fixed[0] if links.fixed else links.ab("all_gather", a.nd[0])[0]
