@@ -91,6 +91,20 @@ static inline T lane_sum_##S(const T *v, ix n)                                  
     return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));                   \
 }                                                                                               \
                                                                                                 \
+/* max of v[0..n), n >= 1, in 8 lanes (so it vectorizes without fast-math; max is exact in any order) */ \
+static inline T lane_max_##S(const T *v, ix n)                                                  \
+{                                                                                               \
+    T a[LANES];                                                                                 \
+    for (int l = 0; l < LANES; l++) a[l] = v[0];                                                \
+    ix j = 0;                                                                                   \
+    for (; j + LANES <= n; j += LANES)                                                          \
+        for (int l = 0; l < LANES; l++) a[l] = v[j + l] > a[l] ? v[j + l] : a[l];               \
+    for (int l = 0; j < n; j++, l++) a[l] = v[j] > a[l] ? v[j] : a[l];                          \
+    T mx = a[0];                                                                                \
+    for (int l = 1; l < LANES; l++) mx = a[l] > mx ? a[l] : mx;                                 \
+    return mx;                                                                                  \
+}                                                                                               \
+                                                                                                \
 /* x (n, m) += b (m,) if b; s = sigmoid(2u), u = k (x + a x^3); y = x s  (= 0.5 x (1 + tanh u)) */  \
 RZ_CLONES static void gelu_fwd_##S(T *restrict x, const T *restrict b, T *restrict y, T *restrict sg, \
                                    ix n, ix m)                                                  \
@@ -187,8 +201,8 @@ RZ_CLONES static void softmax_causal_##S(T *att, ix R, ix Tn, T scale)          
         for (ix t = 0; t < Tn; t++) {                                                           \
             T *a = att + (r * Tn + t) * Tn;                                                     \
             ix k = t + 1;                                                                       \
-            T mx = a[0] * scale;                                                                \
-            for (ix j = 0; j < k; j++) { T v = a[j] * scale; a[j] = v; mx = v > mx ? v : mx; }  \
+            for (ix j = 0; j < k; j++) a[j] = a[j] * scale;                                     \
+            T mx = lane_max_##S(a, k);                                                          \
             for (ix j = 0; j < k; j++) a[j] = EXP(a[j] - mx);                                   \
             T s = lane_sum_##S(a, k);                                                           \
             for (ix j = 0; j < k; j++) a[j] = a[j] / s;                                         \
@@ -228,8 +242,7 @@ RZ_CLONES static void ce_fwd_##S(const T *lg, const int64_t *tgt, T *pr, T *nll,
     for (ix i = 0; i < n; i++) {                                                                \
         const T *l = lg + i * V;                                                                \
         T *p = pr + i * V;                                                                      \
-        T mx = l[0];                                                                            \
-        for (ix j = 0; j < V; j++) mx = l[j] > mx ? l[j] : mx;                                  \
+        T mx = lane_max_##S(l, V);                                                              \
         T picked = l[tgt[i]] - mx;                                                              \
         for (ix j = 0; j < V; j++) p[j] = EXP(l[j] - mx);                                       \
         T s = lane_sum_##S(p, V);                                                               \
