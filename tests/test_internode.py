@@ -101,3 +101,18 @@ def test_one_host_sends_nothing_across(comm):
     ok = (rep["nodes"] == 1 and rep["measured_internode_bytes_per_step"] == 0
           and rep["formula_internode_bytes_per_step"] == 0)
     assert_all(comm, ok, f"one host: {rep['nodes']} nodes, {rep['measured_internode_bytes_per_step']} B across")
+
+
+def test_hybrid_shard_group_across_nodes_has_no_formula(comm):
+    """Hybrid's shard group made of consecutive ranks on round-robin nodes spans them: the
+    inter-node formula does not apply, and the report says so (None) beside what it measured."""
+    from ringzero.runtime.optim import LossScaler
+    n = comm.size
+    if n < 4 or n % 2:
+        pytest.skip("needs an even world size >= 4")
+    eng = engine(comm, "hybrid", scaler=LossScaler(init=2.0 ** 8), ranks_per_node=2,
+                 nodes=[f"n{r % 2}" for r in range(n)])
+    _, rep = one_step(eng, comm)
+    ok = rep["formula_internode_bytes_per_step"] is None and rep["measured_internode_bytes_per_step"] > 0
+    assert_all(comm, ok, f"formula {rep['formula_internode_bytes_per_step']}, "
+                         f"measured {rep['measured_internode_bytes_per_step']} B")

@@ -110,6 +110,8 @@ def internode_report(engine, itemsize: int) -> dict:
                                            engine.policy.ranks_per_node(topo.shard_size), K)
     except ValueError:
         el = None
+    if engine.policy.hybrid and topo.ring.nodes.count > 1:    # the shard group itself spans nodes
+        el = None
     if el is not None and (nm.count == 1 or nm.ppn is not None):
         formula = plan = int(sum(el.values()) * itemsize)
         if engine.policy.gather_params and not engine.policy.hybrid:
