@@ -80,7 +80,7 @@ def _scratch(ws, name, shape, dtype, xp):
 def gelu_forward(x, y, s, b=None):
     """x (N, M) += b (M,) if given (in place: x is what backward reads); y = gelu(x); s = sigmoid(2u)."""
     N, M = x.shape
-    if use_c(b, x, y, s, outs=2):       # x is updated in place, read by nothing else
+    if use_c(b, x, y, s, outs=3):       # x is updated in place too
         _c.gelu_fwd(x, b, y, s, N, M, _dbl(x))
         return y
     xp = array_module(x)
