@@ -114,3 +114,39 @@ def test_embedding_and_tied_head_alone_gather_once():
 def test_bad_flags():
     with pytest.raises(ValueError, match="expected one backward_reads_params flag per unit"):
         build_plan([(0,), (1,)], [True])
+
+
+@pytest.mark.parametrize("blocks", [0, 1, 3, 6])
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("inflight", [0, 1, 2])
+def test_gradient_slots_count_the_reductions_in_flight(blocks, tied, inflight):
+    """Overlap: a slot stays held `inflight` positions past its close; the count is the peak held
+    (counted here by brute force) and no slot is opened for a unit while its last user still holds it."""
+    needs = gpt_like(blocks, tied)
+    U = len(needs)
+    p = build_plan(needs, [True] * U, inflight)
+    P, last = 2 * U, 2 * U - 1
+    writes = {w: [i for i, (ph, u) in enumerate(positions(U)) if ph == "B" and w in needs[u]] for w in range(U)}
+    held = {w: (min(ws), min(max(ws) + inflight, last)) for w, ws in writes.items()}
+    peak = max(sum(1 for a, h in held.values() if a <= i <= h) for i in range(P))
+    assert p.grad_slots == peak
+    slot = {w: s for i in range(P) for w, s in p.grad_open[i]}
+    for w in range(U):
+        for v in range(U):
+            if w != v and slot[w] == slot[v]:
+                (a, h), (b, k) = held[w], held[v]
+                assert h < b or k < a, f"units {w} and {v} share slot {slot[w]} while both held"
+    # every in-flight reduction that ends before the step does is released exactly where its hold ends
+    released = {(w, s): i for i in range(P) for w, s in p.grad_release[i]}
+    for w, (a, h) in held.items():
+        if inflight and h < last:
+            assert released[(w, slot[w])] == h + 1
+        else:
+            assert (w, slot[w]) not in released
+    if inflight == 0:
+        assert p.grad_slots == build_plan(needs, [True] * U).grad_slots and not released
+
+
+def test_inflight_must_be_a_count():
+    with pytest.raises(ValueError, match="inflight"):
+        build_plan(gpt_like(1), [True] * 3, -1)

@@ -326,7 +326,10 @@ class Ring:
             self._progress = Progress(f"ringzero-progress-{self.rank}")
         pr = self._progress
         plan = self._hot.get((id(send), id(recv), name, op))
-        if plan is not None and self._guard(plan, send, recv):
+        if plan is None or not self._guard(plan, send, recv):
+            key = None if self._broken else self._key(name, send, recv, op)
+            plan = self.cache.get(key) if key is not None else None     # fresh views of kept buffers
+        if plan is not None and self._broken is None:
             plan.runs += 1
             job = functools.partial(self._run, plan)
         else:

@@ -38,6 +38,7 @@ What it is not
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -77,7 +78,8 @@ class Zero:
 
     def __init__(self, model: "ShardableModel", comm, stage="2", *, precision="fp16", device="cpu", seed=0,
                  adam: AdamConfig | None = None, ranks_per_node=None, mem_budget=None,
-                 scaler: LossScaler | None = None, timeout=None, grad_accum: int = 1, nodes=None):
+                 scaler: LossScaler | None = None, timeout=None, grad_accum: int = 1, nodes=None,
+                 overlap: bool = True):
         self.model, self.comm = model, comm
         self.policy = P = StagePolicy.of(stage)
         self.stage = P.stage
@@ -104,9 +106,15 @@ class Zero:
         self.state = ShardedState(L, P, topo.shard_rank, self.storage_dtype, xp, self.grad_accum)
         self.state.init_master(seed)
         self.publish_params()
+        # overlap: a closed gradient's reduction runs while the next unit's backward computes
+        # (workspace.py); the plan holds its slot one position longer
+        self.overlap = bool(overlap)
         self.plan = build_plan([L.needs(u) for u in range(U)],
-                               [bool(model.backward_reads_params(u)) for u in range(U)])
-        self.workspaces = Workspaces(L, P, self.plan, self.state, topo, self.compute_dtype, self.grad_accum)
+                               [bool(model.backward_reads_params(u)) for u in range(U)],
+                               inflight=1 if self.overlap else 0)
+        self.workspaces = Workspaces(L, P, self.plan, self.state, topo, self.compute_dtype, self.grad_accum,
+                                     overlap=self.overlap)
+        self.timeline = {}                   # the last step's seconds: compute, reduction, and what was hidden
         self.adam = AdamW(adam or AdamConfig(), max(L.piece_numel), xp)
         self.scaler = scaler or LossScaler(dynamic=(precision == "fp16"),
                                            init=2.0 ** 16 if precision == "fp16" else 1.0)
@@ -156,6 +164,8 @@ class Zero:
             u = plan.positions[i][1]
             for w, s in plan.materialize[i]:
                 ws.materialize(w, s)
+            for w, s in plan.grad_release[i]:
+                ws.release(w, s)             # a reduction in flight since an earlier position
             for w, s in plan.grad_open[i]:
                 ws.zero_grad(w, s)
             dy = m.backward_unit(u, dy, caches[u], ws.param_views[i], ws.grad_views[i])
@@ -163,6 +173,7 @@ class Zero:
             caches[u] = None
             for w, s in plan.grad_close[i]:
                 ws.close_grad(w, s, micro)
+        ws.drain()                           # every reduction done before anyone reads the grads
         self.activation_peak = max(self.activation_peak, peak)
         return loss
 
@@ -198,9 +209,14 @@ class Zero:
         scale, n, K = self.scaler.scale, self.topology.world_size, self.grad_accum
         seed = self._seed()
         loss = 0.0
+        t0 = time.perf_counter()
         for k, (xk, yk) in enumerate(self.micro_batches(x, y)):
             loss += self.forward_backward(xk, yk, k)
         loss /= K                                    # the mean of the micro-batch means
+        tl = self.workspaces.timeline()
+        # forward+backward wall time less the waits for reductions = compute (gathers included)
+        self.timeline = {"fwd_bwd_s": time.perf_counter() - t0, **tl,
+                         "compute_s": time.perf_counter() - t0 - tl["reduce_exposed_s"]}
 
         # global squared norm: partial per piece r, summed over units in order,
         # the partials then added in rank order -- identical at every stage.

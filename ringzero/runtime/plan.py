@@ -3,7 +3,7 @@
 What it is
     A pure function of the model's unit graph, made once at start-up:
 
-        build_plan(needs, backward_reads_params) -> StepPlan
+        build_plan(needs, backward_reads_params, inflight=0) -> StepPlan
 
     ``needs[u]`` lists the units whose parameters unit u reads (itself first;
     a head tied to the token embedding also needs unit 0), and
@@ -23,6 +23,13 @@ What it is
       head's backward (position U) to the embedding's (position 2U-1).
     - Runs get unit-sized slots greedily, reusing freed ones, so the number of
       slots is the peak number of units alive at once.
+    - ``inflight`` (overlap: a closed gradient's reduction runs while the next
+      ``inflight`` positions compute): a gradient slot stays held for that many
+      positions after its close, so the slot count is the peak alive including
+      the in-flight reductions, and no slot is zeroed for another unit while
+      its reduction may still read it. ``grad_release[i]`` lists the slots
+      whose reduction must be done before position i runs (the engine waits
+      there; a slot freed at the end of the backward is waited for then).
 
     (Not to be confused with the collective plans of ringzero/comm: which
     algorithm a Ring call runs is comm/schedule.py; this plan says when a
@@ -61,6 +68,8 @@ class StepPlan:
     grad_open: tuple            # position -> gradients opened (zeroed) before it runs
     grad_close: tuple           # position -> gradients closed (cast, reduced) after it runs
     grad_writes: tuple          # position -> the open gradients its backward adds into
+    grad_inflight: int = 0      # positions a closed gradient's reduction may stay in flight
+    grad_release: tuple = ()    # position -> (unit, slot) whose in-flight reduction ends before it
 
     @property
     def units(self) -> int:
@@ -114,9 +123,11 @@ def _tables(rs, slots, order, needs, count):
     return tuple(tuple(x) for x in at), tuple(reads)
 
 
-def build_plan(needs, backward_reads_params) -> StepPlan:
+def build_plan(needs, backward_reads_params, inflight: int = 0) -> StepPlan:
     """The plan of a model with ``len(needs)`` units (see the module docstring)."""
     U = len(needs)
+    if isinstance(inflight, bool) or int(inflight) != inflight or inflight < 0:
+        raise ValueError(f"expected inflight to be an int >= 0, got {inflight!r}")
     if len(backward_reads_params) != U:
         raise ValueError(f"expected one backward_reads_params flag per unit ({U}), "
                          f"got {len(backward_reads_params)}")
@@ -133,7 +144,10 @@ def build_plan(needs, backward_reads_params) -> StepPlan:
                        key=lambda r: (r[1], r[0]))
     pslot, n_param = assign_slots(param_runs)
     fslot, n_forward = assign_slots(forward_runs)
-    gslot, n_grad = assign_slots(grad_runs)
+    # a slot is held past its close while its reduction is in flight (to the end at most)
+    last = 2 * U - 1
+    held = [(w, a, min(b + inflight, last)) for w, a, b in grad_runs]
+    gslot, n_grad = assign_slots(held)
     materialize, param_reads = _tables(param_runs, pslot, order, needs, len(order))
     forward_materialize, forward_reads = _tables(forward_runs, fslot, order, needs, U)
 
@@ -142,6 +156,10 @@ def build_plan(needs, backward_reads_params) -> StepPlan:
     for w, a, b in grad_runs:
         grad_open[a].append((w, gslot[(w, a)]))
         grad_close[b].append((w, gslot[(w, a)]))
+    grad_release = [[] for _ in range(P)]
+    for (w, a, b), (_, _, h) in zip(grad_runs, held):
+        if inflight and h < last:        # the reduction started after b is done before h + 1 runs
+            grad_release[h + 1].append((w, gslot[(w, a)]))
     live, grad_writes = {}, []
     for i, (ph, u) in enumerate(order):
         for w, s in grad_open[i]:
@@ -152,4 +170,5 @@ def build_plan(needs, backward_reads_params) -> StepPlan:
                 grad_slots=n_grad, materialize=materialize, param_reads=param_reads,
                 forward_materialize=forward_materialize, forward_reads=forward_reads,
                 grad_open=tuple(map(tuple, grad_open)), grad_close=tuple(map(tuple, grad_close)),
-                grad_writes=tuple(grad_writes))
+                grad_writes=tuple(grad_writes), grad_inflight=int(inflight),
+                grad_release=tuple(map(tuple, grad_release)))

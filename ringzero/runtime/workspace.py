@@ -37,10 +37,30 @@ What it is
         bit for bit. Stages 0-2 among themselves (same local sum, same RS) and
         stage 3 vs hybrid on one node (same RS, no replica) stay bitwise equal.
 
+    Overlap (``overlap=True``, the engine's default): a closed gradient's
+    reduction is *started* on the ring's progress thread (comm/progress.py)
+    and the backward goes on; ``release`` waits for it where the plan frees
+    its slot (plan.grad_release), ``drain`` waits for the rest at the end of
+    the backward (then hybrid's all-reduce across nodes runs, unit by unit).
+    What it reads stays put until then: the unit's slot (fp32 storage, grads
+    sharded: the plan holds it ``inflight`` positions longer), one of two
+    storage-dtype buckets (2-byte storage: the cast alternates between them)
+    or the unit's own range of the grads buffer (stages 0-1). The same
+    collectives run on the same bytes in the same order per ring, so losses,
+    norms and weights are bitwise those without overlap. Stage 3 / hybrid at
+    K > 1 add each micro-batch's reduce-scatter into the accumulator at once,
+    so they reduce without overlap. ``timeline()`` gives the step's seconds
+    of reduction (on the progress thread) and of waiting for it (exposed).
+    RINGZERO_CHECK_OWNERSHIP=1: every buffer the workspaces write is first
+    checked against the ring's started calls (``Ring.owner``).
+
 What it is not
     It decides nothing about *when*: plan.py does. No optimizer.
 """
 from __future__ import annotations
+
+import os
+import time
 
 import numpy as np
 
@@ -50,7 +70,8 @@ from ringzero.runtime.state import cast_into
 class Workspaces:
     """Slot buffers and per-position views for one engine."""
 
-    def __init__(self, layout, policy, plan, state, topology, compute_dtype, grad_accum: int = 1):
+    def __init__(self, layout, policy, plan, state, topology, compute_dtype, grad_accum: int = 1,
+                 overlap: bool = False):
         self.layout, self.policy, self.state, self.topology = layout, policy, state, topology
         xp, cap, storage = state.xp, layout.max_unit_padded, state.params.dtype
         # params are cast when the compute dtype differs from storage (CPU: fp32
@@ -69,8 +90,16 @@ class Workspaces:
         if policy.gather_params:
             # with a cast, one storage-dtype landing slot suffices (cast right after the gather)
             self.bufs["gather"] = [xp.empty(cap, storage) for _ in range(1 if self.param_cast else n_param)]
+        # overlap: a reduction may still read a gradient while the next unit computes
+        self.overlap = bool(overlap) and (self.grad_accum == 1 or policy.accumulate_locally)
         if policy.grad_bucket:
-            self.bufs["grad_bucket"] = [xp.empty(cap, storage) for _ in range(1 if self.grad_cast else plan.grad_slots)]
+            n_bucket = (2 if self.overlap else 1) if self.grad_cast else plan.grad_slots
+            self.bufs["grad_bucket"] = [xp.empty(cap, storage) for _ in range(n_bucket)]
+        self._pending = {}           # what a started reduction reads -> its Pendings
+        self._bucket = 0             # the bucket the next cast writes (2-byte storage, overlap)
+        self._replica = []           # hybrid: shards whose all-reduce across nodes runs at drain
+        self._comm = self._exposed = 0.0
+        self._check = os.environ.get("RINGZERO_CHECK_OWNERSHIP", "0") == "1"
         # K > 1, stage 3 / hybrid, 2-byte storage: one reduce-scattered piece widened to fp32
         # before it is added into the accumulator (a unit's piece at most)
         self._widen = None
@@ -112,7 +141,10 @@ class Workspaces:
         return self.bufs["grad_bucket"][slot]
 
     def zero_grad(self, w, slot):
-        self.grad_target(w, slot)[:self.layout.unit_padded[w]].fill(0)
+        self._wait(("slot", slot))   # a reduction the plan let run past its close reads this slot
+        g = self.grad_target(w, slot)[:self.layout.unit_padded[w]]
+        self._touch(g)
+        g.fill(0)
 
     def materialize(self, w, slot):
         """Make unit w's full params available in the compute dtype, in ``slot``."""
@@ -130,36 +162,100 @@ class Workspaces:
             cast_into(self.bufs["param_compute"][slot][:L.unit_padded[w]], src)
 
     def _storage_seg(self, w, slot):
-        """Where unit w's storage-dtype gradient is reduced from: the grads buffer (0, 1) or a bucket."""
+        """(where unit w's storage-dtype gradient is reduced from, what a started reduction of it holds):
+        the grads buffer (stages 0, 1), a bucket, or the gradient slot itself."""
         L = self.layout
         if self.policy.full_grads:
-            return L.unit_full(self.state.grads, w)
-        return self.bufs["grad_bucket"][0 if self.grad_cast else slot][:L.unit_padded[w]]
+            return L.unit_full(self.state.grads, w), ("unit", w)
+        if not self.grad_cast:
+            return self.bufs["grad_bucket"][slot][:L.unit_padded[w]], ("slot", slot)
+        b = self._bucket
+        self._bucket = (b + 1) % len(self.bufs["grad_bucket"])
+        self._wait(("bucket", b))    # the reduction started two units ago reads this bucket
+        return self.bufs["grad_bucket"][b][:L.unit_padded[w]], ("bucket", b)
 
     def reduce_grad(self, w, slot):
         """Unit w's gradient is complete: cast to the storage dtype and reduce it."""
-        seg = self._storage_seg(w, slot)
+        seg, key = self._storage_seg(w, slot)
         if self.grad_cast:
+            self._touch(seg)
             cast_into(seg, self.bufs["grad_compute"][slot][:self.layout.unit_padded[w]])
-        self._reduce(w, seg)
+        self._reduce(w, seg, key)
 
-    def _reduce(self, w, seg):
+    def _reduce(self, w, seg, key):
         """Reduce unit w's storage-dtype gradient ``seg`` over the shard group (and replicas)."""
-        L, state, topo = self.layout, self.state, self.topology
+        L, state, topo, ring = self.layout, self.state, self.topology, self.topology.ring
+        t0 = time.perf_counter()
         if self.policy.full_grads:
             # stage 0's all-reduce is spelled out as the reduce-scatter and
             # all-gather it is made of, so its ledger reads as the formula's
             # 2Ψ(n-1)/n whichever algorithm the ring picks for the unit's size
             # (Ring guarantees all_reduce == reduce_scatter + all_gather, bitwise)
             own = L.own(seg, w, state.shard_rank)
-            topo.ring.reduce_scatter(seg, own)
+            if self.overlap:          # one ring, one order: the all-gather reads what the RS wrote
+                self._pending[key] = [ring.reduce_scatter_start(seg, own)]
+                if self.policy.all_reduce_grads:
+                    self._pending[key].append(ring.all_gather_start(own, seg))
+                return
+            ring.reduce_scatter(seg, own)
             if self.policy.all_reduce_grads:
-                topo.ring.all_gather(own, seg)
+                ring.all_gather(own, seg)
         else:
             out = L.unit_shard(state.grads, w)
-            topo.ring.reduce_scatter(seg, out)
-            if topo.replica_ring is not None and topo.replica_ring.size > 1:
+            replicas = topo.replica_ring is not None and topo.replica_ring.size > 1
+            if self.overlap:
+                self._pending[key] = [ring.reduce_scatter_start(seg, out)]
+                if replicas:
+                    self._replica.append(out)
+                return
+            ring.reduce_scatter(seg, out)
+            if replicas:
                 topo.replica_ring.all_reduce(out)
+        dt = time.perf_counter() - t0
+        self._comm += dt
+        self._exposed += dt
+
+    def _wait(self, key):
+        """Wait for the started reductions that hold `key` (a slot, a bucket, a unit's grads)."""
+        ps = self._pending.pop(key, None)
+        if ps:
+            t0 = time.perf_counter()
+            for p in ps:
+                p.wait()
+                self._comm += p.ran
+            self._exposed += time.perf_counter() - t0
+
+    def release(self, w, slot):
+        """The plan frees unit w's slot here: its reduction must be done."""
+        self._wait(("slot", slot))
+
+    def drain(self):
+        """End of a backward: every started reduction done, then hybrid's all-reduces across nodes."""
+        for key in list(self._pending):
+            self._wait(key)
+        if self._replica:
+            t0 = time.perf_counter()
+            for out in self._replica:
+                self.topology.replica_ring.all_reduce(out)
+            self._replica.clear()
+            dt = time.perf_counter() - t0
+            self._comm += dt
+            self._exposed += dt
+
+    def timeline(self) -> dict:
+        """Seconds since the last call: reductions run, and the caller's waits for them (then reset)."""
+        out = {"reduce_s": self._comm, "reduce_exposed_s": self._exposed,
+               "reduce_hidden_s": max(0.0, self._comm - self._exposed)}
+        self._comm = self._exposed = 0.0
+        return out
+
+    def _touch(self, x):
+        """RINGZERO_CHECK_OWNERSHIP=1: refuse to write a buffer a started collective still owns."""
+        if self._check:
+            p = self.topology.ring.owner(x)
+            if p is not None:
+                raise RuntimeError(f"workspace: a buffer is written while a started {p.name} owns it; "
+                                   "HINT: the overlap's wait is missing or in the wrong place")
 
     def close_grad(self, w, slot, k: int = 0):
         """Micro-batch k's gradient of unit w is complete (see the module docstring)."""
@@ -176,12 +272,13 @@ class Workspaces:
             else:
                 acc += g
             if last:
-                seg = self._storage_seg(w, slot)
+                seg, key = self._storage_seg(w, slot)
+                self._touch(seg)
                 cast_into(seg, acc)
-                self._reduce(w, seg)
+                self._reduce(w, seg, key)
             return
         # stage 3 / hybrid: reduce-scatter every micro-batch into the fp32 shard accumulator
-        seg = self._storage_seg(w, slot)
+        seg, _ = self._storage_seg(w, slot)
         if self.grad_cast:
             cast_into(seg, g)
         out, acc = L.unit_shard(state.grads, w), L.unit_shard(state.accum, w)
