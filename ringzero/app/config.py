@@ -50,6 +50,8 @@ class Config:
     device: str = opt("cpu", "cpu | cuda")
     precision: str = opt("fp16", "fp16 (fp16 storage, loss scaling) | bf16 (bf16 storage, no scaler; cpu) | fp32")
     activation_checkpointing: bool = opt(False, "keep block inputs only; recompute in backward")
+    overlap: bool = opt(True, "reduce each closed gradient while the next unit's backward computes "
+                              "(--no-overlap: one after the other; the same bits either way)")
     mem_budget: str = opt("", 'per-rank model-state budget, e.g. 512MiB ("" = none)')
     # ---- reporting
     eval_interval: int = opt(100, "steps between held-out evaluations (0 = only at the end)")

@@ -171,7 +171,8 @@ def train_loop(cfg: Config, comm, engine, train, evaluate, writer, say, stop=Non
             writer.step(step=step, loss=res.loss, lr=lr, loss_scale=res.loss_scale,
                         grad_norm=res.grad_norm, tokens_per_s=tps, step_time_s=dt,
                         bytes_sent=int(sum(engine.last_step_ledger.values())),
-                        bytes_sent_internode=int(sum(engine.last_step_internode.values())), skipped=res.skipped)
+                        bytes_sent_internode=int(sum(engine.last_step_internode.values())), skipped=res.skipped,
+                        **{k: round(v, 6) for k, v in engine.timeline.items()})   # compute, reduction, hidden
         if bar:
             bar.set_postfix_str(f"loss {res.loss:.3f} | {tps:,.0f} tok/s | scale {res.loss_scale:g}")
             bar.update(1)
@@ -277,7 +278,8 @@ def run(cfg: Config, comm, stop=None) -> dict:
     corpus, model, budget = agree(comm, lambda: _rank_checks(cfg, rank, n))
     engine = Zero(model, comm, cfg.stage, precision=cfg.precision, device=cfg.device, seed=cfg.seed,
                   adam=AdamConfig(weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip),
-                  ranks_per_node=cfg.ranks_per_node or None, mem_budget=budget, grad_accum=cfg.grad_accum)
+                  ranks_per_node=cfg.ranks_per_node or None, mem_budget=budget, grad_accum=cfg.grad_accum,
+                  overlap=cfg.overlap)
     xp = engine.xp
     train = Batches(corpus.train, cfg.batch, cfg.seq_len, rank, n, cfg.seed)
     held = Batches(corpus.val, cfg.batch, cfg.seq_len, rank, n, cfg.seed + 1)
