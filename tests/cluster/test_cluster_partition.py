@@ -1,7 +1,7 @@
 """A partition: one node's link goes down mid-training, for good.
 
 The trainer runs across 2 nodes x 1 rank (1 Gbit/s links, stage 2, a
-checkpoint every 4 steps, RINGZERO_STALL_WARN=3, RINGZERO_TIMEOUT=10). Once
+checkpoint every 20 steps, RINGZERO_STALL_WARN=3, RINGZERO_TIMEOUT=10). Once
 a few steps are done the test takes node 2's link down from outside
 (``ip link set rzt-n2-h down``) and never brings it back. Then:
 
@@ -27,11 +27,13 @@ from trainer_cli import TINY, corpus, losses
 
 pytestmark = pytest.mark.cluster
 
-WARN, TIMEOUT, EVERY = 3, 10, 4
+# the cut comes 2 steps after the first save, far from the next: the saves agree through MPI's own
+# bcast/gather, which no stall inspector watches (a partition there is ended by launch/cluster's watchdog)
+WARN, TIMEOUT, EVERY = 3, 10, 20
 STALL = r"rank {me}: \w+ has made no progress for ([\d.]+) s at step \d+, waiting for (?:a message from|a send to be " \
         r"taken by) rank {peer}"
-TIMED_OUT = r"TimeoutError: ring \w+ at step \d+: rank {me} waited {t} s for (?:a message from|a send to be taken by) " \
-            r"rank {peer}"
+TIMED_OUT = r"TimeoutError: ring \w+ at step \d+: rank {me} waited {t} s for " \
+            r"(?:a message from|a send to be taken by) rank {peer}"
 
 
 def test_link_down_warns_ends_every_rank_and_resumes_bitwise(tmp_path):
@@ -46,7 +48,7 @@ def test_link_down_warns_ends_every_rank_and_resumes_bitwise(tmp_path):
     try:
         def steps_done():
             m = tmp_path / "cut.jsonl"
-            return m.exists() and len(m.read_text().splitlines()) >= 2 * EVERY + 1
+            return m.exists() and len(m.read_text().splitlines()) >= EVERY + 2
         assert cc.wait_for(steps_done, 120, job), open(tmp_path / "stderr.txt").read()[-3000:]
         subprocess.run(["ip", "link", "set", f"{cc.node(2)}-h", "down"], check=True)
         t_cut = time.monotonic()

@@ -63,8 +63,8 @@ def test_checkpoint_from_two_nodes_resumes_on_one_host_at_another_nd(tmp_path):
     s2, s1 = _sha256s(tmp_path / "ck2" / "step-000003"), _sha256s(tmp_path / "ck1" / "step-000003")
     assert s2 and s2 == s1, f"two nodes {s2}\none host {s1}"
     # resumed on one host at Nd = 1, the same 8-row global batch
-    res = cc.one_host(base + ["--batch", "8", "--steps", "5", "--resume", "latest", "--save-dir", "ck2", "--metrics", "res.jsonl"],
-                      1, tmp_path)
+    res = cc.one_host(base + ["--batch", "8", "--steps", "5", "--resume", "latest", "--save-dir", "ck2",
+                              "--metrics", "res.jsonl"], 1, tmp_path)
     assert res.returncode == 0, cc.tail(res)
     assert "resumed from" in res.stdout and "step 3" in res.stdout, cc.tail(res)
     ref, got = losses(tmp_path / "ref.jsonl"), losses(tmp_path / "res.jsonl")
