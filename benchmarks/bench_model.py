@@ -265,14 +265,19 @@ def main(argv=None):
         for f in steps.values():
             f()
     allocs0 = {n: m.pool.allocs for n, m in models.items()}
-    times, losses = {n: [] for n in steps}, {}
+    times, cpu, losses = {n: [] for n in steps}, {n: [] for n in steps}, {}
     for _ in range(a.repeats):             # interleaved: noise hits every variant alike
         for n, f in steps.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             losses[n] = f()
             times[n].append(time.perf_counter() - t0)
+            cpu[n].append(time.process_time() - c0)
     med = {n: statistics.median(t) for n, t in times.items()}
     print_medians(med, losses, models, a.batch * a.seq, floor_flops)
+    if xp is np:    # CPU seconds leave out the time the process waited for a core (a loaded machine)
+        mc = {n: statistics.median(t) for n, t in cpu.items()}
+        print("cpu-time medians (process_time): " + ", ".join(f"{n} {v * 1e3:.1f} ms" for n, v in mc.items())
+              + "".join(f"; {m}/{o} {mc[m] / mc[o]:.2f}x" for m in models for o in ("torch", "gemm-floor") if o in mc))
     for n, m in models.items():
         print(f"{n}: activations held by caches after forward "
               f"{activation_bytes(m, P, idx, tgt) / 2**20:.1f} MiB; pool {m.pool.allocs} buffers, "

@@ -77,27 +77,29 @@ def test_gelu_forward_backward_and_bias_sum(path, rng, dtype):
     x0[0, :4] = [-30, -9, 9, 30]                              # the tails: exp(-2u) under- and overflows
     b = rng.standard_normal(37).astype(dtype)
     x, y, s = x0.copy(), np.empty_like(x0), np.empty_like(x0)
-    fused.gelu_forward(x, y, s, b)
-    want_x = x0.astype(np.float64) + b
-    np.testing.assert_array_equal(x, x0 + b)                  # the bias lands in the cached input
-    close(y, ref_gelu(want_x), dtype)
+    folded = fused.gelu_forward(x, y, s, b)
+    v = x0.astype(np.float64) + b
+    np.testing.assert_array_equal(x, x0 + b if folded else x0)   # NumPy: into x; C: x left alone
+    assert folded == (path == "xp")
+    close(y, ref_gelu(v), dtype)
     dy = rng.standard_normal(x.shape).astype(dtype)
     dx, cs = np.empty_like(x), np.empty(37, dtype)
-    fused.gelu_backward(dy, x, s, dx, cs)
-    close(dx, dy * ref_dgelu(want_x), dtype)
-    close(cs, (dy * ref_dgelu(want_x)).sum(0), dtype)
+    fused.gelu_backward(dy, x, s, dx, None if folded else b, cs)
+    close(dx, dy * ref_dgelu(v), dtype)
+    close(cs, (dy * ref_dgelu(v)).sum(0), dtype)
 
 
 def test_gelu_gradient_by_finite_differences(path, rng):
-    x = rng.standard_normal((3, 8)) * 2
+    x, b = rng.standard_normal((3, 8)) * 2, rng.standard_normal(8) * 0.5
     R = rng.standard_normal(x.shape)
 
     def f():
         y, s = np.empty_like(x), np.empty_like(x)
-        return float((fused.gelu_forward(x.copy(), y, s) * R).sum())
-    y, s = np.empty_like(x), np.empty_like(x)
-    fused.gelu_forward(x.copy(), y, s)
-    dx = fused.gelu_backward(R, x, s, np.empty_like(x))
+        fused.gelu_forward(x.copy(), y, s, b)
+        return float((y * R).sum())
+    xx, s = x.copy(), np.empty_like(x)
+    folded = fused.gelu_forward(xx, np.empty_like(x), s, b)
+    dx = fused.gelu_backward(R, xx, s, np.empty_like(x), None if folded else b)
     np.testing.assert_allclose(dx, fd(f, x), rtol=1e-7, atol=1e-8)
 
 
@@ -213,9 +215,10 @@ def test_c_and_xp_paths_agree_in_float32_at_the_models_shapes(rng, monkeypatch):
     def run():
         out = {}
         xx, y, sg = x.copy(), np.empty_like(x), np.empty_like(x)
-        out["gelu"] = fused.gelu_forward(xx, y, sg, b).copy()
+        folded = fused.gelu_forward(xx, y, sg, b)
+        out["gelu"] = y.copy()
         dx, cs = np.empty_like(x), np.empty(4 * C, np.float32)
-        out["dgelu"] = fused.gelu_backward(x, xx, sg, dx, cs).copy()
+        out["dgelu"] = fused.gelu_backward(x, xx, sg, dx, None if folded else b, cs).copy()
         out["dbias"] = cs.copy()
         att = fused.softmax_causal_(s.copy(), 0.125)
         out["att"] = att.copy()
@@ -268,7 +271,7 @@ def test_overlapping_buffers_take_the_numpy_path(rng):
     assert not fused.use_c(x, x, outs=1)
     assert not fused.use_c(x, x[1:], outs=1)
     s = x.copy()
-    fused.gelu_forward(s.copy(), s, s)                        # y and s the same buffer: the NumPy formula
+    fused.gelu_forward(x.copy(), s, s)                        # y and s the same buffer: the NumPy formulas
     want = np.empty_like(x)
     fused.gelu_forward(x.copy(), want, np.empty_like(x))
     np.testing.assert_allclose(s, want, rtol=1e-6, atol=1e-7)

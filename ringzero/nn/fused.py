@@ -73,16 +73,20 @@ def _scratch(ws, name, shape, dtype, xp):
 
 
 # ---- GELU ----------------------------------------------------------------------
-# 0.5 x (1 + tanh u) = x sigmoid(2u), u = k (x + a x^3): one exp and one division,
+# 0.5 v (1 + tanh u) = v sigmoid(2u), u = k (v + a v^3): one exp and one division,
 # and the backward needs only s = sigmoid(2u), which forward keeps:
-#     d/dx = s + s (1 - s) 2k x (1 + 3a x^2)
+#     d/dv = s + s (1 - s) 2k v (1 + 3a v^2)
 
 def gelu_forward(x, y, s, b=None):
-    """x (N, M) += b (M,) if given (in place: x is what backward reads); y = gelu(x); s = sigmoid(2u)."""
+    """y (N, M) = gelu(v), v = x + b (b (M,) optional); s = sigmoid(2u). Returns True if b went into x.
+
+    The C path leaves x alone (backward forms v = x + b again); the xp path
+    adds b into x in place (x is then v), and says so.
+    """
     N, M = x.shape
-    if use_c(b, x, y, s, outs=3):       # x is updated in place too
+    if use_c(x, b, y, s, outs=2):
         _c.gelu_fwd(x, b, y, s, N, M, _dbl(x))
-        return y
+        return False
     xp = array_module(x)
     if b is not None:
         x += b
@@ -92,27 +96,34 @@ def gelu_forward(x, y, s, b=None):
     s *= x
     s *= -2.0 * GELU_K
     if xp is np:
-        with np.errstate(over="ignore"):                       # exp(-2u) = inf for very negative x: s = 0
+        with np.errstate(over="ignore"):                       # exp(-2u) = inf for very negative v: s = 0
             np.exp(s, out=s)
     else:
         xp.exp(s, out=s)
     s += 1.0
     xp.divide(1.0, s, out=s)
     xp.multiply(x, s, out=y)
-    return y
+    return b is not None
 
 
-def gelu_backward(dy, x, s, dx, colsum=None, ws=None):
-    """dx = dy * gelu'(x), all (N, M), from forward's s; colsum (M,) = dx summed over rows if given."""
+def gelu_backward(dy, x, s, dx, b=None, colsum=None, ws=None):
+    """dx = dy * gelu'(v), v = x + b (b: None if forward folded it into x), from forward's s.
+
+    All (N, M); colsum (M,) = dx summed over rows (in row order), if given.
+    """
     N, M = x.shape
-    if use_c(dy, x, s, dx, colsum, outs=2):
-        _c.gelu_bwd(dy, x, s, dx, colsum, N, M, _dbl(x))
+    if use_c(dy, x, b, s, dx, colsum, outs=2):
+        _c.gelu_bwd(dy, x, b, s, dx, colsum, N, M, _dbl(x))
         return dx
     xp = array_module(x)
-    xp.multiply(x, x, out=dx)
+    v = x
+    if b is not None:
+        v = _scratch(ws, "v", x.shape, x.dtype, xp)
+        xp.add(x, b, out=v)
+    xp.multiply(v, v, out=dx)
     dx *= 3.0 * GELU_A
     dx += 1.0
-    dx *= x
+    dx *= v
     dx *= 2.0 * GELU_K
     dx *= s
     t = _scratch(ws, "t", x.shape, x.dtype, xp)

@@ -218,7 +218,8 @@ class GPT(UnitModel):
         dm, dres = L["res"].backward(dy, None, None)            # both residual branches see dy
         d = L["fc2"].backward(dm, c_fc2, gd["fc2"])             # (B, T, 4C)
         dfb = L["gelu"].bbuf("dfc.b", (d.shape[-1],), acc_dtype(d.dtype), array_module(d))
-        d = L["gelu"].backward(d, c_gelu, None, colsum=dfb)    # and fc's bias gradient, same pass
+        d = L["gelu"].backward(d, c_gelu, None, colsum=dfb,    # and fc's bias gradient, same pass
+                               bias=c_fc[0]["b"])               # fc's dict, refilled for backward
         d = L["fc"].backward(d, c_fc, gd["fc"], db=dfb)         # (B, T, C)
         dx2 = L["ln2"].backward(d, c_ln2, gd["ln2"])
         dx2 += dres                                             # d(loss)/d x2, in ln2's buffer

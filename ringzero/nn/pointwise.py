@@ -7,7 +7,7 @@ What it is
     kernel on host float32/float64 arrays, the ``xp`` formulas otherwise.
     Two fusions reach across layers, both optional keywords:
 
-    - ``GELU.forward(None, x, bias=b)`` adds the bias that the GEMM before it
+    - ``GELU.forward(None, x, bias=b)`` takes the bias that the GEMM before it
       left out (``Linear.forward(..., bias=False)``), and
       ``GELU.backward(..., colsum=db)`` sums that bias's gradient on the way;
     - ``Residual.forward(None, (x, r), out=x, bias=b)`` is y = (x + b) + r,
@@ -71,10 +71,14 @@ class GELU(Layer):
     """y = 0.5 x (1 + tanh(k (x + a x^3))), k = sqrt(2/pi), a = 0.044715. No params.
 
     Computed as y = x sigmoid(2u), u = k (x + a x^3) (the same function:
-    0.5 (1 + tanh u) = sigmoid(2u)); the cache is x and s = sigmoid(2u), all
-    that backward's one pass needs. With ``bias`` (M,), x (..., M) is first
-    made x + bias IN PLACE (x is then the true pre-activation, the buffer
-    the GEMM wrote).
+    0.5 (1 + tanh u) = sigmoid(2u)); the cache is the input and s = sigmoid(2u),
+    all that backward's one pass needs.
+
+    ``forward(None, x, bias=b)``: the input is x + b (the GEMM before left the
+    bias out). The C path reads x + b on the fly and leaves x as it is, so
+    ``backward`` must be handed the same bias (``bias=``; read it from the
+    parameter dict at backward time: stage 3 may have re-gathered it). The
+    NumPy path adds b into x in place and then ignores the bias in backward.
     """
 
     def forward(self, p, x, bias=None):
@@ -86,17 +90,19 @@ class GELU(Layer):
                 raise ValueError(f"gelu bias must have shape ({M},), got {tuple(bias.shape)}")
         y = self.buf("y", x.shape, x.dtype, xp)
         s = self.buf("s", x.shape, x.dtype, xp)                 # sigmoid(2u), kept for backward
-        fused.gelu_forward(x.reshape(-1, M), y.reshape(-1, M), s.reshape(-1, M), bias)
-        return y, (x, s)
+        folded = fused.gelu_forward(x.reshape(-1, M), y.reshape(-1, M), s.reshape(-1, M), bias)
+        return y, (x, s, bias is not None and not folded)      # third: backward must add the bias
 
-    def backward(self, dy, cache, g, colsum=None):
+    def backward(self, dy, cache, g, colsum=None, bias=None):
         """dx; with ``colsum`` (M,) given, also sets it to dx summed over rows (the bias gradient)."""
-        x, s = cache
+        x, s, wants_bias = cache
+        if wants_bias and bias is None:
+            raise ValueError("gelu backward needs the bias its forward was given (bias=...)")
         xp = array_module(dy)
         M = x.shape[-1]
         d = self.bbuf("dx", x.shape, x.dtype, xp)
-        fused.gelu_backward(dy.reshape(-1, M), x.reshape(-1, M), s.reshape(-1, M), d.reshape(-1, M), colsum,
-                            self._ws(xp))
+        fused.gelu_backward(dy.reshape(-1, M), x.reshape(-1, M), s.reshape(-1, M), d.reshape(-1, M),
+                            bias if wants_bias else None, colsum, self._ws(xp))
         return d
 
     def _ws(self, xp):

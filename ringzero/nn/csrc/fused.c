@@ -40,6 +40,8 @@
 #define GELU_K 0.7978845608028654   /* sqrt(2/pi) */
 #define GELU_A 0.044715
 #define LANES 8
+/* -2u of GELU's tanh argument u = k (v + a v^3), in this order of roundings */
+#define GELU_M2U(T, v) (((((v) * (v)) * (T)GELU_A + (T)1) * (v)) * (T)(-2.0 * GELU_K))
 
 typedef Py_ssize_t ix;
 
@@ -105,36 +107,37 @@ static inline T lane_max_##S(const T *v, ix n)                                  
     return mx;                                                                                  \
 }                                                                                               \
                                                                                                 \
-/* x (n, m) += b (m,) if b; s = sigmoid(2u), u = k (x + a x^3); y = x s  (= 0.5 x (1 + tanh u)) */  \
-RZ_CLONES static void gelu_fwd_##S(T *restrict x, const T *restrict b, T *restrict y, T *restrict sg, \
-                                   ix n, ix m)                                                  \
+/* y = v s, s = sigmoid(2u), v = x + b (b (m,) optional), u = k (v + a v^3): 0.5 v (1 + tanh u).   \
+ * Two passes over each row (in L1): -2u into s, then s = 1 / (1 + exp(-2u)) and y. x is only   \
+ * read (v is formed on the fly, here and in backward). Each loop comes with and without b, so   \
+ * that each one vectorizes. */                                                                 \
+RZ_CLONES static void gelu_fwd_##S(const T *restrict x, const T *restrict b, T *restrict y,      \
+                                   T *restrict sg, ix n, ix m)                                  \
 {                                                                                               \
     for (ix i = 0; i < n; i++) {                                                                \
-        T *xr = x + i * m, *yr = y + i * m, *sr = sg + i * m;                                   \
-        if (b) for (ix j = 0; j < m; j++) xr[j] = xr[j] + b[j];                                 \
-        /* two passes over the row (in L1): -2u into s, then s = 1 / (1 + exp(-2u)) */          \
-        for (ix j = 0; j < m; j++) {                                                            \
-            T v = xr[j];                                                                        \
-            sr[j] = (((v * v) * (T)GELU_A + (T)1) * v) * (T)(-2.0 * GELU_K);                    \
-        }                                                                                       \
-        for (ix j = 0; j < m; j++) {                                                            \
-            T sv = (T)1 / ((T)1 + EXP(sr[j]));                                                  \
-            sr[j] = sv;                                                                         \
-            yr[j] = xr[j] * sv;                                                                 \
-        }                                                                                       \
+        const T *xr = x + i * m;                                                                \
+        T *yr = y + i * m, *sr = sg + i * m;                                                    \
+        if (b) for (ix j = 0; j < m; j++) sr[j] = GELU_M2U(T, xr[j] + b[j]);                    \
+        else for (ix j = 0; j < m; j++) sr[j] = GELU_M2U(T, xr[j]);                             \
+        for (ix j = 0; j < m; j++) sr[j] = (T)1 / ((T)1 + EXP(sr[j]));                          \
+        if (b) for (ix j = 0; j < m; j++) yr[j] = (xr[j] + b[j]) * sr[j];                       \
+        else for (ix j = 0; j < m; j++) yr[j] = xr[j] * sr[j];                                  \
     }                                                                                           \
 }                                                                                               \
                                                                                                 \
-/* dx = dy (s + s (1 - s) 2k x (1 + 3a x^2)); colsum (m,) = dx summed over rows in order, if given */ \
-RZ_CLONES static void gelu_bwd_##S(const T *restrict dy, const T *restrict x, const T *restrict sg,  \
-                                   T *restrict dx, T *restrict colsum, ix n, ix m)              \
+/* dx = dy (s + s (1 - s) 2k v (1 + 3a v^2)), v = x + b, s from forward;                        \
+ * colsum (m,) = dx summed over rows in order, if given */                                      \
+RZ_CLONES static void gelu_bwd_##S(const T *restrict dy, const T *restrict x, const T *restrict b, \
+                                   const T *restrict sg, T *restrict dx, T *restrict colsum, ix n, ix m) \
 {                                                                                               \
     if (colsum) for (ix j = 0; j < m; j++) colsum[j] = 0;                                       \
     for (ix i = 0; i < n; i++) {                                                                \
         const T *xr = x + i * m, *gr = dy + i * m, *sr = sg + i * m;                            \
         T *dr = dx + i * m;                                                                     \
+        if (b) for (ix j = 0; j < m; j++) dr[j] = xr[j] + b[j];        /* v, then the rest */   \
+        else for (ix j = 0; j < m; j++) dr[j] = xr[j];                                          \
         for (ix j = 0; j < m; j++) {                                                            \
-            T v = xr[j], sv = sr[j];                                                            \
+            T v = dr[j], sv = sr[j];                                                            \
             T d = (((v * v) * (T)(3.0 * GELU_A) + (T)1) * v) * (T)(2.0 * GELU_K);               \
             d = ((d * sv) * ((T)1 - sv)) + sv;                                                  \
             dr[j] = d * gr[j];                                                                  \
@@ -296,7 +299,7 @@ static PyObject *py_gelu_fwd(PyObject *self, PyObject *args)
     PyObject *x, *b, *y, *sg; ix n, m; int dbl; Bufs B = {.k = 0}; void *px, *pb, *py, *ps;
     if (!PyArg_ParseTuple(args, "OOOOnnp", &x, &b, &y, &sg, &n, &m, &dbl)) return NULL;
     ix e = SZ(dbl);
-    if (take(&B, x, 1, n * m * e, 0, "gelu x", &px) || take(&B, b, 0, m * e, 1, "gelu b", &pb)
+    if (take(&B, x, 0, n * m * e, 0, "gelu x", &px) || take(&B, b, 0, m * e, 1, "gelu b", &pb)
         || take(&B, y, 1, n * m * e, 0, "gelu y", &py) || take(&B, sg, 1, n * m * e, 0, "gelu s", &ps)) return NULL;
     Py_BEGIN_ALLOW_THREADS
     if (dbl) gelu_fwd_d(px, pb, py, ps, n, m); else gelu_fwd_f(px, pb, py, ps, n, m);
@@ -307,15 +310,16 @@ static PyObject *py_gelu_fwd(PyObject *self, PyObject *args)
 
 static PyObject *py_gelu_bwd(PyObject *self, PyObject *args)
 {
-    PyObject *dy, *x, *sg, *dx, *cs; ix n, m; int dbl; Bufs B = {.k = 0}; void *pg, *px, *ps, *pd, *pc;
-    if (!PyArg_ParseTuple(args, "OOOOOnnp", &dy, &x, &sg, &dx, &cs, &n, &m, &dbl)) return NULL;
+    PyObject *dy, *x, *b, *sg, *dx, *cs; ix n, m; int dbl; Bufs B = {.k = 0};
+    void *pg, *px, *pb, *ps, *pd, *pc;
+    if (!PyArg_ParseTuple(args, "OOOOOOnnp", &dy, &x, &b, &sg, &dx, &cs, &n, &m, &dbl)) return NULL;
     ix e = SZ(dbl);
     if (take(&B, dy, 0, n * m * e, 0, "gelu dy", &pg) || take(&B, x, 0, n * m * e, 0, "gelu x", &px)
-        || take(&B, sg, 0, n * m * e, 0, "gelu s", &ps) || take(&B, dx, 1, n * m * e, 0, "gelu dx", &pd)
-        || take(&B, cs, 1, m * e, 1, "gelu colsum", &pc))
+        || take(&B, b, 0, m * e, 1, "gelu b", &pb) || take(&B, sg, 0, n * m * e, 0, "gelu s", &ps)
+        || take(&B, dx, 1, n * m * e, 0, "gelu dx", &pd) || take(&B, cs, 1, m * e, 1, "gelu colsum", &pc))
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-    if (dbl) gelu_bwd_d(pg, px, ps, pd, pc, n, m); else gelu_bwd_f(pg, px, ps, pd, pc, n, m);
+    if (dbl) gelu_bwd_d(pg, px, pb, ps, pd, pc, n, m); else gelu_bwd_f(pg, px, pb, ps, pd, pc, n, m);
     Py_END_ALLOW_THREADS
     release(&B);
     Py_RETURN_NONE;
@@ -427,8 +431,8 @@ static PyObject *py_rows_add_at(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"rows_add_at", py_rows_add_at, METH_VARARGS, "rows_add_at(g, ids int64, d, n, V, m, dbl): g[ids[i]] += d[i]"},
-    {"gelu_fwd", py_gelu_fwd, METH_VARARGS, "gelu_fwd(x, b|None, y, s, n, m, dbl): x += b; y = gelu(x)"},
-    {"gelu_bwd", py_gelu_bwd, METH_VARARGS, "gelu_bwd(dy, x, s, dx, colsum|None, n, m, dbl)"},
+    {"gelu_fwd", py_gelu_fwd, METH_VARARGS, "gelu_fwd(x, b|None, y, s, n, m, dbl): y = gelu(x + b)"},
+    {"gelu_bwd", py_gelu_bwd, METH_VARARGS, "gelu_bwd(dy, x, b|None, s, dx, colsum|None, n, m, dbl)"},
     {"bias_residual", py_bias_residual, METH_VARARGS, "bias_residual(y, b, x, n, m, dbl): y = (y + b) + x"},
     {"ln_fwd", py_ln_fwd, METH_VARARGS, "ln_fwd(x, w, b, y, xhat, rstd, n, m, dbl, eps)"},
     {"ln_bwd", py_ln_bwd, METH_VARARGS, "ln_bwd(dy, xhat, rstd, w, dx, dw, db, tmp, n, m, dbl)"},
