@@ -258,8 +258,11 @@ def main(argv=None):
           f"OMP={os.environ.get('OMP_NUM_THREADS')} "
           f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')} "
           f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}")
-    from ringzero.nn import fused
-    print(f"numpy BLAS: {blas_info()}; elementwise: {'C kernels' if fused.HAVE_C else 'NumPy (no C)'}; "
+    try:
+        from ringzero.nn.fused import HAVE_C
+    except ImportError:     # a ringzero from before the fused kernels
+        HAVE_C = False
+    print(f"numpy BLAS: {blas_info()}; elementwise: {'C kernels' if HAVE_C else 'NumPy (no C)'}; "
           f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     for _ in range(a.warmup):
         for f in steps.values():
