@@ -22,7 +22,7 @@ PYBIN="${RINGZERO_PYTHON:-python3}"
 
 PEER="${RINGZERO_PEER:-0}"
 TORCH_PIN="torch==2.13.0"   # the CPU build; an unpinned torch pulls a multi-GB CUDA build
-_stamp_src() { cat "$ROOT/setup.cfg" "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT/ringzero/comm/csrc/"*.c "$ROOT/ringzero/nn/csrc/"*.c 2>/dev/null; echo "$MPI_KIND $PEER"; }
+_stamp_src() { cat "$ROOT/setup.cfg" "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT/ringzero/comm/csrc/"*.c "$ROOT/ringzero/nn/csrc/"*.c 2>/dev/null; echo "$MPI_KIND"; }
 
 ensure_venv() {
     local want have=""
@@ -46,11 +46,12 @@ ensure_venv() {
             "$VENV/bin/python" -m pip install -q --no-binary=mpi4py mpi4py >&2
         fi
         "$VENV/bin/python" -m pip install -q -e "$ROOT[$extras]" >&2
-        if [ "$PEER" = 1 ]; then
-            echo "ringzero: installing $TORCH_PIN (peer benchmarks and torch comparison tests)" >&2
-            "$VENV/bin/python" -m pip install -q "$TORCH_PIN" >&2
-        fi
         echo "$want" > "$VENV/.ringzero-stamp"
+    fi
+    # the peer is installed once and kept: a run without RINGZERO_PEER=1 neither needs nor removes it
+    if [ "$PEER" = 1 ] && ! compgen -G "$VENV/lib/python*/site-packages/torch/__init__.py" >/dev/null; then
+        echo "ringzero: installing $TORCH_PIN (peer benchmarks and torch comparison tests)" >&2
+        "$VENV/bin/python" -m pip install -q "$TORCH_PIN" >&2
     fi
     mca_defaults
     PY="$VENV/bin/python"
