@@ -62,6 +62,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from ringzero.comm.objects import allgather_obj, bcast_obj
 from ringzero.runtime.export import describe, export, main  # noqa: F401  (the public names)
 from ringzero.runtime.flat import Layout
 from ringzero.runtime.manifest import (CLASSES, FAULT_ENV, FORMAT, LOADED, MANIFEST, READABLE,  # noqa: F401
@@ -70,9 +71,9 @@ from ringzero.runtime.manifest import (CLASSES, FAULT_ENV, FORMAT, LOADED, MANIF
                                        resolve, save_fault, shard_file, step_dir_name, verify, verify_file)
 
 
-def _agree(comm, err: str | None):
-    """Raise the first rank's error on every rank (a scalar-sized verdict)."""
-    errs = comm.allgather(err) if comm.size > 1 else [err]
+def _agree(ctl, err: str | None):
+    """Raise the first rank's error on every rank (a scalar-sized verdict, over the watched control ring)."""
+    errs = allgather_obj(ctl, err)
     first = next((e for e in errs if e), None)
     if first:
         raise CheckpointError(first)
@@ -140,6 +141,7 @@ def save(engine, save_dir: str, step: int, config: dict | None = None, data_stat
     except (TypeError, ValueError) as e:
         raise TypeError(f"config, data_state and rng_state must be JSON-serializable: {e}") from None
     comm, name = engine.comm, step_dir_name(int(step))
+    ctl = engine.topology.control    # every agreement is watched: a partition mid-save is named, not a hang
 
     # 1. rank 0 clears stale temporaries and makes this save's own
     msg = None
@@ -154,7 +156,7 @@ def save(engine, save_dir: str, step: int, config: dict | None = None, data_stat
             msg = (None, tmp)
         except Exception as e:      # any failure is reported on every rank, never a hang
             msg = (f"cannot prepare {save_dir!r} for a checkpoint: {error_line(e)}", None)
-    err, tmp = comm.bcast(msg, root=0) if comm.size > 1 else msg
+    err, tmp = bcast_obj(ctl, msg)
     if err:
         raise CheckpointError(err)
 
@@ -165,7 +167,7 @@ def save(engine, save_dir: str, step: int, config: dict | None = None, data_stat
             files = _write_shards(engine, tmp)
         except Exception as e:
             err = f"rank {comm.rank}: writing into {tmp}: {error_line(e)}"
-    got = comm.gather((files, err), root=0) if comm.size > 1 else [(files, err)]
+    got = allgather_obj(ctl, (files, err))
 
     # 3. rank 0: manifest last, fsync, rename into place, prune
     result = None
@@ -181,7 +183,7 @@ def save(engine, save_dir: str, step: int, config: dict | None = None, data_stat
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
             result = (f"checkpoint {name} not saved: {error_line(e)}", None)
-    err, path = comm.bcast(result, root=0) if comm.size > 1 else result
+    err, path = bcast_obj(ctl, result)
     if err:
         raise CheckpointError(err)
     return path
@@ -227,7 +229,7 @@ def load(engine, path: str = "latest", save_dir: str | None = None) -> dict:
     raises the same one-line CheckpointError on every rank. Returns the
     manifest (step, data, config, ...) with "path" added.
     """
-    comm = engine.comm
+    comm, ctl = engine.comm, engine.topology.control
     res = None
     if comm.rank == 0:
         try:
@@ -235,7 +237,7 @@ def load(engine, path: str = "latest", save_dir: str | None = None) -> dict:
             res = (None, p, read_manifest(p))
         except Exception as e:
             res = (error_line(e), None, None)
-    err, p, m = comm.bcast(res, root=0) if comm.size > 1 else res
+    err, p, m = bcast_obj(ctl, res)
     if err:
         raise CheckpointError(err)
 
@@ -245,14 +247,14 @@ def load(engine, path: str = "latest", save_dir: str | None = None) -> dict:
         err = verify(p, m, rank=comm.rank, size=comm.size)
     except Exception as e:
         err = error_line(e)
-    _agree(comm, err)          # nothing has been modified yet
+    _agree(ctl, err)           # nothing has been modified yet
 
     err = None
     try:
         _read_state(engine, p, old)
     except Exception as e:
         err = f"{error_line(e)} (the engine is half-loaded: discard it)"
-    _agree(comm, err)
+    _agree(ctl, err)
     # Adam t, loss scaler, step count; then params = cast(master), all-gathered
     # where they are held in full (collective)
     engine.restore_meta(m)
