@@ -131,7 +131,9 @@ def gemmStridedBatchedEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, 
     a = mat(A, Atype, lda, strideA, m, k, transa)
     b = mat(B, Btype, ldb, strideB, k, n, transb)
     c = mat(C, Ctype, ldc, strideC, m, n, False)
-    r = al * np.matmul(a.astype(cdt), b.astype(cdt))
+    # the row-major product the caller means (C^T = B^T A^T), computed on those row-major views,
+    # so that NumPy runs the very call the host path runs on the same bytes (same bits)
+    r = al * np.matmul(b.transpose(0, 2, 1).astype(cdt), a.transpose(0, 2, 1).astype(cdt)).transpose(0, 2, 1)
     if be != 0:
         r += be * c.astype(cdt)
     c[...] = r.astype(c.dtype)
