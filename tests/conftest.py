@@ -6,7 +6,6 @@ others wait in a collective would hang them, so tests check their results
 with ``assert_all`` (every rank fails together) and the Ring's peer timeout
 (RINGZERO_TIMEOUT) turns a lost peer into an error instead of a hang.
 """
-import os
 
 import numpy as np
 import pytest
@@ -24,7 +23,6 @@ def assert_all(comm, ok: bool, msg: str = ""):
     The verdict is agreed with a scalar MPI reduction (not the code under
     test), and the message names the ranks that failed.
     """
-    from mpi4py import MPI
     bad = comm.allgather(None if ok else f"rank {comm.rank}: {msg}")
     bad = [b for b in bad if b]
     assert not bad, "; ".join(bad)

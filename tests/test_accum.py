@@ -11,9 +11,9 @@
 """
 import numpy as np
 import pytest
-
 from conftest import assert_all
-from test_zero import B as MICRO, T, batches, tiny_model
+from test_zero import B as MICRO
+from test_zero import T, batches, tiny_model
 
 pytestmark = pytest.mark.mpi
 

@@ -12,7 +12,6 @@ import struct
 
 import numpy as np
 import pytest
-
 from conftest import assert_all
 from test_zero import batches, tiny_model, train
 

@@ -19,7 +19,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import assert_all
 
 TINY = dict(n_layer=2, n_head=2, n_embd=24, block_size=16, vocab=37)   # Ψ not divisible by 2, 3, 4, 8
@@ -97,6 +96,7 @@ RESHARD = [  # (Nd a, stage a) -> (Nd b, stage b); 0 = the world size
 @pytest.mark.parametrize("case", RESHARD, ids=lambda c: f"{c[0] or 'n'}s{c[1]}-{c[2] or 'n'}s{c[3]}")
 def test_reshard(comm, case, tmp_path_factory):
     from mpi4py import MPI
+
     from ringzero.runtime import checkpoint as ck
     a, sa, b, sb = case
     a, b = a or comm.size, b or comm.size
@@ -322,6 +322,7 @@ def _clean_env():
 
 def test_kill_mid_save_keeps_previous(tmp_path):
     from mpi4py import MPI
+
     from ringzero.runtime import checkpoint as ck
     from ringzero.runtime.flat import Layout
     d = str(tmp_path / "ckpt")
@@ -339,13 +340,15 @@ def test_kill_mid_save_keeps_previous(tmp_path):
     ref = np.load(tmp_path / "master2.npy")
     old_layout = Layout(e.layout.units, 2)                 # the saving run's padding
     assert m["step"] == 2
-    assert all(np.array_equal(v, by_name(old_layout, ref)[n]) for n, v in by_name(e.layout, e.full_state("master")).items())
+    now = by_name(e.layout, e.full_state("master"))
+    assert all(np.array_equal(v, by_name(old_layout, ref)[n]) for n, v in now.items())
     ck.save(e, d, 3)                                       # the next save clears the half-written one
     assert sorted(os.listdir(d)) == ["step-000002", "step-000003"]
 
 
 def test_keep_latest_and_replace(tmp_path):
     from mpi4py import MPI
+
     from ringzero.runtime import checkpoint as ck
     d = str(tmp_path)
     e = engine(MPI.COMM_SELF, "0")
@@ -371,12 +374,14 @@ def test_keep_latest_and_replace(tmp_path):
 
 def test_cli_inspect_export(tmp_path):
     from mpi4py import MPI
+
     from ringzero.runtime import checkpoint as ck
     e = engine(MPI.COMM_SELF, "3")
     train(e, batches(0, 1), 0, 2)
     src = ck.save(e, str(tmp_path / "c"), 2, config={"n_layer": 2})
-    run = lambda *a, **kw: subprocess.run([sys.executable, "-m", "ringzero.checkpoint", *a], capture_output=True,
-                                          text=True, timeout=120, **kw)
+    def run(*a, **kw):
+        return subprocess.run([sys.executable, "-m", "ringzero.checkpoint", *a], capture_output=True,
+                              text=True, timeout=120, **kw)
     r = run("inspect", str(tmp_path / "c"), "--verify")
     assert r.returncode == 0 and "step        2" in r.stdout and f"{e.layout.numel:,}" in r.stdout, r.stdout + r.stderr
     assert r.stdout.count("  ok") == 4, r.stdout
@@ -385,16 +390,20 @@ def test_cli_inspect_export(tmp_path):
     assert r.returncode == 0 and "exported" in r.stdout, r.stderr
     os.remove(os.path.join(src, "master-r00000.bin"))
     r = run("export", src, out)
-    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "master-r00000.bin: missing" in r.stderr, r.stderr
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "master-r00000.bin: missing" in r.stderr, r.stderr
     # without safetensors: one line that says how to get it
-    code = "import sys; sys.modules['safetensors'] = None; from ringzero.runtime.checkpoint import main; sys.exit(main())"
+    code = ("import sys; sys.modules['safetensors'] = None; from ringzero.runtime.checkpoint import main; "
+            "sys.exit(main())")
     r = subprocess.run([sys.executable, "-c", code, "export", src, out], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1 and "pip install 'ringzero[checkpoint]'" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "pip install 'ringzero[checkpoint]'" in r.stderr, r.stderr
 
 
 def test_precision_change_keeps_master(tmp_path):
     """An fp16 run's checkpoint loads into an fp32 engine: master bitwise, its own scaler kept."""
     from mpi4py import MPI
+
     from ringzero.runtime import checkpoint as ck
     from ringzero.runtime.optim import LossScaler
     a = engine(MPI.COMM_SELF, "2")
@@ -410,6 +419,7 @@ def test_precision_change_keeps_master(tmp_path):
 def test_reads_format_version_1(tmp_path):
     """A version-1 manifest named the shard count "nd"; it still loads, bitwise."""
     from mpi4py import MPI
+
     from ringzero.runtime import checkpoint as ck
     a = engine(MPI.COMM_SELF, "2")
     train(a, batches(0, 1), 0, 2)

@@ -7,14 +7,12 @@ synthetic stdlib tree whose files each carry a unique marker.
 """
 import collections
 import math
-import os
 import zlib
 
 import numpy as np
 import pytest
 
-from ringzero.app.data import (Batches, file_corpus, load_corpus, stdlib_corpus,
-                           unigram_entropy)
+from ringzero.app.data import Batches, file_corpus, load_corpus, stdlib_corpus, unigram_entropy
 
 
 @pytest.fixture

@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from ringzero.runtime import accounting as acc
-from ringzero.tools import estimate as est
-from ringzero.runtime.flat import Layout
 from ringzero.nn.gpt import PRESETS, GPTConfig, gpt_units
+from ringzero.runtime import accounting as acc
+from ringzero.runtime.flat import Layout
 from ringzero.sizes import parse_count, parse_size
+from ringzero.tools import estimate as est
 
 GB = 1e9
 PSI_75B = 7_500_000_000

@@ -49,6 +49,7 @@ def test_unit_activations_match_the_real_forward(B, T):
 @pytest.mark.parametrize("stage", ["0", "1", "2", "3"])
 def test_plan_matches_a_real_engine(stage):
     from mpi4py import MPI
+
     from ringzero.runtime.zero import Zero
     cfg = GPTConfig(3, 2, 32, 16, 64)
     eng = Zero(GPT(cfg), MPI.COMM_SELF, stage, device="cpu")

@@ -20,7 +20,6 @@ from fractions import Fraction
 
 import pytest
 from conftest import assert_all
-
 from test_zero import batches, engine, train
 
 pytestmark = pytest.mark.mpi
@@ -60,7 +59,7 @@ def test_internode_bytes_match_formula(comm, stage):
         skipped, rep = one_step(eng, comm)
         L = eng.layout
         psi, last = L.padded, L.unit_padded[-1]
-        cross = lambda elems: Fraction(2 * elems * (N - 1), N * P)   # fp16 bytes of one pass across
+        cross = lambda elems: Fraction(2 * elems * (N - 1), N * P)   # noqa: E731 (fp16 bytes of one pass across)
         want = {"0": 2 * cross(psi), "1": 2 * cross(psi), "2": 2 * cross(psi),
                 "3": cross(psi) + cross(2 * psi - last), "hybrid": 2 * cross(psi)}[stage]
         formula = 3 * cross(psi) if stage == "3" else want

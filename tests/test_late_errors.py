@@ -14,7 +14,6 @@ that prints it), and stderr must hold exactly one line from ringzero:
 import os
 
 import pytest
-
 import trainer_cli as cli
 from conftest import have_cupy
 
@@ -23,7 +22,7 @@ def _one_line(rcs, out, err, *needles):
     """Every rank 2, one ringzero line on stderr (the rest is prterun's own
     "exited with non-zero status" notice), no traceback, no MPI_ABORT."""
     assert rcs == {0: 2, 1: 2}, cli.tail(out, err)
-    ours = [l for l in err.splitlines() if l.startswith("ringzero")]
+    ours = [ln for ln in err.splitlines() if ln.startswith("ringzero")]
     assert len(ours) == 1 and ours[0].startswith("ringzero.train: error: "), cli.tail(out, err)
     assert "Traceback" not in err + out and "MPI_ABORT" not in err, cli.tail(out, err)
     for n in needles:

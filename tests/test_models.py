@@ -11,8 +11,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from ringzero.runtime.flat import Layout
 from ringzero.nn import GPT, MLP, GPTConfig, gpt_units
+from ringzero.runtime.flat import Layout
 
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=6, vocab=11)
 

@@ -88,7 +88,7 @@ def test_node_aware_float_sums_match_mpi_and_agree_bitwise(comm):
 @pytest.mark.mpi
 def test_node_aware_ledger_counts_what_crosses_the_network(comm):
     """Per call, a rank sends (N-1)/N of one super-block (S/P) to other nodes per pass: exactly."""
-    n, r = comm.size, comm.rank
+    n = comm.size
     bad = []
     for name, labels, ring in uniform_rings(comm):
         N = len(set(labels))

@@ -51,7 +51,8 @@ def test_adamw_result_does_not_depend_on_slicing():
     b = [p0.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)]
     oa, ob = AdamW(cfg, n, np), AdamW(cfg, n, np)
     for _ in range(3):
-        oa.begin_step(); ob.begin_step()
+        oa.begin_step()
+        ob.begin_step()
         oa.update(*a, g, 1e-3, [(0, n)])
         for lo, hi in ((0, 300), (300, 301), (301, n)):
             ob.update(b[0][lo:hi], b[1][lo:hi], b[2][lo:hi], g[lo:hi], 1e-3, [(0, hi - lo)])

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 from conftest import assert_all
-from test_zero import batches, engine, train
+from test_zero import batches, engine
 
 pytestmark = pytest.mark.mpi
 

@@ -16,7 +16,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import assert_all
 
 TINY = dict(n_layer=2, n_head=2, n_embd=24, block_size=16, vocab=256)
@@ -31,8 +30,8 @@ def model(**over):
 
 def trained(comm, stage="3", steps=6, **over):
     """An engine after a few real steps on TEXT (tokens folded into the vocab)."""
-    from ringzero.app.data import Batches
     from ringzero import Zero
+    from ringzero.app.data import Batches
     m = model(**over)
     eng = Zero(m, comm, stage, seed=3, timeout=60)
     data = Batches(TEXT.astype(np.int64) % m.cfg.vocab, 2, TINY["block_size"], comm.rank, comm.size, 5)
@@ -63,6 +62,7 @@ def run_cli(*args):
 @pytest.mark.mpi
 def test_checkpoint_at_n_ranks_and_1_rank_sample_alike(comm, tmp_path_factory):
     from mpi4py import MPI
+
     from ringzero.runtime import checkpoint as ck
     from ringzero.tools import sample as sm
     d = comm.bcast(str(tmp_path_factory.mktemp("ck")) if comm.rank == 0 else None, root=0)
@@ -94,6 +94,7 @@ def test_checkpoint_at_n_ranks_and_1_rank_sample_alike(comm, tmp_path_factory):
 def ckpt(tmp_path_factory):
     """(checkpoint path, engine's full params, model) of a 1-rank stage-2 run."""
     from mpi4py import MPI
+
     from ringzero.runtime import checkpoint as ck
     eng = trained(MPI.COMM_SELF, "2")
     full = eng.full_params()
@@ -159,6 +160,7 @@ def test_weights_master_is_close_to_params(ckpt):
 
 def test_bad_input_one_line_exit_2(ckpt, tmp_path):
     from mpi4py import MPI
+
     from ringzero.runtime import checkpoint as ck
     path = ckpt[0]
     small = ck.save(trained(MPI.COMM_SELF, "1", steps=1, vocab=37), str(tmp_path / "v37"), 1,
@@ -197,8 +199,8 @@ def test_generate_reproduces_the_trainers_current_sample(ckpt):
 def test_heads_come_from_the_saved_config(ckpt):
     """Shapes come from the layout, heads from the config: the saved GPTConfig ("gpt"), then
     a preset name, then the trainer's n_head; none of them is one line, exit 2."""
-    from ringzero.tools import sample as sm
     from ringzero.runtime import checkpoint as ck
+    from ringzero.tools import sample as sm
     m = ck.read_manifest(ckpt[0])
     c = sm.config_from_manifest(m)
     assert (c.n_layer, c.n_embd, c.block_size, c.vocab, c.n_head) == (2, 24, 16, 256, 2)

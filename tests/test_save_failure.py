@@ -15,7 +15,6 @@ import os
 
 import numpy as np
 import pytest
-
 import trainer_cli as cli
 from conftest import assert_all
 from test_checkpoint import batches, engine, shared_dir, train
@@ -54,6 +53,7 @@ def test_injected_failure_keeps_previous_checkpoint(comm, tmp_path_factory, monk
 
 def test_save_dir_that_cannot_be_made(tmp_path):
     from mpi4py import MPI
+
     from ringzero.runtime import checkpoint as ck
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -73,7 +73,7 @@ def test_trainer_save_failure_exits_3_with_one_line(tmp_path):
     rcs, out, err = cli.run(base + ["--steps", "4", "--resume", "latest"], tmp_path,
                             env={"RINGZERO_FAULT_SAVE": "enospc:1"})
     assert rcs == {0: 3, 1: 3}, cli.tail(out, err)
-    lines = [l for l in err.splitlines() if l.strip() and not l.startswith(("---", " ", "prterun", "thus"))]
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(("---", " ", "prterun", "thus"))]
     prev = os.path.join(ck, "step-000002")
     assert len(lines) == 1 and lines[0].startswith("ringzero.train: error: checkpoint step-000004 not saved: "
                                                    "rank 1: writing into "), cli.tail(out, err)

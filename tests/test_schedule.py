@@ -9,7 +9,8 @@ import pytest
 
 from ringzero.comm import schedule as sch
 
-RING_ORDER, TREE_ORDER = {"ring"}, {"recursive_doubling", "tree", "rabenseifner"}   # direct: the tree's at 2^k, else the ring's
+# direct: the tree's order at 2^k, else the ring's
+RING_ORDER, TREE_ORDER = {"ring"}, {"recursive_doubling", "tree", "rabenseifner"}
 SIZES = [0, 1, 4096, 8192, 16384, 65536, 65540, 262144, 262145, 4 << 20, (4 << 20) + 8, 16 << 20, 64 << 20]
 
 
@@ -52,7 +53,8 @@ def test_power_of_two_schedules_per_op():
         assert (k["small_bytes"], k["latency_bytes"], k["tree_bytes"]) == (64 << 10, 64 << 10, 16 << 20)
         sizes = (4096, 65536, 65540, 1 << 20, 16 << 20, (16 << 20) + 8)
         pick = {op: [sch.choose(op, n, S, n * 4, **k) for S in sizes] for op in sch.OPS}
-        assert pick["all_reduce"] == ["recursive_doubling", "recursive_doubling", "rabenseifner", "rabenseifner", "rabenseifner", "ring"]
+        assert pick["all_reduce"] == ["recursive_doubling", "recursive_doubling", "rabenseifner", "rabenseifner",
+                                      "rabenseifner", "ring"]
         assert pick["reduce_scatter"] == ["tree", "tree", "direct", "direct", "direct", "ring"]
         assert pick["all_gather"] == ["tree", "tree", "direct", "direct", "direct", "direct"]
     for n in (3, 5, 6, 7):   # no halving tree: direct from the first byte

@@ -17,7 +17,6 @@ import sys
 import time
 
 import pytest
-
 import trainer_cli as cli
 from conftest import assert_all
 

@@ -8,10 +8,10 @@ import math
 
 import pytest
 
+from ringzero.comm.schedule import steps_wire
 from ringzero.nn.gpt import GPTConfig, gpt_units
 from ringzero.runtime import accounting as acc
 from ringzero.runtime.flat import Layout, ParamSpec, Unit
-from ringzero.comm.schedule import steps_wire
 from ringzero.tools import simulate as sm
 from ringzero.tools import simulate_cli as cli
 
@@ -140,6 +140,7 @@ def test_measure_compute_runs_the_model():
 def test_step_ops_gather_what_the_engine_plans():
     """Stage 3: one gather per run of the real engine's plan (Zero.plan.param_runs)."""
     from mpi4py import MPI
+
     from ringzero.nn.gpt import GPT
     from ringzero.runtime.zero import Zero
     cfg = GPTConfig(3, 2, 32, 16, 64)

@@ -28,7 +28,6 @@ import sys
 import time
 
 import pytest
-
 from test_train import TINY, _text
 from trainer_cli import descendants
 
@@ -133,8 +132,9 @@ def test_sigstop_one_rank_warns_then_ends_the_job(tmp_path):
 @pytest.mark.mpi
 def test_stall_line_names_op_context_and_peer(comm, capsys):
     """Rank 0 arrives 1.5 s late: every other rank prints ONE stall line, and the op still completes."""
-    from conftest import assert_all
     import numpy as np
+    from conftest import assert_all
+
     from ringzero.comm.ring import Ring
     n, r = comm.size, comm.rank
     if n < 2:
@@ -164,8 +164,9 @@ def test_stall_line_names_op_context_and_peer(comm, capsys):
 @pytest.mark.mpi
 def test_timeout_message_carries_context(comm):
     """A peer that never comes: TimeoutError names op, peer and the context; a fresh Ring then works."""
-    from conftest import assert_all
     import numpy as np
+    from conftest import assert_all
+
     from ringzero.comm.ring import Ring
     n, r = comm.size, comm.rank
     if n < 2:

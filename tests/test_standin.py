@@ -167,9 +167,9 @@ def _batches(comm, n_world):
 
 def _run(comm, stage, device, steps=3, precision="fp32", **kw):
     """Losses and the gathered master weights of a few steps on `device`."""
+    from ringzero.comm.backend import xp_for
     from ringzero.nn.gpt import GPT, GPTConfig
     from ringzero.runtime.zero import Zero
-    from ringzero.comm.backend import xp_for
     eng = Zero(GPT(GPTConfig(**TINY)), comm, stage, device=device, precision=precision, seed=3,
                timeout=60, **kw)
     xp = xp_for(device)
@@ -213,15 +213,16 @@ def test_engine_cuda_fp16_stages_bitwise_equal(comm, cp):
     """fp16 on the device (fp16 compute, fp32 gradient workspace): stages 0-3 give the same bits."""
     runs = {st: _run(comm, st, "cuda", steps=3, precision="fp16")[:2] for st in ("0", "1", "2", "3")}
     l0, m0 = runs["0"]
-    bad = [st for st, (l, m) in runs.items() if l != l0 or not np.array_equal(m.view(np.uint32), m0.view(np.uint32))]
+    bad = [st for st, (loss, m) in runs.items()
+           if loss != l0 or not np.array_equal(m.view(np.uint32), m0.view(np.uint32))]
     assert_all(comm, not bad and all(np.isfinite(x[0]) for x in l0), f"stages differing from 0: {bad}")
 
 
 @pytest.mark.mpi
 def test_checkpoint_save_resume_on_device(comm, cp, tmp_path_factory):
     """Save after 2 steps, resume into a fresh device engine, 2 more steps == 4 straight steps."""
-    from ringzero.runtime import checkpoint as ck
     from ringzero.nn.gpt import GPT, GPTConfig
+    from ringzero.runtime import checkpoint as ck
     from ringzero.runtime.zero import Zero
     d = comm.bcast(str(tmp_path_factory.mktemp("ck")) if comm.rank == 0 else None)
     data = _batches(comm, comm.size)
@@ -275,6 +276,7 @@ def test_device_fp16_gradients_accumulate_in_fp32(cp):
     workspace and rounded to fp16 once: the engine's fp16 gradient equals the model's
     gradient accumulated in fp32 (loss_and_grad into an fp32 buffer) cast once."""
     from mpi4py import MPI
+
     from ringzero.nn.gpt import GPT, GPTConfig
     from ringzero.runtime.zero import Zero
     eng = Zero(GPT(GPTConfig(**TINY)), MPI.COMM_SELF, "0", device="cuda", seed=3, timeout=60)
@@ -297,6 +299,7 @@ def test_engine_device_step_blocks_on_the_device_twice(comm, cp, monkeypatch):
     token range reductions, no float(dot) per unit per piece. (Device-direct ring,
     so the staged path's copies are not counted.)"""
     import cupy_standin
+
     from ringzero.nn.gpt import GPT, GPTConfig
     from ringzero.runtime.zero import Zero
     monkeypatch.setenv("RINGZERO_CUDA_AWARE", "1")
@@ -318,6 +321,7 @@ def test_check_device_cuda_without_cupy_is_one_line_exit_2():
     """`python -m ringzero.train --check 2 --device cuda` on a machine without a usable
     CuPy: exit 2 and one line, before any mpirun. (Where CuPy and a GPU are there: 0.)"""
     import subprocess
+
     from ringzero.comm.backend import cupy_or_none
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
     p = subprocess.run([sys.executable, "-m", "ringzero.train", "--check", "2", "--device", "cuda"],

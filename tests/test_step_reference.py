@@ -39,7 +39,6 @@ import importlib.util
 
 import numpy as np
 import pytest
-
 from conftest import assert_all
 
 CFG = dict(n_layer=2, n_head=2, n_embd=24, block_size=16, vocab=37)

@@ -12,7 +12,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import assert_all
 
 STEP_KEYS = {"step", "loss", "lr", "loss_scale", "grad_norm", "tokens_per_s", "step_time_s", "bytes_sent"}
@@ -46,7 +45,7 @@ def test_end_to_end(comm, tmp_path_factory, stage):
     summary = run(cfg, comm)
     ok, msg = True, ""
     if comm.rank == 0:
-        lines = [json.loads(l) for l in open(metrics)]
+        lines = [json.loads(ln) for ln in open(metrics)]
         steps, summ = lines[:-1], lines[-1]
         first = np.mean([s["loss"] for s in steps[:5]])
         last = np.mean([s["loss"] for s in steps[-5:]])
@@ -78,8 +77,8 @@ def test_resume_continues_bitwise(comm, tmp_path_factory):
     run(cfg, comm)
     ok, msg = True, ""
     if comm.rank == 0:
-        a = [json.loads(l) for l in open(os.path.join(d, "a.jsonl"))][3:6]
-        b = [json.loads(l) for l in open(os.path.join(d, "b.jsonl"))][0:3]
+        a = [json.loads(ln) for ln in open(os.path.join(d, "a.jsonl"))][3:6]
+        b = [json.loads(ln) for ln in open(os.path.join(d, "b.jsonl"))][0:3]
         ok = [x["step"] for x in b] == [3, 4, 5] and [x["loss"] for x in a] == [x["loss"] for x in b]
         msg = f"uninterrupted {[x['loss'] for x in a]} vs resumed {[x['loss'] for x in b]}"
     assert_all(comm, ok, msg)
@@ -90,7 +89,7 @@ def _check(args, tmp_path):
     before = set(os.listdir(tmp_path))
     r = subprocess.run([sys.executable, "-m", "ringzero.train", "--check", "2", *args],
                        capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    return r.returncode, [l for l in r.stderr.splitlines() if l.strip()], set(os.listdir(tmp_path)) - before
+    return r.returncode, [ln for ln in r.stderr.splitlines() if ln.strip()], set(os.listdir(tmp_path)) - before
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -161,7 +160,7 @@ def test_end_to_end_bf16_grad_accum(comm, tmp_path_factory):
     summary = run(cfg, comm)
     ok, msg = True, ""
     if comm.rank == 0:
-        lines = [json.loads(l) for l in open(metrics)]
+        lines = [json.loads(ln) for ln in open(metrics)]
         steps, summ = lines[:-1], lines[-1]
         first, last = np.mean([s["loss"] for s in steps[:5]]), np.mean([s["loss"] for s in steps[-5:]])
         ok &= summ["precision"] == "bf16" and summ["grad_accum"] == 2 and last < 0.8 * first

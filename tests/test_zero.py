@@ -10,7 +10,6 @@
 """
 import numpy as np
 import pytest
-
 from conftest import assert_all
 
 pytestmark = pytest.mark.mpi
@@ -94,7 +93,7 @@ def test_traffic_matches_schedule(comm, stage):
     skipped = eng.step(x, y, 1e-3).skipped
     n, L = comm.size, eng.layout
     P, last = L.padded, L.unit_padded[-1]
-    hop = lambda elems: 2 * elems * (n - 1) // n         # fp16 bytes a ring pass sends per rank
+    hop = lambda elems: 2 * elems * (n - 1) // n         # noqa: E731 (fp16 bytes a ring pass sends per rank)
     want = {"0": hop(P) * 2,                              # all-reduce = RS + AG of every unit
             "1": hop(P) * 2, "2": hop(P) * 2,             # RS grads + AG params
             "3": hop(P) + hop(2 * P - last)}[stage]       # RS + AG fwd + AG bwd (last unit once)
@@ -218,6 +217,7 @@ def test_overflow_on_one_rank_skips_everywhere(comm, stage):
 def test_clipping_norm_is_global_norm(comm):
     """grad_norm == the norm of every rank's fp32 gradient averaged by MPI's Allreduce."""
     from mpi4py import MPI
+
     from ringzero.runtime.flat import Layout
     eng = engine(comm, "3")
     data = batches(comm, comm.size, comm.rank)
@@ -239,7 +239,6 @@ def test_clipping_norm_is_global_norm(comm):
 
 
 def test_memory_budget_refuses_stage0_runs_stage3(comm):
-    from ringzero.runtime import accounting
     from ringzero.runtime.flat import Layout
     from ringzero.runtime.zero import MemoryBudgetError
     if comm.size == 1:

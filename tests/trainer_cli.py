@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import numpy as np
-
 from test_checkpoint import _clean_env, _mpirun
 
 # a 1-layer GPT on bytes, constant lr after 2 warm-up steps: --steps only

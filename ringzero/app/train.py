@@ -32,8 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ringzero.app.config import (Config, ConfigError, build_parser, gpt_config, lr_at,  # noqa: F401
-                                 parse_config, validate)
+from ringzero.app.config import Config, ConfigError, build_parser, gpt_config, lr_at, parse_config, validate  # noqa: F401
 from ringzero.app.exits import agree, leave, under_mpi
 from ringzero.metrics import read_metrics  # noqa: F401  (its old home; tools import ringzero.metrics)
 from ringzero.sizes import parse_size
@@ -48,7 +47,6 @@ def prepare(cfg: Config, n: int):
     """Every input check that needs the data or the sizes; no MPI. Raises ConfigError."""
     from ringzero.app.data import load_corpus
     from ringzero.nn.gpt import GPT, vocab_for
-    from ringzero.runtime import accounting
     from ringzero.runtime.flat import Layout
     from ringzero.runtime.policy import StagePolicy
     from ringzero.runtime.zero import MemoryBudgetError, check_budget
@@ -132,7 +130,8 @@ def train_loop(cfg: Config, comm, engine, train, evaluate, writer, say, stop=Non
     shares it with the step's scalars, and once any rank has a signal every
     rank saves (saves_on_stop) and raises preempt.Stopped after the same step.
     """
-    from ringzero.app.preempt import Stopped, name as signame
+    from ringzero.app.preempt import Stopped
+    from ringzero.app.preempt import name as signame
     rank, n, xp = comm.rank, comm.size, engine.xp
     bar = None
     if rank == 0 and not cfg.quiet:
@@ -358,7 +357,7 @@ def _sample(engine, model, corpus, cfg) -> str:
 def main(argv=None) -> int:
     """The command line. Exit codes (exits.py): 0 done, 2 bad input, 3 a
     failed save, 128+N stopped by signal N after saving (preempt.py)."""
-    from ringzero.app.preempt import StopRequest, Stopped
+    from ringzero.app.preempt import Stopped, StopRequest
     from ringzero.runtime.checkpoint import CheckpointError
     argv = sys.argv[1:] if argv is None else list(argv)
     cfg, check, err = None, None, None
@@ -373,6 +372,7 @@ def main(argv=None) -> int:
         _fail(err)
         return 2
     from mpi4py import MPI
+
     from ringzero.comm.threads import set_blas_threads
     comm = MPI.COMM_WORLD
     set_blas_threads(comm)             # this rank's share of the node's cores, before any matmul

@@ -62,7 +62,9 @@ class Diagnostics:
         return f"rank {peer}" if w == peer or w == MPI.UNDEFINED else f"rank {peer} (world rank {w})"
 
     def who_of(self, w: Waiting) -> str:
-        return self.who(w.peer) if not isinstance(w.peer, tuple) else "ranks " + ", ".join(map(str, sorted(set(w.peer))))
+        if not isinstance(w.peer, tuple):
+            return self.who(w.peer)
+        return "ranks " + ", ".join(map(str, sorted(set(w.peer))))
 
     @staticmethod
     def resolve(w: Waiting, done) -> Waiting:

@@ -148,7 +148,7 @@ class Executor:
             sync(x)
 
     def _fail(self, plan, step):
-        """Cancel what `plan` left in flight up to `step` (the failing wait is done or cancelled), then tell the Ring."""
+        """Cancel what `plan` left in flight up to `step` (the failing wait is done or cancelled); tell the Ring."""
         i = next(k for k, st in enumerate(plan.steps) if st is step)
         active = []
         for st in plan.steps[:i + 1]:

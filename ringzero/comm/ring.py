@@ -102,7 +102,8 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from ringzero.comm import kernels, plan as planmod
+from ringzero.comm import kernels
+from ringzero.comm import plan as planmod
 from ringzero.comm.backend import Staging, cuda_aware, sync
 from ringzero.comm.cache import MAX_PLANS, PlanCache
 from ringzero.comm.checks import DTYPES, check_args

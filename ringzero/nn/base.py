@@ -22,6 +22,7 @@ import numpy as np
 
 from ringzero.nn.ops import _same_module, acc_dtype, array_module
 
+
 class Pool:
     """Buffers made once per (key, shape, dtype) and handed out again after."""
 

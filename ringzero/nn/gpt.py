@@ -10,11 +10,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ringzero.nn.layers import (
+    GELU,
+    CausalSelfAttention,
+    Embedding,
+    LayerNorm,
+    Linear,
+    Pool,
+    Residual,
+    SoftmaxCrossEntropy,
+    Unembed,
+    acc_dtype,
+    array_module,
+    cache_nbytes,
+    check_ids,
+)
 from ringzero.nn.units import UnitModel
-from ringzero.runtime.flat import ParamSpec as P, Unit
-from ringzero.nn.layers import (GELU, CausalSelfAttention, Embedding, LayerNorm, Linear, Pool,
-                                Residual, SoftmaxCrossEntropy, Unembed, acc_dtype, array_module,
-                                cache_nbytes, check_ids)
+from ringzero.runtime.flat import ParamSpec as P
+from ringzero.runtime.flat import Unit
 
 
 @dataclass(frozen=True)

@@ -41,10 +41,8 @@ import numpy as np
 from ringzero.nn import fused
 from ringzero.nn.attention import CausalSelfAttention
 from ringzero.nn.base import Layer, Linear, Pool, cache_nbytes
-from ringzero.nn.ops import (_same_module, _take, acc_dtype, array_module, bmm,  # noqa: F401
-                             check_ids, segment_sum_rows)
-from ringzero.nn.pointwise import (GELU, GELU_A, GELU_K, LN_EPS, LayerNorm, Residual,  # noqa: F401
-                                   SoftmaxCrossEntropy)
+from ringzero.nn.ops import _same_module, _take, acc_dtype, array_module, bmm, check_ids, segment_sum_rows  # noqa: F401
+from ringzero.nn.pointwise import GELU, GELU_A, GELU_K, LN_EPS, LayerNorm, Residual, SoftmaxCrossEntropy  # noqa: F401
 
 __all__ = ["Pool", "cache_nbytes", "Layer", "Embedding", "Linear", "Unembed", "LayerNorm", "GELU", "Residual",
            "SoftmaxCrossEntropy", "CausalSelfAttention"]

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import math
 
+from ringzero.nn.layers import GELU, Linear, Pool, SoftmaxCrossEntropy, cache_nbytes
 from ringzero.nn.units import UnitModel
 from ringzero.runtime.flat import ParamSpec, Unit
-from ringzero.nn.layers import GELU, Linear, Pool, SoftmaxCrossEntropy, cache_nbytes
 
 
 def mlp_units(sizes) -> tuple:

@@ -65,10 +65,29 @@ import numpy as np
 from ringzero.comm.objects import allgather_obj, bcast_obj
 from ringzero.runtime.export import describe, export, main  # noqa: F401  (the public names)
 from ringzero.runtime.flat import Layout
-from ringzero.runtime.manifest import (CLASSES, FAULT_ENV, FORMAT, LOADED, MANIFEST, READABLE,  # noqa: F401
-                                       VERSION, CheckpointError, check_layout, complete_checkpoints,
-                                       error_line, fsync_dir, latest, read_manifest, read_range,
-                                       resolve, save_fault, shard_file, step_dir_name, verify, verify_file)
+from ringzero.runtime.manifest import (  # noqa: F401
+    CLASSES,
+    FAULT_ENV,
+    FORMAT,
+    LOADED,
+    MANIFEST,
+    READABLE,
+    VERSION,
+    CheckpointError,
+    check_layout,
+    complete_checkpoints,
+    error_line,
+    fsync_dir,
+    latest,
+    read_manifest,
+    read_range,
+    resolve,
+    save_fault,
+    shard_file,
+    step_dir_name,
+    verify,
+    verify_file,
+)
 
 
 def _agree(ctl, err: str | None):

@@ -107,11 +107,13 @@ class Zero:
         self.state.init_master(seed)
         self.publish_params()
         # overlap: a closed gradient's reduction runs while the next unit's backward computes
-        # (workspace.py); the plan holds its slot one position longer
+        # (workspace.py); where it reads the gradient slot itself (fp32 storage, sharded grads)
+        # the plan holds that slot one position longer
         self.overlap = bool(overlap)
+        reads_slot = np.dtype(self.storage_dtype).itemsize == 4 and P.grad_bucket
         self.plan = build_plan([L.needs(u) for u in range(U)],
                                [bool(model.backward_reads_params(u)) for u in range(U)],
-                               inflight=1 if self.overlap else 0)
+                               inflight=1 if self.overlap and reads_slot else 0)
         self.workspaces = Workspaces(L, P, self.plan, self.state, topo, self.compute_dtype, self.grad_accum,
                                      overlap=self.overlap)
         self.timeline = {}                   # the last step's seconds: compute, reduction, and what was hidden

@@ -21,10 +21,19 @@ import time
 
 import numpy as np
 
-from ringzero.runtime.manifest import (FORMAT, CheckpointError, check_layout, error_line, fsync_dir,
-                                       read_manifest, read_range, resolve, shard_file, verify,
-                                       verify_file)
-
+from ringzero.runtime.manifest import (
+    FORMAT,
+    CheckpointError,
+    check_layout,
+    error_line,
+    fsync_dir,
+    read_manifest,
+    read_range,
+    resolve,
+    shard_file,
+    verify,
+    verify_file,
+)
 
 _OUT = {"fp32": "F32", "fp16": "F16", "bf16": "BF16"}    # safetensors' dtype tags
 

@@ -67,9 +67,9 @@ import numpy as np
 from ringzero.comm.schedule import KNOBS  # (no MPI in it)
 from ringzero.sizes import human, parse_link, parse_size
 from ringzero.tools.bench_cases import OP_NAMES, Case, bench_dtype, mpi_call, ring_call
+
 # sched, dtypes and median live in their own module (the Ring timed against itself)
-from ringzero.tools.bench_extra import (dtypes_parser, median_parser, run_dtypes, run_median, run_sched,
-                                        sched_parser)
+from ringzero.tools.bench_extra import dtypes_parser, median_parser, run_dtypes, run_median, run_sched, sched_parser
 from ringzero.tools.bench_timing import copy_refs, paired_ratio, time_blocks
 from ringzero.tools.mpi_info import coll_component
 
@@ -286,6 +286,7 @@ def main(argv=None) -> int:
         run(args)
         return 0
     from mpi4py import MPI
+
     from ringzero.comm.threads import set_blas_threads
     set_blas_threads(MPI.COMM_WORLD)   # this rank's share of the node's cores
     rows = run(args, MPI.COMM_WORLD)

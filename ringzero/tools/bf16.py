@@ -20,8 +20,7 @@ import sys
 
 import numpy as np
 
-from ringzero.tools.precision import (bf16_type, f16, f32, overflow_threshold, swamp_ratio, toy_run,
-                                      underflow_threshold)
+from ringzero.tools.precision import bf16_type, f16, f32, overflow_threshold, swamp_ratio, toy_run, underflow_threshold
 
 
 def cast_gradients(dtype, n: int = 100000, seed: int = 0, lo: float = -34, hi: float = -14) -> dict:

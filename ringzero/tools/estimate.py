@@ -26,9 +26,9 @@ import json
 import math
 import sys
 
+from ringzero.nn.gpt import PRESETS, GPTConfig, gpt_units
 from ringzero.runtime import accounting as acc
 from ringzero.runtime.flat import Layout
-from ringzero.nn.gpt import PRESETS, GPTConfig, gpt_units
 from ringzero.sizes import parse_count, parse_size
 from ringzero.tools.activations import ACT_FORMULAS, activations
 

@@ -35,12 +35,24 @@ import argparse
 import sys
 
 from ringzero.runtime import accounting as acc
-# The precision experiments live in ringzero.tools.precision; their names stay importable from here.
-from ringzero.tools.precision import (SEED_SWAMP_RATIO, SEED_UNDERFLOW, bf16_type, f16, f32, f64,  # noqa: F401
-                                      loss_scaling, overflow_threshold, print_precision, scaler_trace,
-                                      swamp_ratio, toy_run, underflow_threshold)
 from ringzero.tools.bf16 import print_bf16
 
+# The precision experiments live in ringzero.tools.precision; their names stay importable from here.
+from ringzero.tools.precision import (  # noqa: F401
+    SEED_SWAMP_RATIO,
+    SEED_UNDERFLOW,
+    bf16_type,
+    f16,
+    f32,
+    f64,
+    loss_scaling,
+    overflow_threshold,
+    print_precision,
+    scaler_trace,
+    swamp_ratio,
+    toy_run,
+    underflow_threshold,
+)
 
 # ---- traffic ----------------------------------------------------------------------
 _STAGE_STEPS = {
@@ -147,8 +159,8 @@ def print_traffic(psi, nd, rpn, cfg, metrics, f=None, grad_accum: int = 1, preci
     p(f"Ψ = {psi:,}  Nd = {nd}" + (f"  Ng = {rpn}" if rpn else "") +
       f"; elements and bytes SENT by one rank per optimizer step ({precision}: {eb} B/element"
       + (f"; K = {K} micro-batches per step" if K > 1 else "") + ").")
-    p(f"A ring reduce-scatter or all-gather over n ranks takes n-1 steps; in each, every rank sends "
-      f"one block of 1/n of the buffer to its right neighbour: Ψ(n-1)/n elements in all.\n")
+    p("A ring reduce-scatter or all-gather over n ranks takes n-1 steps; in each, every rank sends "
+      "one block of 1/n of the buffer to its right neighbour: Ψ(n-1)/n elements in all.\n")
     if nodes > 1:
         P = nd // nodes
         p(f"The Nd = {nd} ranks span N = {nodes} nodes of P = {P}: every collective that spans nodes runs "

@@ -240,6 +240,7 @@ def add_args(ap):
 def run(a) -> int:
     import json
     import sys
+
     from ringzero.nn.gpt import PRESETS
     cfg = PRESETS[a.model]
     try:

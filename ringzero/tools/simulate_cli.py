@@ -21,8 +21,7 @@ import numpy as np
 from ringzero.runtime import accounting as acc
 from ringzero.runtime.flat import Layout
 from ringzero.sizes import parse_quantity, parse_rate
-from ringzero.tools.simulate import (LINKS, Compute, Links, Nodes, flops_compute, measure_compute,
-                                     step_time)
+from ringzero.tools.simulate import LINKS, Compute, Links, Nodes, flops_compute, measure_compute, step_time
 
 
 # ---- CLI ------------------------------------------------------------------------------
@@ -221,8 +220,8 @@ def plot_bandwidth(cfg, nd, comp, alpha, out, stages=("0", "1", "2", "3"), title
     A stage's "knee" is the lowest bandwidth at which its step stays within 5 %
     of its compute-bound step (the step at infinite bandwidth).
     """
-    from ringzero.tools.plot import _plt
     from ringzero.nn.gpt import gpt_units
+    from ringzero.tools.plot import _plt
     L = Layout(gpt_units(cfg))
     bws = list(np.logspace(8, 12, 81)) if bws is None else bws   # 0.1 GB/s .. 1 TB/s
     curves, knee = {}, {}

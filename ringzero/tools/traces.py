@@ -153,25 +153,31 @@ def conventional_trace(cfg: GPTConfig, shapes, bucket: int = 25 * MIB, act_bytes
 
 # ---- ringzero's plan -------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def _slot_counts(n_layer: int) -> tuple:
+def _slot_counts(n_layer: int, held: bool = False) -> tuple:
     """(parameter slots, gradient slots) of the engine's plan for a GPT of n_layer
     blocks, read off a real Zero engine on a tiny GPT of the same depth (the
-    counts depend only on the units' order and needs, not on their sizes)."""
+    counts depend only on the units' order and needs, not on their sizes).
+    held: the overlap's plan, which holds a gradient slot while its reduction runs."""
     from mpi4py import MPI
+
     from ringzero.nn.gpt import GPT
     from ringzero.runtime.zero import Zero
-    eng = Zero(GPT(GPTConfig(n_layer, 1, 8, 4, 8)), MPI.COMM_SELF, "3", device="cpu")
-    return len(eng.work["param_compute"]), len(eng.work["grad_compute"])
+    prec = "fp32" if held else "fp16"       # the engine holds slots only where the reduction reads them
+    eng = Zero(GPT(GPTConfig(n_layer, 1, 8, 4, 8)), MPI.COMM_SELF, "3", device="cpu", precision=prec,
+               overlap=held)
+    return len(eng.work.get("param_compute", eng.work.get("gather"))), eng.plan.grad_slots
 
 
 def plan_buffers(cfg: GPTConfig, stage: str = "0", nd: int = 1, device: str = "cuda",
-                 precision: str = "fp16") -> dict:
+                 precision: str = "fp16", overlap: bool = True) -> dict:
     """{name: bytes} of the buffers ``Zero`` allocates at start-up for this GPT.
 
     Mirrors zero.py: five state buffers (full or shard by stage), the unit-sized
     workspaces of its plan, the optimizer's scratch. On the GPU the compute
     dtype is the storage dtype, so no param cast workspace; gradients still
     accumulate in fp32 workspaces wherever storage is 2 bytes (workspace.py).
+    With overlap (the engine's default) 2-byte storage alternates two gradient
+    buckets, and fp32 storage holds one more gradient slot, while a reduction runs.
     """
     L = Layout(gpt_units(cfg), shards=nd)
     sb = 2 if precision == "fp16" else 4
@@ -182,8 +188,9 @@ def plan_buffers(cfg: GPTConfig, stage: str = "0", nd: int = 1, device: str = "c
            "grads": sb * (full if st in ("0", "1") else shard)}
     for k in ("master", "adam_m", "adam_v"):
         out[k] = 4 * (full if st == "0" else shard)
-    n_param_slots, n_grad_slots = _slot_counts(cfg.n_layer)
     pcast, gcast = cb != sb, sb < 4
+    sharded_grads = st not in ("0", "1")
+    n_param_slots, n_grad_slots = _slot_counts(cfg.n_layer, overlap and not gcast and sharded_grads)
     gathers = st in ("3", "hybrid")
     for i in range(n_param_slots if pcast else 0):
         out[f"param_compute{i}"] = cb * cap
@@ -191,7 +198,7 @@ def plan_buffers(cfg: GPTConfig, stage: str = "0", nd: int = 1, device: str = "c
         out[f"grad_compute{i}"] = 4 * cap
     for i in range((1 if pcast else n_param_slots) if gathers else 0):
         out[f"gather{i}"] = sb * cap
-    for i in range((1 if gcast else n_grad_slots) if st not in ("0", "1") else 0):
+    for i in range(((2 if overlap else 1) if gcast else n_grad_slots) if sharded_grads else 0):
         out[f"grad_bucket{i}"] = sb * cap
     out["adam_tmp"] = 4 * max(L.piece_numel)
     out["grad_scratch"] = 4 * max(L.piece_numel)

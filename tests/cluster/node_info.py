@@ -15,6 +15,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cupy_standin  # noqa: E402
+
 from ringzero.comm import backend  # noqa: E402
 from ringzero.comm.threads import set_blas_threads  # noqa: E402
 

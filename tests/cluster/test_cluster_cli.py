@@ -7,9 +7,8 @@ the bits on the wire).
 import re
 import subprocess
 
-import pytest
-
 import cluster_cli as cc
+import pytest
 
 pytestmark = pytest.mark.cluster
 

@@ -20,9 +20,8 @@ import re
 import subprocess
 import time
 
-import pytest
-
 import cluster_cli as cc
+import pytest
 from trainer_cli import TINY, corpus, losses
 
 pytestmark = pytest.mark.cluster

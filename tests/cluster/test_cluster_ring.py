@@ -14,9 +14,8 @@ import json
 import os
 import re
 
-import pytest
-
 import cluster_cli as cc
+import pytest
 
 pytestmark = pytest.mark.cluster
 

@@ -13,10 +13,9 @@ import json
 import os
 import re
 
+import cluster_cli as cc
 import numpy as np
 import pytest
-
-import cluster_cli as cc
 from trainer_cli import TINY, corpus, losses
 
 pytestmark = pytest.mark.cluster

@@ -45,12 +45,24 @@ import types
 
 import numpy as np
 
-from ._core import (_S, CUDARuntimeError, Device, Stream, _synchronize, get_current_stream, n_devices,
-                    ndarray, stats)
-from ._cuda import (CUBLAS_COMPUTE_16F, CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_64F, _POOL, MemoryPool,
-                    PinnedMemoryPointer, alloc_pinned_memory, empty_pinned, gemmStridedBatchedEx,
-                    get_cublas_handle, getDeviceProperties, pointerGetAttributes, scatter_add, zeros_pinned)
 from . import _routines
+from ._core import _S, CUDARuntimeError, Device, Stream, _synchronize, get_current_stream, n_devices, ndarray, stats
+from ._cuda import (
+    _POOL,
+    CUBLAS_COMPUTE_16F,
+    CUBLAS_COMPUTE_32F,
+    CUBLAS_COMPUTE_64F,
+    MemoryPool,
+    PinnedMemoryPointer,
+    alloc_pinned_memory,
+    empty_pinned,
+    gemmStridedBatchedEx,
+    get_cublas_handle,
+    getDeviceProperties,
+    pointerGetAttributes,
+    scatter_add,
+    zeros_pinned,
+)
 from ._routines import _SIMPLE, _UFUNCS, _creator, _ElementwiseKernel, _ewise, _reduction, _simple
 
 __all__ = ["install", "run_script", "reset", "stats", "ndarray"]
