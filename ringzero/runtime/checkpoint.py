@@ -38,7 +38,7 @@ What it is
     (both in export.py). The on-disk format, its checks and the ranged reads
     are manifest.py's; this module is the collective part, save and load.
 
-    What it reads of the engine is a small API: ``engine.comm``,
+    What it reads of the engine is a small API: ``engine.wait_params()``, ``engine.comm``,
     ``engine.layout``, ``engine.state`` (``piece``, ``held_ranks``, ``bufs``,
     ``shard_rank``, ``on_host``), ``engine.topology.writes_checkpoint``, and
     ``engine.checkpoint_meta()`` / ``engine.restore_meta(manifest)``.
@@ -161,6 +161,7 @@ def save(engine, save_dir: str, step: int, config: dict | None = None, data_stat
         raise TypeError(f"config, data_state and rng_state must be JSON-serializable: {e}") from None
     comm, name = engine.comm, step_dir_name(int(step))
     ctl = engine.topology.control    # every agreement is watched: a partition mid-save is named, not a hang
+    engine.wait_params()             # the last update's gathers (overlap) land before params are written
 
     # 1. rank 0 clears stale temporaries and makes this save's own
     msg = None

@@ -105,6 +105,8 @@ class Zero:
                          precision, self.grad_accum)
         self.state = ShardedState(L, P, topo.shard_rank, self.storage_dtype, xp, self.grad_accum)
         self.state.init_master(seed)
+        self._published = {}                 # unit -> started all-gather of its updated params (stages 1-2)
+        self._gather_wait = 0.0              # seconds the forward waited for them
         self.publish_params()
         # overlap: a closed gradient's reduction runs while the next unit's backward computes
         # (workspace.py); where it reads the gradient slot itself (fp32 storage, sharded grads)
@@ -137,7 +139,9 @@ class Zero:
 
     @property
     def bufs(self) -> dict:
-        """The state buffers by name ("params", "grads", "master", "adam_m", "adam_v")."""
+        """The state buffers by name ("params", "grads", "master", "adam_m", "adam_v"), every started
+        gather landed (overlap)."""
+        self.wait_params()
         return self.state.bufs
 
     @property
@@ -155,6 +159,8 @@ class Zero:
         act = peak = 0
         h = x
         for i in range(U):
+            if self._published:              # stages 1-2 with overlap: the update's gathers, unit by unit
+                self.wait_params(self.layout.needs(i))
             for w, s in plan.materialize[i]:
                 ws.materialize(w, s)
             h, caches[i] = m.forward_unit(i, ws.param_views[i], h, y if i == U - 1 else None)
@@ -217,8 +223,9 @@ class Zero:
         loss /= K                                    # the mean of the micro-batch means
         tl = self.workspaces.timeline()
         # forward+backward wall time less the waits for reductions = compute (gathers included)
-        self.timeline = {"fwd_bwd_s": time.perf_counter() - t0, **tl,
-                         "compute_s": time.perf_counter() - t0 - tl["reduce_exposed_s"]}
+        gw, self._gather_wait = self._gather_wait, 0.0
+        self.timeline = {"fwd_bwd_s": time.perf_counter() - t0, **tl, "param_gather_exposed_s": gw,
+                         "compute_s": time.perf_counter() - t0 - tl["reduce_exposed_s"] - gw}
 
         # global squared norm: partial per piece r, summed over units in order,
         # the partials then added in rank order -- identical at every stage.
@@ -247,7 +254,9 @@ class Zero:
                 g *= coef
                 self.adam.update(piece("master", u, r), piece("adam_m", u, r), piece("adam_v", u, r),
                                  g, lr, self._decay[(u, r)])
-            self.publish_params()
+            # with overlap (stages 1-2) the params' all-gathers run while the next forward computes;
+            # whoever reads params before it waits for them (wait_params)
+            self._published = self.state.publish(self.ring, start=self.overlap)
         self.step_count += 1
         led1 = reports.ledger_totals(self.topology)
         self.last_step_ledger = {k: led1[k] - led0.get(k, 0) for k in led1}
@@ -278,7 +287,19 @@ class Zero:
 
     def publish_params(self):
         """master -> storage-dtype params (own pieces), all-gathered where params are full."""
+        self.wait_params()
         self.state.publish(self.ring)
+
+    def wait_params(self, units=None):
+        """Wait for the started all-gathers of these units' params (all: every one). Collective-free."""
+        if not self._published:
+            return
+        t0 = time.perf_counter()
+        for u in (list(self._published) if units is None else units):
+            p = self._published.pop(u, None)
+            if p is not None:
+                p.wait()
+        self._gather_wait += time.perf_counter() - t0
 
     # ------------------------------------------------------------- forward only
     def eval_loss(self, x, y) -> float:
@@ -287,6 +308,7 @@ class Zero:
         m, plan, ws = self.model, self.plan, self.workspaces
         U = plan.units
         loss = 0.0
+        self.wait_params()
         for xk, yk in self.micro_batches(x, y):
             h = xk
             for i in range(U):
@@ -307,11 +329,13 @@ class Zero:
     def full_state(self, name: str, dtype=np.float32):
         """One state class ("params", "master", "adam_m", "adam_v") in full, on
         the host. Collective; for checks, sampling and export, not the hot path."""
+        self.wait_params()
         return self.state.gather(name, self.ring, dtype)
 
     # --------------------------------------------------- checkpoint and reports
     def checkpoint_meta(self) -> dict:
-        """What a checkpoint records beside the buffers (runtime/checkpoint.py)."""
+        """What a checkpoint records beside the buffers (runtime/checkpoint.py); the params are final then."""
+        self.wait_params()
         return {"stage": self.stage, "world": self.topology.world_size, "shards": self.layout.shards,
                 "precision": self.precision, "grad_accum": self.grad_accum,
                 "engine_step_count": int(self.step_count),

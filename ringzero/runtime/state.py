@@ -78,11 +78,14 @@ class ShardedState:
         """The piece indices r this rank holds of buffer ``name`` (all, or its own)."""
         return range(self.layout.shards) if self.policy.is_full(name) else (self.shard_rank,)
 
-    def publish(self, ring):
+    def publish(self, ring, start: bool = False) -> dict:
         """params = cast(master) on the pieces this rank owns; then, where params
         are held in full but master is a shard (stages 1, 2), all-gather them.
-        Collective on the shard group."""
+        Collective on the shard group. start: the all-gathers are started, not
+        waited for (unit u+1's cast runs while unit u's gather is on the wire);
+        returns {unit: Pending} for the caller to wait on before reading params."""
         L, P = self.layout, self.policy
+        started = {}
         for u in range(len(L.units)):
             if P.full_optimizer:
                 cast_into(L.unit_full(self.params, u), L.unit_full(self.master, u))
@@ -92,7 +95,11 @@ class ShardedState:
                 seg = L.unit_full(self.params, u)
                 own = L.own(seg, u, self.shard_rank)
                 cast_into(own, L.unit_shard(self.master, u))
-                ring.all_gather(own, seg)
+                if start:
+                    started[u] = ring.all_gather_start(own, seg)
+                else:
+                    ring.all_gather(own, seg)
+        return started
 
     def gather(self, name: str, ring, dtype=np.float32):
         """Buffer ``name`` in full, as a host array of ``layout.padded`` elements.
