@@ -48,7 +48,8 @@ for S in sizes:
     for f in fns.values():
         f()
     t = time_blocks(comm, fns, 40)
-    cells.append(f"{S >> 10}K " + " ".join(f"{k}={paired_ratio(t['mpi'], t[k]):.2f}" for k in ("recursive_doubling", "rabenseifner", "direct")))
+    cells.append(f"{S >> 10}K " + " ".join(f"{k}={paired_ratio(t['mpi'], t[k]):.2f}"
+                                           for k in ("recursive_doubling", "rabenseifner", "direct")))
 if r == 0:
     print(f"n={n} MPI time / schedule time: " + " | ".join(cells), flush=True)
 for ring in (rd, rab, direct):

@@ -5,10 +5,11 @@
 
 Timing: one engine per stage lives in the same processes, and the stages
 take steps in turn, the first of each round rotating (0123, 1230, 2301, ...),
-so the machine's noise and any place-in-the-round effect fall on all alike; the figure is each stage's median step time and its
-ratio to stage 0's. Memory: a process's peak RSS can only be read for the
-whole process, so --rss starts one mpirun per stage and reports each rank's
-ru_maxrss beside the model-state bytes the runtime measured on its buffers.
+so the machine's noise and any place-in-the-round effect fall on all alike;
+the figure is each stage's median step time and its ratio to stage 0's.
+Memory: a process's peak RSS can only be read for the whole process, so
+--rss starts one mpirun per stage and reports each rank's ru_maxrss beside
+the model-state bytes the runtime measured on its buffers.
 """
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ def build(comm, stage, args):
 
 def timing(args):
     from mpi4py import MPI
-    from ringzero.comm.threads import set_blas_threads
+
     from ringzero.app.data import Batches
+    from ringzero.comm.threads import set_blas_threads
     comm = MPI.COMM_WORLD
     set_blas_threads(comm)     # this rank's share of the node's cores
     data = np.random.default_rng(0).integers(0, 256, 1 << 20).astype(np.uint8)
@@ -71,8 +73,9 @@ def timing(args):
 def rss_one(args):
     """One stage, a few steps; print each rank's peak RSS (run under mpirun)."""
     from mpi4py import MPI
-    from ringzero.comm.threads import set_blas_threads
+
     from ringzero.app.data import Batches
+    from ringzero.comm.threads import set_blas_threads
     comm = MPI.COMM_WORLD
     set_blas_threads(comm)     # this rank's share of the node's cores
     data = np.random.default_rng(0).integers(0, 256, 1 << 20).astype(np.uint8)

@@ -1,7 +1,8 @@
 """An older Ring against this one and the MPI library, on the same buffers, in ONE run.
 
     git archive db3d859 ringzero/comm | tar -x -C /tmp/prev && mv /tmp/prev/ringzero /tmp/prev/ringzero_prev \
-      && touch /tmp/prev/ringzero_prev/__init__.py && sed -i 's/ringzero\.comm/ringzero_prev.comm/g' /tmp/prev/ringzero_prev/comm/*.py \
+      && touch /tmp/prev/ringzero_prev/__init__.py \
+      && sed -i 's/ringzero\\.comm/ringzero_prev.comm/g' /tmp/prev/ringzero_prev/comm/*.py \
       && cp ringzero/comm/_f16*.so /tmp/prev/ringzero_prev/comm/
     mpirun -n 4 python -m mpi4py benchmarks/ring_before_after.py /tmp/prev [--ops all_reduce] \
         [--sizes 256K,1M] [--allocs 3] [--budget 1.0]
@@ -73,7 +74,7 @@ for op in ops:
         ratios, mpi_us = {"old": [], "new": []}, []
         for _ in range(args.allocs):
             if op == "all_reduce":
-                a = np.zeros(cnt, np.float32); b = a
+                a = b = np.zeros(cnt, np.float32)
             elif op == "reduce_scatter":
                 a, b = np.zeros(cnt, np.float32), np.zeros(cnt // n, np.float32)
             else:
