@@ -65,7 +65,8 @@ def torch_worker(a):
 
     torch.set_num_threads(1)
     rank, world = env_rank_world()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=rank,
+    os.environ["GLOO_SOCKET_IFNAME"] = a.ifname      # the node's interface (lo on one host)
+    dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{a.port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=a.timeout))
     rss_start = rss_now_bytes()          # libraries and process group, before any model
     cfg = GPTConfig(a.n_layer, a.n_head, a.n_embd, a.seq_len, 256)  # block = seq_len
@@ -146,6 +147,8 @@ def main(argv=None):
     ap.add_argument("--out", required=True, help="folder for rank-R.json")
     ap.add_argument("--mode", default="ddp", choices=("ddp", "fsdp-grad-op", "fsdp-full"))
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--master", default="127.0.0.1", help="rank 0's address (the rendezvous)")
+    ap.add_argument("--ifname", default="lo", help="the interface gloo binds to")
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--rz-module", default="ringzero.train")
     for flag, typ, default in (("--steps", int, 15), ("--batch", int, 8), ("--seq-len", int, 128),
