@@ -71,50 +71,53 @@ class Executor:
         if xp is not np:
             sync(plan.keep[-1])  # a CuPy producer must be done before MPI reads the buffer
         wait = self._wait
+        # the hot loop: each record is unpacked as the tuple it is (no attribute lookups per step)
         for st in plan.steps:
             kind = type(st)
             if kind is Exchange or kind is Wait:
+                reqs, statuses, checks, waiting = st
                 if kind is Exchange:
-                    _startall(st.reqs)
-                self.waiting = st.waiting
+                    _startall(reqs)
+                self.waiting = waiting
                 self.progress += 1
                 try:
-                    wait(st.reqs, st.statuses)
+                    wait(reqs, statuses)
                 except MPI.Exception as e:  # e.g. MPI_ERR_TRUNCATE: the peer sent more than we expect
                     self.waiting = None
                     self._fail(plan, st)
-                    raise ValueError(self.diag.truncated(plan.name, [nb for _, nb in st.checks], st.waiting, e)) \
-                        from None
+                    raise ValueError(self.diag.truncated(plan.name, [nb for _, nb in checks], waiting, e)) from None
                 self.waiting = None
                 if self.hit is not None:
                     self._fail(plan, st)
                     raise TimeoutError(self.diag.timeout_message(*self.hit))
-                for status, nb in st.checks:
+                for status, nb in checks:
                     if status.Get_count(_BYTE) != nb:
                         self._fail(plan, st)
                         raise ValueError(self.diag.count_mismatch(plan.name, nb, status.Get_source(),
                                                                   status.Get_count(_BYTE)))
             elif kind is Add:
-                st.fn(st.a, st.b, st.out)
+                a, b, out, fn = st
+                fn(a, b, out)
             elif kind is MultiWait:
                 self._multi_wait(plan, st)
             elif kind is Start:
-                _startall(st.reqs)
+                _startall(st[0])
             else:  # Copy
-                st.dst[...] = st.src
+                dst, src = st
+                dst[...] = src
                 if xp is not np:
-                    sync(st.dst)
+                    sync(dst)
         if plan.post:
             self._avg(xp, plan.keep[-1])
 
     def _multi_wait(self, plan, st):
         """Waitsome until every request of a MultiWait is done, marking each in st.done."""
-        reqs, sts, expect, done = st.reqs, st.statuses, st.expect, st.done
+        reqs, sts, expect, waiting, done = st
         left = len(reqs)
         for i in range(left):
             done[i] = 0
         self.done = done
-        self.waiting = st.waiting
+        self.waiting = waiting
         waitsome = self._waitsome
         while left:
             self.progress += 1
