@@ -50,8 +50,9 @@ class Config:
     device: str = opt("cpu", "cpu | cuda")
     precision: str = opt("fp16", "fp16 (fp16 storage, loss scaling) | bf16 (bf16 storage, no scaler; cpu) | fp32")
     activation_checkpointing: bool = opt(False, "keep block inputs only; recompute in backward")
-    overlap: bool = opt(True, "reduce each closed gradient while the next unit's backward computes "
-                              "(--no-overlap: one after the other; the same bits either way)")
+    overlap: bool | None = opt(None, "run the reductions and the update's gathers on a progress thread "
+                                     "beside the compute (None: when the ranks span several nodes; the "
+                                     "same bits either way)")
     mem_budget: str = opt("", 'per-rank model-state budget, e.g. 512MiB ("" = none)')
     # ---- reporting
     eval_interval: int = opt(100, "steps between held-out evaluations (0 = only at the end)")
@@ -89,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         # default=None marks "not given", so TOML values are only overridden by real flags
         text = f"{f.metadata.get('help', '')} (default: {f.default!r})".replace("%", "%%")
-        if f.type in ("bool", bool):
+        if f.type in ("bool", bool, "bool | None"):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
             p.add_argument(flag, default=None, metavar=f.name.upper(), help=text)

@@ -86,7 +86,8 @@ def start_report(say, cfg: Config, corpus, engine, H: float) -> dict:
         f"T={cfg.seq_len} (context {g.block_size}) V={g.vocab}, Ψ = {L.numel:,} "
         f"(padded {L.padded:,}), Nd = {n}, stage {cfg.stage} "
         f"({accounting.bytes_per_param_formula(cfg.stage, pr, K)}), {pr}"
-        f"{' (no loss scaler)' if pr == 'bf16' else ''}, {cfg.device}")
+        f"{' (no loss scaler)' if pr == 'bf16' else ''}, {cfg.device}"
+        f"{', overlap' if engine.overlap else ''}")
     if K > 1:
         say(f"ringzero | grad accumulation: {K} micro-batches of {cfg.batch // K} rows per step "
             f"({'summed on the rank, reduced once' if engine.policy.accumulate_locally else 'reduce-scattered each'}"

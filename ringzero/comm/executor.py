@@ -22,6 +22,7 @@ What it is not
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 from mpi4py import MPI
@@ -48,6 +49,38 @@ def _poll_some(reqs, statuses):
         os.sched_yield()
 
 
+# The progress thread's waits (progress.py). Its caller is computing on the same cores, and MPI's
+# own Waitall spins at full speed: so test, yield a few times, then nap, doubling the nap up to
+# NAP_MAX seconds. Each test moves what MPI can move (a TCP socket takes megabytes per call), and a
+# nap releases the core (and the GIL) to the compute thread.
+NAP_MIN, NAP_MAX, SPINS = 200e-6, 2e-3, 0
+
+
+def _nap(reqs, statuses):
+    nap, k = NAP_MIN, 0
+    while not _testall(reqs, statuses):
+        if k < SPINS:
+            k += 1
+            os.sched_yield()
+        else:
+            time.sleep(nap)
+            nap = min(2 * nap, NAP_MAX)
+
+
+def _nap_some(reqs, statuses):
+    nap, k = NAP_MIN, 0
+    while True:
+        idx = _testsome(reqs, statuses)
+        if idx is None or idx:
+            return idx
+        if k < SPINS:
+            k += 1
+            os.sched_yield()
+        else:
+            time.sleep(nap)
+            nap = min(2 * nap, NAP_MAX)
+
+
 class Executor:
     def __init__(self, comm, limits, diag, on_fail):
         self.size, self.limits, self.diag, self.on_fail = comm.size, limits, diag, on_fail
@@ -60,17 +93,21 @@ class Executor:
         self.progress = 0      # bumped before every wait: the inspector's "same wait as before?"
         self.hit = None        # (Waiting, stalled s): set by the inspector at the timeout
         self.done = None       # the done flags of the MultiWait in progress, for resolve()
+        self._bg = False       # the run in progress is the progress thread's
 
     def resolve(self, w):
         """What the inspector names: a MultiWait narrowed to its requests still open."""
         return self.diag.resolve(w, self.done)
 
-    def run(self, plan):
-        """Run a plan's steps once (the caller counted the run in plan.runs)."""
+    def run(self, plan, background: bool = False):
+        """Run a plan's steps once (the caller counted the run in plan.runs).
+
+        background: on the progress thread, beside the caller's compute: wait by test-and-nap."""
         xp = plan.xp
         if xp is not np:
             sync(plan.keep[-1])  # a CuPy producer must be done before MPI reads the buffer
-        wait = self._wait
+        wait = _nap if background else self._wait
+        self._bg = background
         # the hot loop: each record is unpacked as the tuple it is (no attribute lookups per step)
         for st in plan.steps:
             kind = type(st)
@@ -118,7 +155,7 @@ class Executor:
             done[i] = 0
         self.done = done
         self.waiting = waiting
-        waitsome = self._waitsome
+        waitsome = _nap_some if self._bg else self._waitsome
         while left:
             self.progress += 1
             try:

@@ -37,9 +37,19 @@ What it is not
 """
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from collections import deque
+
+_LIVE = weakref.WeakSet()       # every Progress of this process, drained before MPI finalizes
+
+
+@atexit.register                # registered after mpi4py's own finalize hook, so it runs first
+def _drain_all():
+    for pr in list(_LIVE):
+        pr.drain(timeout=60.0)
 
 
 def _span(x):
@@ -91,6 +101,12 @@ class Progress:
         self.inflight = []             # Pendings not yet waited for (the owner checks read it)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
+        _LIVE.add(self)
+
+    def drain(self, timeout=None):
+        """Wait until every started job has finished (their errors stay for their own wait())."""
+        for p in list(self.inflight):
+            p._done.wait(timeout)
 
     def on_worker(self) -> bool:
         return threading.current_thread() is self._thread

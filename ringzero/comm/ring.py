@@ -192,6 +192,8 @@ class Ring:
 
     def free(self):
         """Release the plans' requests and the communicator."""
+        if self._progress is not None:
+            self._progress.drain()   # nothing of ours may be inside MPI when the requests go
         WATCHDOG.discard(self.executor)
         self.cache.clear()
         for g in (self.node_group, self.cross_group):
@@ -332,7 +334,7 @@ class Ring:
             plan = self.cache.get(key) if key is not None else None     # fresh views of kept buffers
         if plan is not None and self._broken is None:
             plan.runs += 1
-            job = functools.partial(self._run, plan)
+            job = functools.partial(self._run, plan, True)
         else:
             # a new plan may grow the scratch, which frees the kept plans (one may be in flight):
             # let the started calls finish first (it happens on a buffer's first two calls only)

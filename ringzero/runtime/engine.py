@@ -79,7 +79,7 @@ class Zero:
     def __init__(self, model: "ShardableModel", comm, stage="2", *, precision="fp16", device="cpu", seed=0,
                  adam: AdamConfig | None = None, ranks_per_node=None, mem_budget=None,
                  scaler: LossScaler | None = None, timeout=None, grad_accum: int = 1, nodes=None,
-                 overlap: bool = True):
+                 overlap: bool | None = None):
         self.model, self.comm = model, comm
         self.policy = P = StagePolicy.of(stage)
         self.stage = P.stage
@@ -110,8 +110,10 @@ class Zero:
         self.publish_params()
         # overlap: a closed gradient's reduction runs while the next unit's backward computes
         # (workspace.py); where it reads the gradient slot itself (fp32 storage, sharded grads)
-        # the plan holds that slot one position longer
-        self.overlap = bool(overlap)
+        # the plan holds that slot one position longer. None: on when the ranks span several
+        # nodes, where communication is a third of the step; on one host it is a few percent and
+        # the progress thread costs the compute more than it hides (docs/overlap.md)
+        self.overlap = topo.nodes.count > 1 if overlap is None else bool(overlap)
         reads_slot = np.dtype(self.storage_dtype).itemsize == 4 and P.grad_bucket
         self.plan = build_plan([L.needs(u) for u in range(U)],
                                [bool(model.backward_reads_params(u)) for u in range(U)],

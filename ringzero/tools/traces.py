@@ -169,14 +169,14 @@ def _slot_counts(n_layer: int, held: bool = False) -> tuple:
 
 
 def plan_buffers(cfg: GPTConfig, stage: str = "0", nd: int = 1, device: str = "cuda",
-                 precision: str = "fp16", overlap: bool = True) -> dict:
+                 precision: str = "fp16", overlap: bool = False) -> dict:
     """{name: bytes} of the buffers ``Zero`` allocates at start-up for this GPT.
 
     Mirrors zero.py: five state buffers (full or shard by stage), the unit-sized
     workspaces of its plan, the optimizer's scratch. On the GPU the compute
     dtype is the storage dtype, so no param cast workspace; gradients still
     accumulate in fp32 workspaces wherever storage is 2 bytes (workspace.py).
-    With overlap (the engine's default) 2-byte storage alternates two gradient
+    With overlap (the engine's default across nodes) 2-byte storage alternates two gradient
     buckets, and fp32 storage holds one more gradient slot, while a reduction runs.
     """
     L = Layout(gpt_units(cfg), shards=nd)
