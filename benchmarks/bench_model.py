@@ -38,8 +38,8 @@ import time
 
 import numpy as np
 
-from ringzero.runtime.flat import Layout
 from ringzero.nn.gpt import GPT, GPTConfig, gpt_units
+from ringzero.runtime.flat import Layout
 
 
 def blas_info() -> str:
