@@ -44,9 +44,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ringzero.comm.backend import select_device, to_host, xp_for
+from ringzero.comm.backend import select_device, xp_for
 from ringzero.comm.ring import Ring
-from ringzero.runtime import reports
+from ringzero.runtime import norms, reports
 from ringzero.runtime.flat import Layout
 from ringzero.runtime.optim import AdamConfig, AdamW, LossScaler, clip_coef
 from ringzero.runtime.plan import build_plan
@@ -233,17 +233,7 @@ class Zero:
         # the partials then added in rank order -- identical at every stage.
         # Every dot stays on the device (one (pieces, units) fp32 buffer) and
         # comes back in one copy per step: no host sync per unit per piece.
-        held = self.state.held_ranks("master")
-        for u, r, g in self._grad_pieces():
-            self.xp.dot(g, g, out=self._dots[r - held[0], u:u + 1].reshape(()))
-        dots = to_host(self._dots)
-        partial = {}
-        for r in held:
-            acc = 0.0
-            for u in range(len(self.layout.units)):
-                acc += float(dots[r - held[0], u])
-            partial[r] = acc
-        sumsq = self._share_scalars(loss, partial)
+        sumsq = norms.share_scalars(self, loss, norms.piece_sumsq(self))
         loss = float(self._all_scalars[:, 0].sum() / n) if n > 1 else loss
         inv = 1.0 / (seed * K * n)                   # K = 1: 1 / (scale * n)
         gnorm = math.sqrt(sumsq) * inv if math.isfinite(sumsq) else float("inf")
@@ -265,27 +255,6 @@ class Zero:
         net1 = reports.ledger_totals(self.topology, "bytes_sent_internode")
         self.last_step_internode = {k: net1[k] - net0.get(k, 0) for k in net1}
         return StepResult(loss, gnorm, skipped, scale, int(self._all_scalars[:, 2].max()))
-
-    def _share_scalars(self, loss, partial) -> float:
-        """Share [loss, my sumsq partial, stop_request] across ranks (an
-        all-gather on the control ring: copies only, so the values arrive
-        bit-exact, and a missing rank is named by the stall inspector); return
-        the global squared norm summed in shard-rank order."""
-        mine = 0.0
-        for r in self.state.held_ranks("master"):     # stage 0: every piece, in order
-            mine += partial[r]
-        self._scalars[:] = (loss, mine, self.stop_request)
-        if self.topology.world_size > 1:
-            self.topology.control.all_gather(self._scalars, self._all_scalars.reshape(-1))
-        else:
-            self._all_scalars[0] = self._scalars
-        if self.policy.full_optimizer:
-            return mine
-        # the shard group's partials in shard order; hybrid replicas hold the same ones
-        total = 0.0
-        for member in self.topology.shard_members():
-            total += float(self._all_scalars[member, 1])
-        return total
 
     def publish_params(self):
         """master -> storage-dtype params (own pieces), all-gathered where params are full."""
