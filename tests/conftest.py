@@ -44,3 +44,14 @@ def have_cupy():
         return cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:
         return False
+
+
+@pytest.fixture(params=["c", "xp"])
+def path(request, monkeypatch):
+    """(test_layers, test_models) Both arithmetic paths of ringzero.nn.fused: the C kernels, and the NumPy fallback."""
+    from ringzero.nn import fused
+    if request.param == "c" and not fused.HAVE_C:
+        pytest.skip("ringzero.nn._fused was not built")
+    if request.param == "xp":
+        monkeypatch.setattr(fused, "_c", None)
+    return request.param

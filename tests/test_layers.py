@@ -65,17 +65,6 @@ def rng():
     return np.random.default_rng(7)
 
 
-@pytest.fixture(params=["c", "xp"])
-def path(request, monkeypatch):
-    """Both arithmetic paths of ringzero.nn.fused: the C kernels, and the NumPy fallback."""
-    from ringzero.nn import fused
-    if request.param == "c" and not fused.HAVE_C:
-        pytest.skip("ringzero.nn._fused was not built")
-    if request.param == "xp":
-        monkeypatch.setattr(fused, "_c", None)
-    return request.param
-
-
 def test_linear(rng):
     p = {"w": rng.standard_normal((5, 4)), "b": rng.standard_normal(4)}
     check_layer(Lr.Linear(), p, rng.standard_normal((2, 3, 5)), rng)

@@ -209,17 +209,6 @@ def _torch():
     return torch, torch_gpt
 
 
-@pytest.fixture(params=["c", "xp"])
-def path(request, monkeypatch):
-    """Both arithmetic paths of ringzero.nn.fused: the C kernels, and the NumPy fallback."""
-    from ringzero.nn import fused
-    if request.param == "c" and not fused.HAVE_C:
-        pytest.skip("ringzero.nn._fused was not built")
-    if request.param == "xp":
-        monkeypatch.setattr(fused, "_c", None)
-    return request.param
-
-
 # T = 16 is one causal block; T = 80 (> the 64-row block) takes the blocked attention products on the C path
 @pytest.mark.parametrize("T", [16, 80])
 def test_gpt_matches_torch(path, T):

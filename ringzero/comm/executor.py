@@ -50,35 +50,33 @@ def _poll_some(reqs, statuses):
 
 
 # The progress thread's waits (progress.py). Its caller is computing on the same cores, and MPI's
-# own Waitall spins at full speed: so test, yield a few times, then nap, doubling the nap up to
-# NAP_MAX seconds. Each test moves what MPI can move (a TCP socket takes megabytes per call), and a
-# nap releases the core (and the GIL) to the compute thread.
-NAP_MIN, NAP_MAX, SPINS = 200e-6, 2e-3, 0
+# own Waitall spins at full speed: so test, then nap, doubling the nap from NAP_MIN to NAP_MAX
+# seconds. Each test moves what MPI can move (a TCP socket takes megabytes per call), and a nap
+# releases the core (and the GIL) to the compute thread. (Naps of 20 us doubling to 500 us, with a
+# few sched_yields first, slowed the compute beside them more: docs/overlap.md.)
+NAP_MIN, NAP_MAX = 200e-6, 2e-3
+
+
+def _naps():
+    nap = NAP_MIN
+    while True:
+        yield nap
+        nap = min(2 * nap, NAP_MAX)
 
 
 def _nap(reqs, statuses):
-    nap, k = NAP_MIN, 0
-    while not _testall(reqs, statuses):
-        if k < SPINS:
-            k += 1
-            os.sched_yield()
-        else:
-            time.sleep(nap)
-            nap = min(2 * nap, NAP_MAX)
+    for nap in _naps():
+        if _testall(reqs, statuses):
+            return
+        time.sleep(nap)
 
 
 def _nap_some(reqs, statuses):
-    nap, k = NAP_MIN, 0
-    while True:
+    for nap in _naps():
         idx = _testsome(reqs, statuses)
         if idx is None or idx:
             return idx
-        if k < SPINS:
-            k += 1
-            os.sched_yield()
-        else:
-            time.sleep(nap)
-            nap = min(2 * nap, NAP_MAX)
+        time.sleep(nap)
 
 
 class Executor:
