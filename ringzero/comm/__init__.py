@@ -3,6 +3,7 @@
     ring         Ring: the public ops (reduce-scatter, all-gather, all-reduce) and the dispatcher
     progress     the nonblocking forms (*_start -> Pending.wait): the same plans on a progress thread
     nodes        which ranks share a node (MPI_COMM_TYPE_SHARED), the node-aware schedule's groups
+    objects      small Python objects agreed over a Ring (watched, unlike MPI's own bcast)
     schedule     which schedule a call takes, its rounds and bytes (one table, no MPI: the models read it)
     cache        kept plans (LRU), their scratch, the byte ledger
     plan         a call compiled into a CollectivePlan (the schedule picked, views cut, scratch handed)
