@@ -66,7 +66,7 @@ class Pending:
     def __init__(self, name, send, recv):
         self.name, self.recv = name, recv
         self.reads, self.writes = _span(send), _span(recv)
-        self.ran = 0.0
+        self.ran = 0.0       # seconds it ran on the progress thread (0 until done)
         self._done = threading.Event()
         self._error = None
 
@@ -86,10 +86,6 @@ class Pending:
             return p[0] < p[1] and q[0] < q[1] and p[0] < q[1] and q[0] < p[1]
         w, r = _span(recv), _span(send)
         return meet(w, self.reads) or meet(w, self.writes) or meet(r, self.writes)
-
-    def seconds(self) -> float:
-        """How long the collective ran on the progress thread (0 until done)."""
-        return self.ran
 
 
 class Progress:
