@@ -47,13 +47,15 @@ def test_unit_activations_match_the_real_forward(B, T):
 
 
 @pytest.mark.parametrize("stage", ["0", "1", "2", "3"])
-def test_plan_matches_a_real_engine(stage):
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_plan_matches_a_real_engine(stage, precision, overlap):
     from mpi4py import MPI
 
     from ringzero.runtime.zero import Zero
     cfg = GPTConfig(3, 2, 32, 16, 64)
-    eng = Zero(GPT(cfg), MPI.COMM_SELF, stage, device="cpu")
-    plan = tr.plan_buffers(cfg, stage, 1, device="cpu")
+    eng = Zero(GPT(cfg), MPI.COMM_SELF, stage, device="cpu", precision=precision, overlap=overlap)
+    plan = tr.plan_buffers(cfg, stage, 1, device="cpu", precision=precision, overlap=overlap)
     for k in ("params", "grads", "master", "adam_m", "adam_v"):
         assert plan[k] == eng.bufs[k].nbytes, k
     for k, bufs in eng.work.items():

@@ -75,3 +75,24 @@ def test_overlap_holds_one_more_gradient_slot_and_two_buckets(comm):
     work = [e.memory_report() for e in e16]
     ok = slots[0] == slots[1] + 1 and buckets == [2, 1] and work[0] != work[1]
     assert_all(comm, ok, f"grad slots {slots}, fp16 buckets {buckets}")
+
+
+@pytest.mark.parametrize("stage", ["3", "hybrid"])
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+@pytest.mark.parametrize("prefetch", [2, 3])
+def test_deeper_prefetch_is_bitwise_the_blocking_step(comm, stage, precision, prefetch):
+    """Gathers started two and three positions ahead (more landings in flight): the same bits."""
+    if stage == "hybrid" and (comm.size % 2 or comm.size < 4):
+        pytest.skip("hybrid needs an even world size >= 4")
+    kw = dict(precision=precision, **({"ranks_per_node": 2} if stage == "hybrid" else {}))
+    on = run(comm, stage, True, prefetch=prefetch, **kw)
+    off = run(comm, stage, False, **kw)
+    same = on[0] == off[0] and on[1] == off[1] and on[2] == off[2]
+    tl = on[3].timeline
+    assert_all(comm, same and tl["gather_s"] > 0 and on[3].plan.prefetch == prefetch,
+               f"stage {stage} {precision} prefetch {prefetch}: losses {on[0]} vs {off[0]}; {tl}")
+
+
+def test_prefetch_needs_overlap(comm):
+    with pytest.raises(ValueError, match="prefetch 1 needs overlap"):
+        engine(comm, "3", overlap=False, prefetch=1)

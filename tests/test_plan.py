@@ -47,7 +47,7 @@ def test_slots_equal_peak_alive(blocks, tied, emb_bwd):
     assert plan.param_slots == max(len(r) for r in sets), (plan.param_slots, sets)
     assert plan.forward_slots == max(len(r) for r in sets[:U])
     # no two materializations alive at one position share a slot
-    slot_of = {(w, i): s for i, pairs in enumerate(plan.materialize) for w, s in pairs}
+    slot_of = {(w, i): s for i, pairs in enumerate(plan.materialize) for w, s, _ in pairs}
     for i in range(2 * U):
         now = [slot_of[(w, a)] for w, a, b in plan.param_runs if a <= i <= b]
         assert len(now) == len(set(now)) == len(sets[i]), (i, now)
@@ -58,7 +58,7 @@ def test_gathers_per_unit(blocks, tied, emb_bwd):
     needs = gpt_like(blocks, tied)
     U = len(needs)
     plan = build_plan(needs, [emb_bwd] + [True] * (U - 1))
-    count = [sum(w == u for pairs in plan.materialize for w, _ in pairs) for u in range(U)]
+    count = [sum(w == u for pairs in plan.materialize for w, _, _ in pairs) for u in range(U)]
     assert count[U - 1] == 1, count                        # the last unit: forward and backward adjacent
     for u in range(1, U - 1):
         assert count[u] == 2, count                        # a block: forward, then again for backward
@@ -107,7 +107,7 @@ def test_tables_name_what_each_position_reads_and_writes(blocks, tied):
 def test_embedding_and_tied_head_alone_gather_once():
     """Two units, tied: the embedding is read at every position, so it is one run."""
     plan = build_plan(gpt_like(0, tied=True), [True, True])
-    assert [w for pairs in plan.materialize for w, _ in pairs] == [0, 1]
+    assert [w for pairs in plan.materialize for w, _, _ in pairs] == [0, 1]
     assert plan.param_slots == 2
 
 
@@ -150,3 +150,69 @@ def test_gradient_slots_count_the_reductions_in_flight(blocks, tied, inflight):
 def test_inflight_must_be_a_count():
     with pytest.raises(ValueError, match="inflight"):
         build_plan(gpt_like(1), [True] * 3, -1)
+
+
+def brute_runs(sets):
+    """[(unit, first, last)]: the maximal runs of consecutive positions reading each unit."""
+    out = []
+    for w in sorted(set().union(*sets)):
+        at = [i for i, s in enumerate(sets) if w in s]
+        start = at[0]
+        for prev, i in zip(at, at[1:] + [None]):
+            if i != prev + 1:
+                out.append((w, start, prev))
+                start = i
+    return out
+
+
+@pytest.mark.parametrize("blocks", [0, 1, 3, 6])
+@pytest.mark.parametrize("tied, emb_bwd", [(True, False), (False, True)])
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
+@pytest.mark.parametrize("cast", [False, True])
+def test_prefetch_starts_gathers_early_and_never_shares_a_busy_buffer(blocks, tied, emb_bwd, prefetch, cast):
+    """Prefetch N: every run but the step's first has its gather started at max(first - N, 0), and
+    no slot or landing is given to two runs while both are busy. Busy, in half positions (2i: the
+    materializations of position i, 2i + 1: its gathers started, its compute): a param slot from
+    the gather's start (no cast: the gather lands in it) or from the cast (2·first) to 2·last + 1;
+    a landing (cast) from the gather's start to the cast, or only at 2·first when it is gathered there.
+    The counts are the peaks of that, counted here."""
+    needs = gpt_like(blocks, tied)
+    U = len(needs)
+    bwd = [emb_bwd] + [True] * (U - 1)
+    p = build_plan(needs, bwd, prefetch=prefetch, land_in_slot=not cast)
+    rs = brute_runs(reading(needs, bwd))
+    at = {(w, i): (s, g) for i, m in enumerate(p.materialize) for w, s, g in m}
+    early = 0
+    slot_busy, land_busy, land_now = {}, {}, {}
+    for w, a, b in rs:
+        s, g = at[(w, a)]
+        start = a if (prefetch == 0 or a == 0) else max(a - prefetch, 0)
+        if start < a:
+            assert (w, s, g) in p.gather_start[start], (w, a, b)
+            early += 1
+        t0 = 2 * start + 1 if start < a else 2 * a
+        slot_busy[(w, a)] = (s, range(2 * a if cast else t0, 2 * b + 2))
+        if cast and start < a:
+            land_busy[(w, a)] = (g, range(t0, 2 * a + 1))
+        elif cast:      # gathered and cast at once: one after another, those of a position may share
+            land_now.setdefault(2 * a, set()).add(g)
+    assert early == sum(len(st) for st in p.gather_start), "a gather started for no run"
+    for busy, count in ((slot_busy, p.param_slots), (land_busy, p.land_slots)):
+        peak = 0
+        for t in range(4 * U):
+            now = [k for k, ts in busy.values() if t in ts]
+            assert len(now) == len(set(now)), f"time {t}: a buffer given to two busy runs: {now}"
+            if busy is land_busy:
+                assert not set(now) & land_now.get(t, set()), f"time {t}: a landing still in flight reused"
+                now += sorted(land_now.get(t, ()))[:1]
+            peak = max(peak, len(now))
+        if busy is slot_busy or cast:
+            assert count == max(peak, 1), (count, peak)
+    if prefetch == 0:
+        assert not any(p.gather_start)
+        assert p.param_slots == build_plan(needs, bwd).param_slots
+
+
+def test_prefetch_must_be_a_count():
+    with pytest.raises(ValueError, match="prefetch"):
+        build_plan(gpt_like(1), [True] * 3, prefetch=-1)

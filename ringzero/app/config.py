@@ -53,6 +53,8 @@ class Config:
     overlap: bool | None = opt(None, "run the reductions and the update's gathers on a progress thread "
                                      "beside the compute (None: when the ranks span several nodes; the "
                                      "same bits either way)")
+    prefetch: int | None = opt(None, "stage 3/hybrid with overlap: start a unit's all-gather this many "
+                                     "units before it is read (None: 1, as FSDP; 0: where it is read)")
     mem_budget: str = opt("", 'per-rank model-state budget, e.g. 512MiB ("" = none)')
     # ---- reporting
     eval_interval: int = opt(100, "steps between held-out evaluations (0 = only at the end)")
@@ -165,6 +167,10 @@ def validate(cfg: Config):
     for k in ("n_layer", "n_head", "n_embd", "seq_len", "batch", "steps", "grad_accum"):
         v = getattr(cfg, k)
         need(v is None or v >= 1, f"--{k.replace('_', '-')} must be >= 1, got {v}")
+    need(cfg.prefetch is None or cfg.prefetch >= 0, f"--prefetch must be >= 0, got {cfg.prefetch}")
+    need(not cfg.prefetch or cfg.overlap is not False,
+         f"--prefetch {cfg.prefetch} needs overlap (a gather runs beside compute only then): drop --no-overlap "
+         "or use --prefetch 0")
     need(cfg.batch % cfg.grad_accum == 0,
          f"--batch must split into --grad-accum micro-batches: expected batch % K == 0, got "
          f"{cfg.batch} % {cfg.grad_accum} = {cfg.batch % cfg.grad_accum} (batch is rows per rank per step)")

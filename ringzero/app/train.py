@@ -87,7 +87,7 @@ def start_report(say, cfg: Config, corpus, engine, H: float) -> dict:
         f"(padded {L.padded:,}), Nd = {n}, stage {cfg.stage} "
         f"({accounting.bytes_per_param_formula(cfg.stage, pr, K)}), {pr}"
         f"{' (no loss scaler)' if pr == 'bf16' else ''}, {cfg.device}"
-        f"{', overlap' if engine.overlap else ''}")
+        f"{', overlap' if engine.overlap else ''}{f', prefetch {engine.prefetch}' if engine.prefetch else ''}")
     if K > 1:
         say(f"ringzero | grad accumulation: {K} micro-batches of {cfg.batch // K} rows per step "
             f"({'summed on the rank, reduced once' if engine.policy.accumulate_locally else 'reduce-scattered each'}"
@@ -279,7 +279,7 @@ def run(cfg: Config, comm, stop=None) -> dict:
     engine = Zero(model, comm, cfg.stage, precision=cfg.precision, device=cfg.device, seed=cfg.seed,
                   adam=AdamConfig(weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip),
                   ranks_per_node=cfg.ranks_per_node or None, mem_budget=budget, grad_accum=cfg.grad_accum,
-                  overlap=cfg.overlap)
+                  overlap=cfg.overlap, prefetch=cfg.prefetch)
     xp = engine.xp
     train = Batches(corpus.train, cfg.batch, cfg.seq_len, rank, n, cfg.seed)
     held = Batches(corpus.val, cfg.batch, cfg.seq_len, rank, n, cfg.seed + 1)

@@ -79,7 +79,7 @@ class Zero:
     def __init__(self, model: "ShardableModel", comm, stage="2", *, precision="fp16", device="cpu", seed=0,
                  adam: AdamConfig | None = None, ranks_per_node=None, mem_budget=None,
                  scaler: LossScaler | None = None, timeout=None, grad_accum: int = 1, nodes=None,
-                 overlap: bool | None = None):
+                 overlap: bool | None = None, prefetch: int | None = None):
         self.model, self.comm = model, comm
         self.policy = P = StagePolicy.of(stage)
         self.stage = P.stage
@@ -114,10 +114,19 @@ class Zero:
         # nodes, where communication is a third of the step; on one host it is a few percent and
         # the progress thread costs the compute more than it hides (docs/overlap.md)
         self.overlap = topo.nodes.count > 1 if overlap is None else bool(overlap)
+        # prefetch (stage 3, hybrid, with overlap): a unit's gather starts this many positions before
+        # it is read (FSDP's forward and backward prefetch; 1 by default, as FSDP's)
+        if prefetch is not None and (isinstance(prefetch, bool) or int(prefetch) != prefetch or prefetch < 0):
+            raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        if prefetch and not self.overlap:
+            raise ValueError(f"prefetch {prefetch} needs overlap (a gather runs beside compute only then); "
+                             "drop --no-overlap or use --prefetch 0")
+        self.prefetch = (1 if prefetch is None else int(prefetch)) if self.overlap and P.gather_params else 0
         reads_slot = np.dtype(self.storage_dtype).itemsize == 4 and P.grad_bucket
         self.plan = build_plan([L.needs(u) for u in range(U)],
                                [bool(model.backward_reads_params(u)) for u in range(U)],
-                               inflight=1 if self.overlap and reads_slot else 0)
+                               inflight=1 if self.overlap and reads_slot else 0, prefetch=self.prefetch,
+                               land_in_slot=self.compute_dtype == self.storage_dtype)
         self.workspaces = Workspaces(L, P, self.plan, self.state, topo, self.compute_dtype, self.grad_accum,
                                      overlap=self.overlap)
         self.timeline = {}                   # the last step's seconds: compute, reduction, and what was hidden
@@ -163,8 +172,10 @@ class Zero:
         for i in range(U):
             if self._published:              # stages 1-2 with overlap: the update's gathers, unit by unit
                 self.wait_params(self.layout.needs(i))
-            for w, s in plan.materialize[i]:
-                ws.materialize(w, s)
+            for w, s, g in plan.materialize[i]:
+                ws.materialize(w, s, g)
+            for w, s, g in plan.gather_start[i]:
+                ws.start_gather(w, s, g)     # prefetch: a later position's gather runs beside this compute
             h, caches[i] = m.forward_unit(i, ws.param_views[i], h, y if i == U - 1 else None)
             act += m.cache_nbytes(caches[i])
             peak = max(peak, act)
@@ -172,8 +183,10 @@ class Zero:
         dy = self._seed()
         for i in range(U, 2 * U):
             u = plan.positions[i][1]
-            for w, s in plan.materialize[i]:
-                ws.materialize(w, s)
+            for w, s, g in plan.materialize[i]:
+                ws.materialize(w, s, g)
+            for w, s, g in plan.gather_start[i]:
+                ws.start_gather(w, s, g)
             for w, s in plan.grad_release[i]:
                 ws.release(w, s)             # a reduction in flight since an earlier position
             for w, s in plan.grad_open[i]:
@@ -224,10 +237,13 @@ class Zero:
             loss += self.forward_backward(xk, yk, k)
         loss /= K                                    # the mean of the micro-batch means
         tl = self.workspaces.timeline()
-        # forward+backward wall time less the waits for reductions = compute (gathers included)
+        # forward+backward wall time less the waits for collectives = compute; "comm_s": the
+        # collectives' own time, hidden or not (stages 1-2's parameter gathers are the update's)
         gw, self._gather_wait = self._gather_wait, 0.0
-        self.timeline = {"fwd_bwd_s": time.perf_counter() - t0, **tl, "param_gather_exposed_s": gw,
-                         "compute_s": time.perf_counter() - t0 - tl["reduce_exposed_s"] - gw}
+        fb = time.perf_counter() - t0
+        self.timeline = {"fwd_bwd_s": fb, **tl, "param_gather_exposed_s": gw,
+                         "compute_s": fb - tl["reduce_exposed_s"] - tl["gather_exposed_s"] - gw,
+                         "comm_s": tl["reduce_s"] + tl["gather_s"]}
 
         # global squared norm: partial per piece r, summed over units in order,
         # the partials then added in rank order -- identical at every stage.
@@ -283,8 +299,8 @@ class Zero:
         for xk, yk in self.micro_batches(x, y):
             h = xk
             for i in range(U):
-                for w, s in plan.forward_materialize[i]:
-                    ws.materialize(w, s)
+                for w, s, g in plan.forward_materialize[i]:
+                    ws.materialize(w, s, g)
                 h, _ = m.forward_unit(i, ws.forward_views[i], h, yk if i == U - 1 else None)
             loss += float(h)
         buf = np.array([loss / self.grad_accum], np.float64)

@@ -3,7 +3,7 @@
 What it is
     A pure function of the model's unit graph, made once at start-up:
 
-        build_plan(needs, backward_reads_params, inflight=0) -> StepPlan
+        build_plan(needs, backward_reads_params, inflight=0, prefetch=0, land_in_slot=True) -> StepPlan
 
     ``needs[u]`` lists the units whose parameters unit u reads (itself first;
     a head tied to the token embedding also needs unit 0), and
@@ -30,6 +30,24 @@ What it is
       its reduction may still read it. ``grad_release[i]`` lists the slots
       whose reduction must be done before position i runs (the engine waits
       there; a slot freed at the end of the backward is waited for then).
+    - ``prefetch`` (overlap, params gathered: stage 3, hybrid; FSDP's
+      forward/backward prefetch, DeepSpeed's stage-3 prefetch): the gather
+      of a run that begins at position a is *started* at position a - N
+      (the step's first run is gathered where it is read; runs before N
+      start at position 0), after that position's own materializations and
+      before its compute, and waited for at a. A gather lands in a
+      *landing*: the param slot itself when nothing is cast
+      (``land_in_slot``), so that slot is held from the start; else a
+      storage-dtype buffer of its own, held from the start to the cast at
+      a, and the param slot only from a. Times within a position are
+      counted in halves (2p: materialize, 2p+1: start gathers, compute),
+      so a landing cast at p is free for a gather started at p. Every
+      started gather is waited for within its step: nothing is in flight
+      between steps.
+
+            N = 1, no cast     position  0    1    2    3  (F0 F1 F2 F3 ...)
+                               gathers   g0   g2   g3   ...
+                               slot held by unit 1 from position 0, compute 1
 
     (Not to be confused with the collective plans of ringzero/comm: which
     algorithm a Ring call runs is comm/schedule.py; this plan says when a
@@ -61,7 +79,7 @@ class StepPlan:
     param_slots: int            # param workspaces a training step needs
     forward_slots: int          # param workspaces a forward-only pass needs
     grad_slots: int             # gradient workspaces
-    materialize: tuple          # position -> units to materialize there, and their slot
+    materialize: tuple          # position -> (unit, slot, landing) to materialize there
     param_reads: tuple          # position -> materialized units its unit reads, and their slot
     forward_materialize: tuple  # the same two for a forward-only pass (positions 0..U-1)
     forward_reads: tuple
@@ -70,6 +88,10 @@ class StepPlan:
     grad_writes: tuple          # position -> the open gradients its backward adds into
     grad_inflight: int = 0      # positions a closed gradient's reduction may stay in flight
     grad_release: tuple = ()    # position -> (unit, slot) whose in-flight reduction ends before it
+    prefetch: int = 0           # positions ahead a run's gather is started (overlap, params gathered)
+    gather_start: tuple = ()    # position -> (unit, slot, landing) whose gather starts there, before its compute
+    land_slots: int = 1         # landing buffers of a training step (param slots when land_in_slot)
+    forward_land_slots: int = 1
 
     @property
     def units(self) -> int:
@@ -108,26 +130,66 @@ def assign_slots(rs) -> tuple:
     return slot_of, n
 
 
-def _tables(rs, slots, order, needs, count):
-    """Per position: (units materialized there, materialized units its unit reads)."""
+def _tables(rs, slots, lands, order, needs, count):
+    """Per position: ((unit, slot, landing) materialized there, (unit, slot) its unit reads)."""
     at = [[] for _ in range(count)]
     for w, a, _ in rs:
-        at[a].append((w, slots[(w, a)]))
+        at[a].append((w, slots[(w, a)], lands[(w, a)]))
     ends = {(w, a): b for w, a, b in rs}
     live, reads = {}, []
     for i in range(count):
-        for w, s in at[i]:
+        for w, s, _ in at[i]:
             live[w] = (s, ends[(w, i)])
         u = order[i][1]
         reads.append(tuple((w, live[w][0]) for w in needs[u] if w in live and live[w][1] >= i))
     return tuple(tuple(x) for x in at), tuple(reads)
 
 
-def build_plan(needs, backward_reads_params, inflight: int = 0) -> StepPlan:
+def _greedy(intervals) -> tuple:
+    """Greedy slots of (first, last) intervals (ends inclusive): [slot per interval, in input order], count."""
+    out, free, live, n = [None] * len(intervals), [], [], 0
+    for k in sorted(range(len(intervals)), key=lambda k: intervals[k]):
+        a, b = intervals[k]
+        for item in [x for x in live if x[0] < a]:
+            live.remove(item)
+            free.append(item[1])
+        out[k] = free.pop() if free else n
+        n = max(n, out[k] + 1)
+        live.append((b, out[k]))
+    return out, n
+
+
+def _param_slots(rs, prefetch: int, land_in_slot: bool):
+    """Slots and landings of param runs, in half-position times (see the module docstring).
+
+    Returns ({(unit, first): slot}, slots, {(unit, first): landing}, landings,
+    {position: [(unit, first)] of the runs whose gather is started there})."""
+    first = min((a for _, a, _ in rs), default=0)
+    starts, held, land = {}, [], []
+    for w, a, b in rs:
+        p = max(a - prefetch, first) if prefetch and a > first else a
+        t = 2 * p + 1 if p < a else 2 * a          # its gather starts: early, before p's compute; or at a
+        if p < a:
+            starts.setdefault(p, []).append((w, a))
+        held.append((t if land_in_slot else 2 * a, 2 * b + 1))
+        # a landing is free once cast: a gather made where it is read (gather, cast, next) holds
+        # its landing for no time at all, so those of one position share one
+        land.append((t, 2 * a) if p < a else (2 * a, 2 * a - 0.5))
+    keys = [(w, a) for w, a, _ in rs]
+    slots, n = _greedy(held)
+    if land_in_slot:
+        return dict(zip(keys, slots)), n, dict(zip(keys, slots)), n, starts
+    lands, m = _greedy(land)
+    return dict(zip(keys, slots)), n, dict(zip(keys, lands)), max(m, 1), starts
+
+
+def build_plan(needs, backward_reads_params, inflight: int = 0, prefetch: int = 0,
+               land_in_slot: bool = True) -> StepPlan:
     """The plan of a model with ``len(needs)`` units (see the module docstring)."""
     U = len(needs)
-    if isinstance(inflight, bool) or int(inflight) != inflight or inflight < 0:
-        raise ValueError(f"expected inflight to be an int >= 0, got {inflight!r}")
+    for name, v in (("inflight", inflight), ("prefetch", prefetch)):
+        if isinstance(v, bool) or int(v) != v or v < 0:
+            raise ValueError(f"expected {name} to be an int >= 0, got {v!r}")
     if len(backward_reads_params) != U:
         raise ValueError(f"expected one backward_reads_params flag per unit ({U}), "
                          f"got {len(backward_reads_params)}")
@@ -142,16 +204,18 @@ def build_plan(needs, backward_reads_params, inflight: int = 0) -> StepPlan:
     grad_runs = sorted(((w, min(i for i, ws in enumerate(writes) if w in ws),
                          max(i for i, ws in enumerate(writes) if w in ws)) for w in range(U)),
                        key=lambda r: (r[1], r[0]))
-    pslot, n_param = assign_slots(param_runs)
-    fslot, n_forward = assign_slots(forward_runs)
+    pslot, n_param, pland, n_land, starts = _param_slots(param_runs, prefetch, land_in_slot)
+    fslot, n_forward, fland, n_fland, _ = _param_slots(forward_runs, 0, land_in_slot)
     # a slot is held past its close while its reduction is in flight (to the end at most)
     last = 2 * U - 1
     held = [(w, a, min(b + inflight, last)) for w, a, b in grad_runs]
     gslot, n_grad = assign_slots(held)
-    materialize, param_reads = _tables(param_runs, pslot, order, needs, len(order))
-    forward_materialize, forward_reads = _tables(forward_runs, fslot, order, needs, U)
+    materialize, param_reads = _tables(param_runs, pslot, pland, order, needs, len(order))
+    forward_materialize, forward_reads = _tables(forward_runs, fslot, fland, order, needs, U)
 
     P = len(order)
+    gather_start = tuple(tuple((w, pslot[(w, a)], pland[(w, a)]) for w, a in starts.get(i, ()))
+                         for i in range(P))
     grad_open, grad_close = [[] for _ in range(P)], [[] for _ in range(P)]
     for w, a, b in grad_runs:
         grad_open[a].append((w, gslot[(w, a)]))
@@ -171,4 +235,5 @@ def build_plan(needs, backward_reads_params, inflight: int = 0) -> StepPlan:
                 forward_materialize=forward_materialize, forward_reads=forward_reads,
                 grad_open=tuple(map(tuple, grad_open)), grad_close=tuple(map(tuple, grad_close)),
                 grad_writes=tuple(grad_writes), grad_inflight=int(inflight),
-                grad_release=tuple(map(tuple, grad_release)))
+                grad_release=tuple(map(tuple, grad_release)), prefetch=int(prefetch),
+                gather_start=gather_start, land_slots=n_land, forward_land_slots=n_fland)

@@ -6,7 +6,8 @@ What it is
 
         param_compute  compute-dtype params of a materialized unit   (when compute != storage dtype)
         grad_compute   fp32 gradient of an open unit                 (when storage is fp16/bf16)
-        gather         storage-dtype landing slot of an all-gather   (params sharded: stage 3, hybrid)
+        gather         storage-dtype landing of an all-gather        (params sharded: stage 3, hybrid;
+                       the param slots themselves when nothing is cast)
         grad_bucket    storage-dtype gradient of one unit, reduce-scattered into the
                        grads shard                                    (grads sharded: 2, 3, hybrid)
 
@@ -14,7 +15,8 @@ What it is
     adds into (grads). Where no workspace is needed (stages 0-2 without a
     cast) the views point into the state buffers themselves.
 
-        materialize(w, slot)   unit w's params -> a compute-dtype view: gather, then cast
+        materialize(w, slot, land)  unit w's params -> a compute-dtype view: gather (or wait for
+                               the gather start_gather began), then cast
         reduce_grad(w, slot)   unit w's finished gradient: cast, reduce-scatter into the
                                owner's piece (+ all-gather at stage 0, + all-reduce across
                                nodes for hybrid)
@@ -49,8 +51,12 @@ What it is
     collectives run on the same bytes in the same order per ring, so losses,
     norms and weights are bitwise those without overlap. Stage 3 / hybrid at
     K > 1 add each micro-batch's reduce-scatter into the accumulator at once,
-    so they reduce without overlap. ``timeline()`` gives the step's seconds
-    of reduction (on the progress thread) and of waiting for it (exposed).
+    so they reduce without overlap. Stage 3 / hybrid prefetch (plan.prefetch):
+    ``start_gather`` starts a unit's all-gather into its landing positions
+    before it is read, on the same ring (so in one order with the
+    reductions), and ``materialize`` waits for it there. ``timeline()`` gives
+    the step's seconds of reductions and gathers (run on the progress thread,
+    or on the caller's) and of waiting for them (exposed).
     RINGZERO_CHECK_OWNERSHIP=1: every buffer the workspaces write is first
     checked against the ring's started calls (``Ring.owner``).
 
@@ -88,8 +94,10 @@ class Workspaces:
         if self.grad_cast:
             self.bufs["grad_compute"] = [xp.empty(cap, np.float32) for _ in range(plan.grad_slots)]
         if policy.gather_params:
-            # with a cast, one storage-dtype landing slot suffices (cast right after the gather)
-            self.bufs["gather"] = [xp.empty(cap, storage) for _ in range(1 if self.param_cast else n_param)]
+            # with a cast, the plan's landings (one, unless gathers are prefetched: cast right after
+            # the gather); without, a gather lands in the param slot itself
+            n_land = max(plan.land_slots, plan.forward_land_slots) if self.param_cast else n_param
+            self.bufs["gather"] = [xp.empty(cap, storage) for _ in range(n_land)]
         # overlap: a reduction may still read a gradient while the next unit computes
         self.overlap = bool(overlap) and (self.grad_accum == 1 or policy.accumulate_locally)
         if policy.grad_bucket:
@@ -98,7 +106,8 @@ class Workspaces:
         self._pending = {}           # what a started reduction reads -> its Pendings
         self._bucket = 0             # the bucket the next cast writes (2-byte storage, overlap)
         self._replica = []           # hybrid: shards whose all-reduce across nodes runs at drain
-        self._comm = self._exposed = 0.0
+        self._gathers = {}           # (unit, slot) -> its prefetched all-gather (plan.gather_start)
+        self._comm = self._exposed = self._gather = self._gather_exposed = 0.0
         self._check = os.environ.get("RINGZERO_CHECK_OWNERSHIP", "0") == "1"
         # K > 1, stage 3 / hybrid, 2-byte storage: one reduce-scattered piece widened to fp32
         # before it is added into the accumulator (a unit's piece at most)
@@ -146,15 +155,38 @@ class Workspaces:
         self._touch(g)
         g.fill(0)
 
-    def materialize(self, w, slot):
-        """Make unit w's full params available in the compute dtype, in ``slot``."""
+    def _landing(self, w, slot, land):
+        """(where unit w's gather lands, this rank's own block of it)."""
+        land = land if self.param_cast else slot       # no cast: the gather lands in the param slot
+        seg = self.bufs["gather"][land][:self.layout.unit_padded[w]]
+        return seg, self.layout.own(seg, w, self.state.shard_rank)
+
+    def start_gather(self, w, slot, land):
+        """Prefetch (overlap, params gathered): start unit w's all-gather into its landing; the plan's
+        ``materialize`` at a later position waits for it. The landing is the gather's until then."""
+        seg, own = self._landing(w, slot, land)
+        self._touch(seg)
+        own[...] = self.layout.unit_shard(self.state.params, w)
+        self._gathers[(w, slot)] = self.topology.ring.all_gather_start(own, seg)
+
+    def materialize(self, w, slot, land=0):
+        """Make unit w's full params available in the compute dtype, in ``slot``: wait for its started
+        gather, or gather it now (stage 3, hybrid); then cast (where compute != storage dtype)."""
         L, state = self.layout, self.state
         if self.policy.gather_params:
-            land = self.bufs["gather"][0 if self.param_cast else slot]
-            seg = land[:L.unit_padded[w]]
-            own = L.own(seg, w, state.shard_rank)
-            own[...] = L.unit_shard(state.params, w)
-            self.topology.ring.all_gather(own, seg)
+            seg, own = self._landing(w, slot, land)
+            t0 = time.perf_counter()
+            p = self._gathers.pop((w, slot), None)
+            if p is None:
+                self._touch(seg)
+                own[...] = L.unit_shard(state.params, w)
+                self.topology.ring.all_gather(own, seg)
+                ran = time.perf_counter() - t0
+            else:
+                p.wait()
+                ran = p.ran
+            self._gather += ran
+            self._gather_exposed += time.perf_counter() - t0
             src = seg
         else:
             src = L.unit_full(state.params, w)
@@ -243,10 +275,13 @@ class Workspaces:
             self._exposed += dt
 
     def timeline(self) -> dict:
-        """Seconds since the last call: reductions run, and the caller's waits for them (then reset)."""
+        """Seconds since the last call: reductions and gathers run, and the caller's waits for them
+        (a collective run on the caller's thread is all exposed); then reset."""
         out = {"reduce_s": self._comm, "reduce_exposed_s": self._exposed,
-               "reduce_hidden_s": max(0.0, self._comm - self._exposed)}
-        self._comm = self._exposed = 0.0
+               "reduce_hidden_s": max(0.0, self._comm - self._exposed),
+               "gather_s": self._gather, "gather_exposed_s": self._gather_exposed,
+               "gather_hidden_s": max(0.0, self._gather - self._gather_exposed)}
+        self._comm = self._exposed = self._gather = self._gather_exposed = 0.0
         return out
 
     def _touch(self, x):

@@ -153,19 +153,17 @@ def conventional_trace(cfg: GPTConfig, shapes, bucket: int = 25 * MIB, act_bytes
 
 # ---- ringzero's plan -------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def _slot_counts(n_layer: int, held: bool = False) -> tuple:
-    """(parameter slots, gradient slots) of the engine's plan for a GPT of n_layer
-    blocks, read off a real Zero engine on a tiny GPT of the same depth (the
-    counts depend only on the units' order and needs, not on their sizes).
-    held: the overlap's plan, which holds a gradient slot while its reduction runs."""
-    from mpi4py import MPI
-
+def _plan(n_layer: int, inflight: int, prefetch: int, land_in_slot: bool):
+    """The engine's step plan (runtime/plan.py) for a GPT of n_layer blocks: its slot counts
+    depend only on the units' order and needs, not on their sizes, so a tiny GPT of that depth
+    gives them."""
     from ringzero.nn.gpt import GPT
-    from ringzero.runtime.zero import Zero
-    prec = "fp32" if held else "fp16"       # the engine holds slots only where the reduction reads them
-    eng = Zero(GPT(GPTConfig(n_layer, 1, 8, 4, 8)), MPI.COMM_SELF, "3", device="cpu", precision=prec,
-               overlap=held)
-    return len(eng.work.get("param_compute", eng.work.get("gather"))), eng.plan.grad_slots
+    from ringzero.runtime.plan import build_plan
+    m = GPT(GPTConfig(n_layer, 1, 8, 4, 8))
+    L = Layout(m.units)
+    U = len(L.units)
+    return build_plan([L.needs(u) for u in range(U)], [bool(m.backward_reads_params(u)) for u in range(U)],
+                      inflight, prefetch, land_in_slot)
 
 
 def plan_buffers(cfg: GPTConfig, stage: str = "0", nd: int = 1, device: str = "cuda",
@@ -177,7 +175,8 @@ def plan_buffers(cfg: GPTConfig, stage: str = "0", nd: int = 1, device: str = "c
     dtype is the storage dtype, so no param cast workspace; gradients still
     accumulate in fp32 workspaces wherever storage is 2 bytes (workspace.py).
     With overlap (the engine's default across nodes) 2-byte storage alternates two gradient
-    buckets, and fp32 storage holds one more gradient slot, while a reduction runs.
+    buckets, and fp32 storage holds one more gradient slot, while a reduction runs; stage 3 and
+    hybrid prefetch one unit's gather (the plan's landings, or its param slots held early).
     """
     L = Layout(gpt_units(cfg), shards=nd)
     sb = 2 if precision == "fp16" else 4
@@ -190,13 +189,15 @@ def plan_buffers(cfg: GPTConfig, stage: str = "0", nd: int = 1, device: str = "c
         out[k] = 4 * (full if st == "0" else shard)
     pcast, gcast = cb != sb, sb < 4
     sharded_grads = st not in ("0", "1")
-    n_param_slots, n_grad_slots = _slot_counts(cfg.n_layer, overlap and not gcast and sharded_grads)
     gathers = st in ("3", "hybrid")
+    p = _plan(cfg.n_layer, int(overlap and not gcast and sharded_grads), int(overlap and gathers), not pcast)
+    n_param_slots, n_grad_slots = max(p.param_slots, p.forward_slots), p.grad_slots
+    n_land = max(p.land_slots, p.forward_land_slots) if pcast else n_param_slots
     for i in range(n_param_slots if pcast else 0):
         out[f"param_compute{i}"] = cb * cap
     for i in range(n_grad_slots if gcast else 0):
         out[f"grad_compute{i}"] = 4 * cap
-    for i in range((1 if pcast else n_param_slots) if gathers else 0):
+    for i in range(n_land if gathers else 0):
         out[f"gather{i}"] = sb * cap
     for i in range(((2 if overlap else 1) if gcast else n_grad_slots) if sharded_grads else 0):
         out[f"grad_bucket{i}"] = sb * cap
