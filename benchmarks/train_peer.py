@@ -191,6 +191,8 @@ def run_mode(mode, n, a, work):
             losses = [r["loss"] for r in recs]
             own = [r["tokens_per_s"] for r in recs[a.warmup:] if "tokens_per_s" in r]
             row["reported_tokens_per_s"] = statistics.median(own) if own else None
+            row["timeline"] = {k: statistics.median(r[k] for r in recs[a.warmup:])
+                               for k in TIMELINE if all(k in r for r in recs[a.warmup:])}
         else:
             times, losses = ranks[0]["step_time_s"], ranks[0]["loss"]
             row["params"], row["layout_params"] = ranks[0]["params"], ranks[0]["layout_params"]
@@ -227,6 +229,31 @@ def paired_ratios(launches, rz_mode, peer, n):
     time, so slow swings of the machine's load largely cancel."""
     a, b = launches.get((rz_mode, n), []), launches.get((peer, n), [])
     return [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(a, b) if x.get("ok") and y.get("ok")]
+
+
+TIMELINE = ("step_time_s", "fwd_bwd_s", "compute_s", "comm_s", "reduce_s", "reduce_exposed_s",
+            "gather_s", "gather_exposed_s", "param_gather_exposed_s", "progress_cpu_s")
+
+
+def timeline_table(rows):
+    """Where ringzero's step goes (rank 0's metrics, medians over the timed steps, ms): the
+    forward+backward beside its compute and its collectives' own time (hidden or not), and the
+    overlap's figure of merit, forward+backward / max(compute, communication): 1.00 when the
+    shorter of the two is wholly hidden."""
+    rz = [r for r in rows if r.get("ok") and r.get("timeline")]
+    if not rz:
+        return ""
+    lines = ["| mode | ranks | step | fwd+bwd | compute | comm (run) | reductions exposed | gathers exposed | "
+             "update's gathers exposed | progress thread on a core | fwd+bwd / max(compute, comm) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rz:
+        t = r["timeline"]
+        ms = lambda k: f"{t[k] * 1e3:.1f}" if k in t else "—"      # noqa: E731
+        merit = t["fwd_bwd_s"] / max(t["compute_s"], t["comm_s"]) if "comm_s" in t else None
+        lines.append(f"| {r['mode']} | {r['ranks']} | {ms('step_time_s')} | {ms('fwd_bwd_s')} | {ms('compute_s')} | "
+                     f"{ms('comm_s')} | {ms('reduce_exposed_s')} | {ms('gather_exposed_s')} | "
+                     f"{ms('param_gather_exposed_s')} | {ms('progress_cpu_s')} | {f'{merit:.2f}' if merit else '—'} |")
+    return "\n".join(lines)
 
 
 def table(rows, launches):
@@ -333,6 +360,9 @@ def main(argv=None):
                           f"(load {row['load']:.1f}, {row['wall_s']} s launch)", flush=True)
     rows = [best_of(launches[(m, n)]) for n in a.ranks for m in a.modes]
     print(table(rows, launches))
+    tl = timeline_table(rows)
+    if tl:
+        print("\nringzero's step (ms, medians of rank 0's timed steps):\n" + tl)
     params = {r["mode"]: r["params"] for r in rows if r.get("params")}
     layout = [r["layout_params"] for r in rows if r.get("layout_params")]
     if layout:

@@ -61,12 +61,13 @@ def _span(x):
 class Pending:
     """A started collective. ``wait()`` returns its recv or raises what the background run raised."""
 
-    __slots__ = ("name", "recv", "reads", "writes", "ran", "_done", "_error")
+    __slots__ = ("name", "recv", "reads", "writes", "ran", "cpu", "_done", "_error")
 
     def __init__(self, name, send, recv):
         self.name, self.recv = name, recv
         self.reads, self.writes = _span(send), _span(recv)
         self.ran = 0.0       # seconds it ran on the progress thread (0 until done)
+        self.cpu = 0.0       # of which the progress thread was on a core (MPI, the sockets, the adds)
         self._done = threading.Event()
         self._error = None
 
@@ -132,10 +133,10 @@ class Progress:
                 while not self._jobs:
                     self._cv.wait()
                 job, pending = self._jobs.popleft()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 job()
             except BaseException as e:  # noqa: BLE001 (raised again by pending.wait, on the caller's thread)
                 pending._error = e
-            pending.ran = time.perf_counter() - t0
+            pending.ran, pending.cpu = time.perf_counter() - t0, time.thread_time() - c0
             pending._done.set()

@@ -107,6 +107,7 @@ class Zero:
         self.state.init_master(seed)
         self._published = {}                 # unit -> started all-gather of its updated params (stages 1-2)
         self._gather_wait = 0.0              # seconds the forward waited for them
+        self._gather_ran = [0.0, 0.0]        # and their seconds run, on a core, on the progress thread
         self.publish_params()
         # overlap: a closed gradient's reduction runs while the next unit's backward computes
         # (workspace.py); where it reads the gradient slot itself (fp32 storage, sharded grads)
@@ -240,10 +241,12 @@ class Zero:
         # forward+backward wall time less the waits for collectives = compute; "comm_s": the
         # collectives' own time, hidden or not (stages 1-2's parameter gathers are the update's)
         gw, self._gather_wait = self._gather_wait, 0.0
+        (pg, pc), self._gather_ran = self._gather_ran, [0.0, 0.0]
         fb = time.perf_counter() - t0
-        self.timeline = {"fwd_bwd_s": fb, **tl, "param_gather_exposed_s": gw,
+        self.timeline = {"fwd_bwd_s": fb, **tl, "param_gather_s": pg, "param_gather_exposed_s": gw,
+                         "progress_cpu_s": tl["progress_cpu_s"] + pc,
                          "compute_s": fb - tl["reduce_exposed_s"] - tl["gather_exposed_s"] - gw,
-                         "comm_s": tl["reduce_s"] + tl["gather_s"]}
+                         "comm_s": tl["reduce_s"] + tl["gather_s"] + pg}
 
         # global squared norm: partial per piece r, summed over units in order,
         # the partials then added in rank order -- identical at every stage.
@@ -286,6 +289,8 @@ class Zero:
             p = self._published.pop(u, None)
             if p is not None:
                 p.wait()
+                self._gather_ran[0] += p.ran
+                self._gather_ran[1] += p.cpu
         self._gather_wait += time.perf_counter() - t0
 
     # ------------------------------------------------------------- forward only

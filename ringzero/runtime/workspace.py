@@ -107,7 +107,7 @@ class Workspaces:
         self._bucket = 0             # the bucket the next cast writes (2-byte storage, overlap)
         self._replica = []           # hybrid: shards whose all-reduce across nodes runs at drain
         self._gathers = {}           # (unit, slot) -> its prefetched all-gather (plan.gather_start)
-        self._comm = self._exposed = self._gather = self._gather_exposed = 0.0
+        self._comm = self._exposed = self._gather = self._gather_exposed = self._cpu = 0.0
         self._check = os.environ.get("RINGZERO_CHECK_OWNERSHIP", "0") == "1"
         # K > 1, stage 3 / hybrid, 2-byte storage: one reduce-scattered piece widened to fp32
         # before it is added into the accumulator (a unit's piece at most)
@@ -185,6 +185,7 @@ class Workspaces:
             else:
                 p.wait()
                 ran = p.ran
+                self._cpu += p.cpu
             self._gather += ran
             self._gather_exposed += time.perf_counter() - t0
             src = seg
@@ -255,6 +256,7 @@ class Workspaces:
             for p in ps:
                 p.wait()
                 self._comm += p.ran
+                self._cpu += p.cpu
             self._exposed += time.perf_counter() - t0
 
     def release(self, w, slot):
@@ -280,8 +282,9 @@ class Workspaces:
         out = {"reduce_s": self._comm, "reduce_exposed_s": self._exposed,
                "reduce_hidden_s": max(0.0, self._comm - self._exposed),
                "gather_s": self._gather, "gather_exposed_s": self._gather_exposed,
-               "gather_hidden_s": max(0.0, self._gather - self._gather_exposed)}
-        self._comm = self._exposed = self._gather = self._gather_exposed = 0.0
+               "gather_hidden_s": max(0.0, self._gather - self._gather_exposed),
+               "progress_cpu_s": self._cpu}
+        self._comm = self._exposed = self._gather = self._gather_exposed = self._cpu = 0.0
         return out
 
     def _touch(self, x):
