@@ -32,6 +32,8 @@ RUNS = {
     "bench_model.py": [(None, ["--batch", "1", "--seq", "16", "--repeats", "1", "--warmup", "0"],
                         r"fwd\+bwd: median")],
     "bench_stages.py": [(2, [*TINY_GPT, "--iters", "2", "--warmup", "1"], r"^\s+3\s+[\d.]+ ms\s+[\d.]+x"),
+                        (2, [*TINY_GPT, "--iters", "2", "--warmup", "1", "--stages", "0,hybrid"],
+                         r"^hybrid\s+[\d.]+ ms\s+[\d.]+x\s+[\d,]+ B\s+[\d,]+ B\s+off( +[\d.]+ ms){5}$"),
                         (None, ["--rss", "-n", "2", "--stages", "0,3", *TINY_GPT], r"^\s+3\s+[\d.]+ MiB")],
     "check_simulate.py": [(None, ["--ns", "2", "--models", "1L-32C", "--iters", "2", "--max-bytes", "16K"],
                            r"^\|error\|: median")],
@@ -44,7 +46,8 @@ RUNS = {
 }
 # not scripts of their own: what runs them
 COVERED_BY = {"torch_gpt.py": "bench_model.py and train_peer.py (the torch side)",
-              "train_peer_worker.py": "train_peer.py (its ranks)"}
+              "train_peer_worker.py": "train_peer.py (its ranks)",
+              "cluster_opts.py": "bench_stages.py and check_simulate.py (their --cluster flags)"}
 CASES = [(s, i, *r) for s, rs in RUNS.items() for i, r in enumerate(rs)]
 
 
@@ -71,3 +74,12 @@ def test_benchmark(script, i, ranks, args, table, request):
         else:
             check(rc, out, r"torch is not installed", what + ": the line saying the torch rows are skipped")
             print("train_peer.py: torch is not installed here, so its torch row was skipped", file=sys.stderr)
+
+
+@pytest.mark.parametrize("script", ["bench_stages.py", "check_simulate.py"])
+@pytest.mark.parametrize("bad", ["3", "2x", "1x2", "axb"])
+def test_bad_cluster_is_one_line_exit_2(script, bad):
+    rc, out = run([PY, os.path.join("benchmarks", script), "--cluster", bad], timeout=60)
+    name = script[:-3]
+    assert rc == 2 and out.strip().splitlines() == [out.strip()] and out.startswith(f"{name}: --cluster"), \
+        f"benchmarks/{script} --cluster {bad}: exit {rc}, output:\n{out}"
