@@ -50,8 +50,8 @@ What it is
     or the unit's own range of the grads buffer (stages 0-1). The same
     collectives run on the same bytes in the same order per ring, so losses,
     norms and weights are bitwise those without overlap. Stage 3 / hybrid at
-    K > 1 add each micro-batch's reduce-scatter into the accumulator at once,
-    so they reduce without overlap. Stage 3 / hybrid prefetch (plan.prefetch):
+    K > 1 add each micro-batch's reduce-scattered piece into the accumulator
+    when they wait for it, in micro-batch order. Stage 3 / hybrid prefetch (plan.prefetch):
     ``start_gather`` starts a unit's all-gather into its landing positions
     before it is read, on the same ring (so in one order with the
     reductions), and ``materialize`` waits for it there. ``timeline()`` gives
@@ -99,11 +99,12 @@ class Workspaces:
             n_land = max(plan.land_slots, plan.forward_land_slots) if self.param_cast else n_param
             self.bufs["gather"] = [xp.empty(cap, storage) for _ in range(n_land)]
         # overlap: a reduction may still read a gradient while the next unit computes
-        self.overlap = bool(overlap) and (self.grad_accum == 1 or policy.accumulate_locally)
+        self.overlap = bool(overlap)
         if policy.grad_bucket:
             n_bucket = (2 if self.overlap else 1) if self.grad_cast else plan.grad_slots
             self.bufs["grad_bucket"] = [xp.empty(cap, storage) for _ in range(n_bucket)]
         self._pending = {}           # what a started reduction reads -> its Pendings
+        self._after = {}             # the same key -> (unit, micro-batch) to add into the accumulator
         self._bucket = 0             # the bucket the next cast writes (2-byte storage, overlap)
         self._replica = []           # hybrid: shards whose all-reduce across nodes runs at drain
         self._gathers = {}           # (unit, slot) -> its prefetched all-gather (plan.gather_start)
@@ -258,6 +259,8 @@ class Workspaces:
                 self._comm += p.ran
                 self._cpu += p.cpu
             self._exposed += time.perf_counter() - t0
+        if key in self._after:
+            self._accumulate(*self._after.pop(key))
 
     def release(self, w, slot):
         """The plan frees unit w's slot here: its reduction must be done."""
@@ -316,11 +319,28 @@ class Workspaces:
                 self._reduce(w, seg, key)
             return
         # stage 3 / hybrid: reduce-scatter every micro-batch into the fp32 shard accumulator
-        seg, _ = self._storage_seg(w, slot)
+        seg, key = self._storage_seg(w, slot)
         if self.grad_cast:
+            self._touch(seg)
             cast_into(seg, g)
-        out, acc = L.unit_shard(state.grads, w), L.unit_shard(state.accum, w)
+        out = L.unit_shard(state.grads, w)
+        if self.overlap:      # the add into the accumulator waits for the RS (at a release or the drain)
+            self._pending[key] = [topo.ring.reduce_scatter_start(seg, out)]
+            self._after[key] = (w, k)
+            return
+        t0 = time.perf_counter()
         topo.ring.reduce_scatter(seg, out)
+        dt = time.perf_counter() - t0
+        self._comm += dt
+        self._exposed += dt
+        self._accumulate(w, k)
+
+    def _accumulate(self, w, k):
+        """Stage 3 / hybrid at K > 1: micro-batch k's reduce-scattered piece of unit w into the fp32
+        accumulator; after the last, the step's gradient back in the grads shard (hybrid: all-reduced
+        across nodes, at once, or at the drain with overlap)."""
+        L, state, topo = self.layout, self.state, self.topology
+        out, acc = L.unit_shard(state.grads, w), L.unit_shard(state.accum, w)
         if k == 0:
             cast_into(acc, out)
         elif self._widen is None:                     # fp32 storage: add as it is
@@ -329,7 +349,10 @@ class Workspaces:
             wide = self._widen[:out.size]
             cast_into(wide, out)
             acc += wide
-        if last:
+        if k == self.grad_accum - 1:
             cast_into(out, acc)                       # the step's gradient, in the storage dtype
             if topo.replica_ring is not None and topo.replica_ring.size > 1:
-                topo.replica_ring.all_reduce(out)     # across nodes once per step
+                if self.overlap:
+                    self._replica.append(out)
+                else:
+                    topo.replica_ring.all_reduce(out)     # across nodes once per step
