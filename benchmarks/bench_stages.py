@@ -164,7 +164,9 @@ def across_nodes(args) -> int:
     logs = tempfile.mkdtemp(prefix="bench_stages-nodes-")
     cmd = cluster_opts.prefix(args, logs) + ["python", "-m", "mpi4py", os.path.abspath(__file__), *sys.argv[1:]]
     rc = subprocess.run(cmd, check=False).returncode
-    if rc:
+    if rc and not os.listdir(logs):      # launch/cluster refused (its one line said why): no rank ran
+        os.rmdir(logs)
+    elif rc:
         print(f"bench_stages: the run across nodes failed (exit {rc}); every rank's output is in {logs}",
               file=sys.stderr)
     else:

@@ -76,9 +76,10 @@ def mpirun(n: int, args: list, timeout: int, cluster=None) -> str:
         cmd = [mpi if os.path.exists(mpi) else "mpirun", *flags, "-n", str(n),
                sys.executable, "-m", "mpi4py", *args]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT, check=False)
-    if res.returncode:
-        raise SystemExit(f"check_simulate: {' '.join(args[:3])} at n={n} failed: "
-                         f"{(res.stderr.strip().splitlines() or ['?'])[-1]}")
+    if res.returncode:    # exit 2 (launch/cluster refused, bad input) passes through
+        print(f"check_simulate: {' '.join(args[:3])} at n={n} failed: "
+              f"{(res.stderr.strip().splitlines() or ['?'])[-1]}", file=sys.stderr)
+        sys.exit(2 if res.returncode == 2 else 1)
     return res.stdout
 
 
