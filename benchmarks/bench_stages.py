@@ -9,10 +9,12 @@ take steps in turn, the first of each round rotating (0123, 1230, 2301, ...),
 so the machine's noise and any place-in-the-round effect fall on all alike;
 the figure is each stage's median step time and its ratio to stage 0's,
 beside the medians of the engine's ``timeline`` (compute: forward+backward
-less its waits for reductions and parameter gathers; the reductions' time
-run and exposed; the gathers' exposed wait; each the slowest rank's) and the
-bytes one rank sent in a step (``last_step_ledger``), of them to other nodes
-(``last_step_internode``).
+less its waits for collectives; comm: every collective's own time, hidden or
+not; exposed: the waits; thread CPU: the progress thread's seconds on a core;
+each the slowest rank's) and the bytes one rank sent in a step
+(``last_step_ledger``), of them to other nodes (``last_step_internode``).
+--overlap both: every stage twice, with and without overlap, interleaved like
+the stages (the fair way to see what overlap gains: one run, the same noise).
 --cluster KxP: the same run across K emulated nodes of P ranks
 (benchmarks/cluster_opts.py, launch/cluster, as root); the script launches
 itself there. Stage hybrid shards inside the node MPI finds.
@@ -37,14 +39,28 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cluster_opts  # noqa: E402  (benchmarks/ on the path first)
 
-TIMELINE = ("compute_s", "fwd_bwd_s", "reduce_s", "reduce_exposed_s", "param_gather_exposed_s")
+# the engine's timeline (runtime/engine.py), medians of the slowest rank's: compute, forward+backward,
+# every collective's own time (hidden or not), the waits for them, the progress thread's CPU seconds
+TIMELINE = ("compute_s", "fwd_bwd_s", "comm_s", "exposed_s", "progress_cpu_s")
+EXPOSED = ("reduce_exposed_s", "gather_exposed_s", "param_gather_exposed_s")
+OVERLAP = {"auto": (None,), "on": (True,), "off": (False,), "both": (True, False)}
 
 
-def build(comm, stage, args):
+def build(comm, stage, args, overlap=None):
     from ringzero.nn.gpt import GPT, GPTConfig
     from ringzero.runtime.zero import Zero
     cfg = GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len, 256)
-    return Zero(GPT(cfg), comm, stage, seed=1)
+    return Zero(GPT(cfg), comm, stage, seed=1, overlap=overlap)
+
+
+def label(stage, overlap, args) -> str:
+    """A row's name: the stage, and with --overlap both which of the pair it is."""
+    return stage if args.overlap != "both" else f"{stage} {'ov' if overlap else 'no-ov'}"
+
+
+def timeline(eng) -> list:
+    tl = dict(eng.timeline, exposed_s=sum(eng.timeline.get(k, 0.0) for k in EXPOSED))
+    return [tl.get(k, 0.0) for k in TIMELINE]
 
 
 def timing(args):
@@ -59,7 +75,7 @@ def timing(args):
     set_blas_threads(comm)     # this rank's share of the node's cores
     data = np.random.default_rng(0).integers(0, 256, 1 << 20).astype(np.uint8)
     batches = Batches(data, args.batch, args.seq_len, comm.rank, comm.size, 0)
-    engines = {st: build(comm, st, args) for st in args.stages}
+    engines = {label(st, ov, args): build(comm, st, args, ov) for st in args.stages for ov in OVERLAP[args.overlap]}
     times = {st: [] for st in engines}
     lines = {st: [] for st in engines}       # per step: the timeline, each part the slowest rank's
     order = list(engines)
@@ -72,7 +88,7 @@ def timing(args):
             t0 = time.perf_counter()
             eng.step(x, y, 1e-4)
             dt = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)   # the slowest rank's step
-            tl = np.array([eng.timeline.get(k, 0.0) for k in TIMELINE])
+            tl = np.array(timeline(eng))
             comm.Allreduce(MPI.IN_PLACE, tl, op=MPI.MAX)
             if it >= args.warmup:
                 times[st].append(dt)
@@ -83,25 +99,27 @@ def timing(args):
 
 def report(args, comm, engines, times, lines):
     """Rank 0: the table (and --json)."""
-    base = float(np.median(times[args.stages[0]]))
+    base = float(np.median(times[next(iter(engines))]))
     rows = []
     nm = next(iter(engines.values())).topology.nodes
     print(f"GPT {args.n_layer}L {args.n_embd}C T={args.seq_len}, batch {args.batch}/rank, Nd={comm.size}, "
           f"{args.iters} steps per stage, interleaved")
     if args.nodes:
         print(f"{cluster_opts.describe(args)}; MPI finds {nm.count} node(s): {nm.describe()}")
-    print(f"{'stage':>6} {'median step':>12} {'vs stage ' + args.stages[0]:>12} {'traffic/step':>14}"
-          f" {'across nodes':>14} {'overlap':>7} {'compute':>9} {'fwd+bwd':>9} {'reduce':>9}"
-          f" {'exposed':>9} {'gathwait':>9}")
+    w = max(6, *(len(k) for k in engines))
+    print(f"{'stage':>{w}} {'median step':>12} {'vs ' + next(iter(engines)):>12} {'traffic/step':>14}"
+          f" {'across nodes':>14} {'overlap':>7}" + "".join(f" {h:>10}" for h in
+                                                             ("compute", "fwd+bwd", "comm", "exposed", "thread CPU")))
     for st, eng in engines.items():
         med = float(np.median(times[st]))
         tr = eng.traffic_report()["measured_bytes_per_step"]
         net = int(sum(eng.last_step_internode.values()))
         tl = dict(zip(TIMELINE, (float(v) for v in np.median(lines[st], axis=0))))
-        rows.append({"stage": st, "median_step_s": med, "ratio": med / base, "bytes_sent": tr,
+        rows.append({"stage": st, "engine_stage": eng.stage, "median_step_s": med, "ratio": med / base,
+                     "bytes_sent": tr,
                      "bytes_sent_internode": net, "overlap": bool(eng.overlap), "timeline": tl})
-        print(f"{st:>6} {med * 1e3:10.1f} ms {med / base:11.3f}x {tr:>12,} B {net:>12,} B"
-              f" {'on' if eng.overlap else 'off':>7}" + "".join(f" {tl[k] * 1e3:6.1f} ms" for k in TIMELINE))
+        print(f"{st:>{w}} {med * 1e3:10.1f} ms {med / base:11.3f}x {tr:>12,} B {net:>12,} B"
+              f" {'on' if eng.overlap else 'off':>7}" + "".join(f" {tl[k] * 1e3:7.1f} ms" for k in TIMELINE))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"mode": "timing", "nd": comm.size, "nodes": nm.count, "cluster": args.cluster,
@@ -188,6 +206,9 @@ def main():
     p.add_argument("--rss", action="store_true", help="peak RSS: one mpirun per stage (run without mpirun)")
     p.add_argument("-n", type=int, default=4, help="ranks for --rss (--cluster: K*P)")
     p.add_argument("--rss-one", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--overlap", choices=tuple(OVERLAP), default="auto",
+                   help="the engines' overlap: auto (on when the ranks span nodes), on, off, or both: each "
+                        "stage twice, with and without, interleaved like the stages")
     p.add_argument("--json", help="write the rows here")
     cluster_opts.add_args(p)
     args = p.parse_args()

@@ -208,7 +208,7 @@ def print_table(a, table):
     pred = f"{'no overlap':>11}{'overlap':>11}" if a.nodes else f"{'predicted':>11}"
     print(f"\n{'model':<9}{'n':>3}{'stage':>6}{'measured':>11}{pred}{'error':>8}"
           f"{'compute':>10}{'comm':>9}{'update':>9}{'drift':>7}"
-          + (f"{'ran':>8}{'across nodes: measured':>24}{'model':>11}" if a.nodes else ""))
+          + (f"{'ran':>8}{'across nodes: measured':>24}{'model':>14}" if a.nodes else ""))
     for r in table:
         pred = ms(r["predicted_no_overlap_s"]) + ms(r["predicted_overlap_s"]) if a.nodes else ms(r["predicted_s"])
         line = (f"{r['model']:<9}{r['n']:>3}{r['stage']:>6}{ms(r['measured_s'])}{pred}{100 * r['rel_err']:>+7.1f}%"
@@ -218,7 +218,7 @@ def print_table(a, table):
             got = r["internode_measured_bytes"]
             got = f"{got:,}" if got is not None else "?"
             line += (f"{'overlap' if r['overlap_ran'] else 'none':>8}{got:>22} B"
-                     f"{r['internode_predicted_bytes']:>9,.0f} B")
+                     f"{r['internode_predicted_bytes']:>12,.0f} B")
         print(line)
     if a.nodes:
         print("error: of the prediction the engine ran (\"ran\": it overlaps reductions with backward when "

@@ -79,7 +79,9 @@ class NodeMap:
         sizes = [self.node_of.count(k) for k in range(self.count)]
         if self.uniform:
             return f"{self.count} nodes x {self.ppn} ranks"
-        return (f"{self.count} nodes of {', '.join(map(str, sizes))} ranks: not the same number (> 1) on each, "
+        if len(set(sizes)) == 1:      # one rank per node: nothing to sum inside a node
+            return f"{self.count} nodes x 1 rank (one rank per node, so the flat schedules run)"
+        return (f"{self.count} nodes of {', '.join(map(str, sizes))} ranks: not the same number on each, "
                 "so the flat schedules run")
 
     def crosses(self, a: int, b: int) -> bool:
