@@ -43,7 +43,9 @@ What it is
     reduction is *started* on the ring's progress thread (comm/progress.py)
     and the backward goes on; ``release`` waits for it where the plan frees
     its slot (plan.grad_release), ``drain`` waits for the rest at the end of
-    the backward (then hybrid's all-reduce across nodes runs, unit by unit).
+    the backward. Hybrid's all-reduce of a unit's shard across nodes is
+    started on the replica ring (its own progress thread) as soon as a wait
+    finds the unit's reduce-scatter done, and the drain waits for those too.
     What it reads stays put until then: the unit's slot (fp32 storage, grads
     sharded: the plan holds it ``inflight`` positions longer), one of two
     storage-dtype buckets (2-byte storage: the cast alternates between them)
@@ -106,7 +108,8 @@ class Workspaces:
         self._pending = {}           # what a started reduction reads -> its Pendings
         self._after = {}             # the same key -> (unit, micro-batch) to add into the accumulator
         self._bucket = 0             # the bucket the next cast writes (2-byte storage, overlap)
-        self._replica = []           # hybrid: shards whose all-reduce across nodes runs at drain
+        self._replica = []           # hybrid: started all-reduces across nodes, waited for at the drain
+        self._replica_of = {}        # hybrid: a started reduction's key -> the shard to all-reduce once it is done
         self._gathers = {}           # (unit, slot) -> its prefetched all-gather (plan.gather_start)
         self._comm = self._exposed = self._gather = self._gather_exposed = self._cpu = 0.0
         self._check = os.environ.get("RINGZERO_CHECK_OWNERSHIP", "0") == "1"
@@ -240,7 +243,7 @@ class Workspaces:
             if self.overlap:
                 self._pending[key] = [ring.reduce_scatter_start(seg, out)]
                 if replicas:
-                    self._replica.append(out)
+                    self._replica_of[key] = out
                 return
             ring.reduce_scatter(seg, out)
             if replicas:
@@ -261,23 +264,27 @@ class Workspaces:
             self._exposed += time.perf_counter() - t0
         if key in self._after:
             self._accumulate(*self._after.pop(key))
+        out = self._replica_of.pop(key, None)
+        if out is not None:          # hybrid: the reduce-scatter is done, so across nodes it goes
+            self._replica.append(self.topology.replica_ring.all_reduce_start(out))
 
     def release(self, w, slot):
         """The plan frees unit w's slot here: its reduction must be done."""
         self._wait(("slot", slot))
 
     def drain(self):
-        """End of a backward: every started reduction done, then hybrid's all-reduces across nodes."""
+        """End of a backward: every started reduction done, and hybrid's all-reduces across nodes
+        (each started, on the replica ring's own progress thread, once its reduce-scatter was done)."""
         for key in list(self._pending):
             self._wait(key)
         if self._replica:
             t0 = time.perf_counter()
-            for out in self._replica:
-                self.topology.replica_ring.all_reduce(out)
+            for p in self._replica:
+                p.wait()
+                self._comm += p.ran
+                self._cpu += p.cpu
             self._replica.clear()
-            dt = time.perf_counter() - t0
-            self._comm += dt
-            self._exposed += dt
+            self._exposed += time.perf_counter() - t0
 
     def timeline(self) -> dict:
         """Seconds since the last call: reductions and gathers run, and the caller's waits for them
@@ -293,7 +300,8 @@ class Workspaces:
     def _touch(self, x):
         """RINGZERO_CHECK_OWNERSHIP=1: refuse to write a buffer a started collective still owns."""
         if self._check:
-            p = self.topology.ring.owner(x)
+            rr = self.topology.replica_ring
+            p = self.topology.ring.owner(x) or (rr.owner(x) if rr is not None else None)
             if p is not None:
                 raise RuntimeError(f"workspace: a buffer is written while a started {p.name} owns it; "
                                    "HINT: the overlap's wait is missing or in the wrong place")
@@ -353,6 +361,6 @@ class Workspaces:
             cast_into(out, acc)                       # the step's gradient, in the storage dtype
             if topo.replica_ring is not None and topo.replica_ring.size > 1:
                 if self.overlap:
-                    self._replica.append(out)
+                    self._replica.append(topo.replica_ring.all_reduce_start(out))
                 else:
                     topo.replica_ring.all_reduce(out)     # across nodes once per step
