@@ -267,7 +267,14 @@ class Zero:
                                  g, lr, self._decay[(u, r)])
             # with overlap (stages 1-2) the params' all-gathers run while the next forward computes;
             # whoever reads params before it waits for them (wait_params)
+            t1 = time.perf_counter()
             self._published = self.state.publish(self.ring, start=self.overlap)
+            if not self.overlap and self.policy.full_params and not self.policy.full_optimizer:
+                dt = time.perf_counter() - t1          # stages 1-2: the blocking gathers (and casts)
+                tlv = self.timeline
+                tlv["param_gather_s"] += dt
+                tlv["param_gather_exposed_s"] += dt
+                tlv["comm_s"] += dt
         self.step_count += 1
         led1 = reports.ledger_totals(self.topology)
         self.last_step_ledger = {k: led1[k] - led0.get(k, 0) for k in led1}
