@@ -21,8 +21,8 @@ What it is not
 """
 from __future__ import annotations
 
+import functools
 import os
-import time
 
 import numpy as np
 from mpi4py import MPI
@@ -52,7 +52,9 @@ def _poll_some(reqs, statuses):
 # The progress thread's waits (progress.py). Its caller is computing on the same cores, and MPI's
 # own Waitall spins at full speed: so test, then nap, doubling the nap from NAP_MIN to NAP_MAX
 # seconds. Each test moves what MPI can move (a TCP socket takes megabytes per call), and a nap
-# releases the core (and the GIL) to the compute thread. (Naps of 20 us doubling to 500 us, with a
+# releases the core (and the GIL) to the compute thread. Once the caller waits for the result
+# (Progress.hurry), nothing is left to share the core with: the rest of the wait is MPI's own.
+# (Naps of 20 us doubling to 500 us, with a
 # few sched_yields first, slowed the compute beside them more: docs/overlap.md.)
 NAP_MIN, NAP_MAX = 200e-6, 2e-3
 
@@ -64,19 +66,22 @@ def _naps():
         nap = min(2 * nap, NAP_MAX)
 
 
-def _nap(reqs, statuses):
+def _nap(reqs, statuses, hurry, block):
+    """Test and nap; once the caller waits for the result (``hurry``), wait inside MPI instead."""
     for nap in _naps():
         if _testall(reqs, statuses):
             return
-        time.sleep(nap)
+        if hurry.wait(nap):          # a nap, cut short when the caller starts to wait
+            return block(reqs, statuses)
 
 
-def _nap_some(reqs, statuses):
+def _nap_some(reqs, statuses, hurry, block):
     for nap in _naps():
         idx = _testsome(reqs, statuses)
         if idx is None or idx:
             return idx
-        time.sleep(nap)
+        if hurry.wait(nap):
+            return block(reqs, statuses)
 
 
 class Executor:
@@ -92,6 +97,12 @@ class Executor:
         self.hit = None        # (Waiting, stalled s): set by the inspector at the timeout
         self.done = None       # the done flags of the MultiWait in progress, for resolve()
         self._bg = False       # the run in progress is the progress thread's
+        self._bg_wait = self._bg_waitsome = None    # the progress thread's waits (set_hurry)
+
+    def set_hurry(self, hurry):
+        """The Ring's progress thread exists: its waits nap until ``hurry`` (a threading.Event) is set."""
+        self._bg_wait = functools.partial(_nap, hurry=hurry, block=self._wait)
+        self._bg_waitsome = functools.partial(_nap_some, hurry=hurry, block=self._waitsome)
 
     def resolve(self, w):
         """What the inspector names: a MultiWait narrowed to its requests still open."""
@@ -104,7 +115,7 @@ class Executor:
         xp = plan.xp
         if xp is not np:
             sync(plan.keep[-1])  # a CuPy producer must be done before MPI reads the buffer
-        wait = _nap if background else self._wait
+        wait = self._bg_wait if background else self._wait
         self._bg = background
         # the hot loop: each record is unpacked as the tuple it is (no attribute lookups per step)
         for st in plan.steps:
@@ -153,7 +164,7 @@ class Executor:
             done[i] = 0
         self.done = done
         self.waiting = waiting
-        waitsome = _nap_some if self._bg else self._waitsome
+        waitsome = self._bg_waitsome if self._bg else self._waitsome
         while left:
             self.progress += 1
             try:

@@ -61,10 +61,11 @@ def _span(x):
 class Pending:
     """A started collective. ``wait()`` returns its recv or raises what the background run raised."""
 
-    __slots__ = ("name", "recv", "reads", "writes", "ran", "cpu", "_done", "_error")
+    __slots__ = ("name", "recv", "reads", "writes", "ran", "cpu", "_done", "_error", "_progress")
 
-    def __init__(self, name, send, recv):
+    def __init__(self, name, send, recv, progress=None):
         self.name, self.recv = name, recv
+        self._progress = progress   # the Progress that runs it (told when the caller waits)
         self.reads, self.writes = _span(send), _span(recv)
         self.ran = 0.0       # seconds it ran on the progress thread (0 until done)
         self.cpu = 0.0       # of which the progress thread was on a core (MPI, the sockets, the adds)
@@ -75,6 +76,17 @@ class Pending:
         return self._done.is_set()
 
     def wait(self):
+        pr = self._progress
+        if pr is not None and not self._done.is_set():
+            # the caller is idle until this is done: the progress thread stops napping and waits
+            # inside MPI (spinning costs nothing now) until this one is done
+            pr.awaited = self
+            pr.hurry.set()
+            try:
+                self._done.wait()
+            finally:
+                pr.awaited = None
+                pr.hurry.clear()
         self._done.wait()
         if self._error is not None:
             err, self._error = self._error, None
@@ -95,6 +107,8 @@ class Progress:
     def __init__(self, name: str):
         self._jobs = deque()
         self._cv = threading.Condition()
+        self.hurry = threading.Event()   # set while the caller waits for a Pending (Pending.wait) ...
+        self.awaited = None              # ... this one
         self.inflight = []             # Pendings not yet waited for (the owner checks read it)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -139,4 +153,6 @@ class Progress:
             except BaseException as e:  # noqa: BLE001 (raised again by pending.wait, on the caller's thread)
                 pending._error = e
             pending.ran, pending.cpu = time.perf_counter() - t0, time.thread_time() - c0
+            if self.awaited is pending:  # the next job naps again, while the caller computes
+                self.hurry.clear()
             pending._done.set()

@@ -327,6 +327,7 @@ class Ring:
     def _start(self, name, send, recv, op) -> Pending:
         if self._progress is None:
             self._progress = Progress(f"ringzero-progress-{self.rank}")
+            self.executor.set_hurry(self._progress.hurry)
         pr = self._progress
         plan = self._hot.get((id(send), id(recv), name, op))
         if plan is None or not self._guard(plan, send, recv):
@@ -341,7 +342,7 @@ class Ring:
             for p in pr.inflight:
                 p._done.wait()
             job = self._prepare(name, send, recv, op)
-        return pr.submit(job, Pending(name, send, recv))
+        return pr.submit(job, Pending(name, send, recv, pr))
 
     # ---- what plans are made of --------------------------------------------
     @staticmethod
