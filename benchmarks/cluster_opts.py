@@ -12,7 +12,7 @@ What it is
     --cluster-prefix / --cluster-net say otherwise (launch/cluster's own default
     is ``rz`` at net 0, benchmarks/train_peer.py's ``rzp`` at 5, the tests' ``rzt`` at 1).
 What it is not
-    A benchmark: bench_stages.py and check_simulate.py use it.
+    A benchmark: bench_stages.py, check_simulate.py and train_peer.py use it.
 """
 from __future__ import annotations
 
@@ -24,14 +24,13 @@ DEFAULT_PREFIX, DEFAULT_NET = "rzh", 7
 MPI_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")   # set in a rank by Open MPI / Hydra / PMIx
 
 
-def add_args(ap, replaces: str = ""):
+def add_args(ap, replaces: str = "", prefix: str = DEFAULT_PREFIX, net: int = DEFAULT_NET):
     ap.add_argument("--cluster", metavar="KxP", help="run across K emulated nodes of P ranks (launch/cluster, "
                     "as root)" + (f"; replaces {replaces}" if replaces else ""))
     ap.add_argument("--link", default="1gbit", help="--cluster: the links' rate (tc: 1gbit, 10gbit, none)")
-    ap.add_argument("--cluster-prefix", default=DEFAULT_PREFIX,
-                    help=f"--cluster: node names (default {DEFAULT_PREFIX})")
-    ap.add_argument("--cluster-net", type=int, default=DEFAULT_NET,
-                    help=f"--cluster: addresses 198.18.N.0/24 (default {DEFAULT_NET})")
+    ap.add_argument("--cluster-prefix", default=prefix, help=f"--cluster: node names (default {prefix})")
+    ap.add_argument("--cluster-net", type=int, default=net,
+                    help=f"--cluster: addresses 198.18.N.0/24 (default {net})")
 
 
 def fail(script: str, msg: str):

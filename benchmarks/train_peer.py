@@ -54,6 +54,9 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import cluster_opts  # noqa: E402  (benchmarks/ on the path first)
+
 TORCH_MODES = ("ddp", "fsdp-grad-op", "fsdp-full")
 RZ_MODES = {"ringzero": "fp32", "ringzero-fp16": "fp16"}   # mode -> --precision
 MODES = TORCH_MODES + tuple(RZ_MODES)
@@ -87,13 +90,6 @@ def model_args(a) -> list:
 
 
 CLUSTER = dict(prefix="rzp", net=5)     # launch/cluster's nodes for --cluster: rzp-n1 at 198.18.5.1
-
-
-def cluster_prefix(a, log_dir: str) -> list:
-    """launch/cluster across a.nodes x a.ppn emulated nodes at a.link (it builds and removes them)."""
-    tool = os.path.join(os.path.dirname(HERE), "launch", "cluster")
-    return [tool, "--prefix", CLUSTER["prefix"], "--net", str(CLUSTER["net"]), "--nodes", str(a.nodes),
-            "--ranks-per-node", str(a.ppn), "--link", a.link, "--logs", log_dir, "--"]
 
 
 def mpirun_prefix(n: int) -> list:
@@ -165,13 +161,13 @@ def run_mode(mode, n, a, work):
     os.makedirs(d, exist_ok=True)
     tokens = n * a.batch * a.seq_len                   # global tokens per step
     worker = os.path.join(HERE, "train_peer_worker.py")
-    prefix = cluster_prefix(a, os.path.join(d, "nodes")) if a.cluster else mpirun_prefix(n)
+    prefix = cluster_opts.prefix(a, os.path.join(d, "nodes")) if a.cluster else mpirun_prefix(n)
     if mode in RZ_MODES:
         metrics = os.path.join(d, "metrics.jsonl")
         cmd = prefix + [sys.executable, "-m", "mpi4py", worker, "ringzero", "--out", d,
                         "--rz-module", a.rz_module, "--"] + ringzero_args(a, RZ_MODES[mode], metrics)
     else:
-        where = (["--master", f"198.18.{CLUSTER['net']}.1", "--ifname", "eth0"] if a.cluster else [])
+        where = (["--master", f"198.18.{a.cluster_net}.1", "--ifname", "eth0"] if a.cluster else [])
         cmd = prefix + [sys.executable, worker, "torch", "--mode", mode, "--out", d,
                         "--port", str(free_port()), "--timeout", str(a.timeout)] + where + model_args(a)
     log = os.path.join(d, "log.txt")
@@ -305,18 +301,10 @@ def parse(argv=None):
     ap.add_argument("--timeout", type=int, default=600, help="seconds per launch")
     ap.add_argument("--json", default=None, help="write the rows (with per-step times) here")
     ap.add_argument("--keep", default=None, help="keep logs and metrics in this folder")
-    ap.add_argument("--cluster", default=None, metavar="KxP",
-                    help="run across K emulated nodes of P ranks (launch/cluster, as root); replaces --ranks")
-    ap.add_argument("--link", default="1gbit", help="--cluster: the links' rate (tc: 1gbit, 10gbit, none)")
+    cluster_opts.add_args(ap, replaces="--ranks", **CLUSTER)
     a = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    a.nodes = a.ppn = None
+    cluster_opts.check(a, "train_peer")
     if a.cluster:
-        try:
-            a.nodes, a.ppn = (int(x) for x in a.cluster.lower().split("x"))
-        except ValueError:
-            ap.error(f"--cluster must be KxP (nodes x ranks per node), e.g. 2x1, got {a.cluster!r}")
-        if a.nodes < 2 or a.ppn < 1:
-            ap.error(f"--cluster needs >= 2 nodes of >= 1 rank, got {a.cluster!r}")
         a.ranks = str(a.nodes * a.ppn)
     try:
         a.ranks = [int(x) for x in a.ranks.split(",") if x]
@@ -347,7 +335,7 @@ def main(argv=None):
     print(f"train_peer: GPT n_layer={a.n_layer} n_head={a.n_head} n_embd={a.n_embd} "
           f"block={a.seq_len}, batch {a.batch}/rank, T={a.seq_len}, {a.steps} steps "
           f"({a.warmup} warm-up), {a.repeat} round(s), logs in {work}"
-          + (f"; across {a.nodes} emulated nodes x {a.ppn} ranks, links {a.link}" if a.cluster else ""),
+          + (f"; {cluster_opts.describe(a)}" if a.cluster else ""),
           flush=True)
     launches = {}
     for rnd in range(a.repeat):         # rounds interleave the modes, so a noisy spell
