@@ -9,7 +9,9 @@ What it is
         flat.py       the layout table: offsets, padding, pieces
         state.py      the five flat state buffers, held in full or as a shard
         plan.py       when each unit is materialized and reduced, in which slot
+        passes.py     forward and backward through the plan, position by position
         workspace.py  the slots' buffers and views; gather+cast, cast+reduce
+        inflight.py   the started collectives (overlap): what they hold, where they end
         optim.py      AdamW and the loss scaler, on this rank's pieces
         reports.py    memory and traffic, measured beside the formulas
 
@@ -46,8 +48,9 @@ import numpy as np
 
 from ringzero.comm.backend import select_device, xp_for
 from ringzero.comm.ring import Ring
-from ringzero.runtime import norms, reports
+from ringzero.runtime import norms, passes, reports
 from ringzero.runtime.flat import Layout
+from ringzero.runtime.inflight import UpdateGathers
 from ringzero.runtime.optim import AdamConfig, AdamW, LossScaler, clip_coef
 from ringzero.runtime.plan import build_plan
 from ringzero.runtime.policy import StagePolicy
@@ -105,9 +108,7 @@ class Zero:
                          precision, self.grad_accum)
         self.state = ShardedState(L, P, topo.shard_rank, self.storage_dtype, xp, self.grad_accum)
         self.state.init_master(seed)
-        self._published = {}                 # unit -> started all-gather of its updated params (stages 1-2)
-        self._gather_wait = 0.0              # seconds the forward waited for them
-        self._gather_ran = [0.0, 0.0]        # and their seconds run, on a core, on the progress thread
+        self.update_gathers = UpdateGathers()   # stages 1-2: the update's all-gathers of the params
         self.publish_params()
         # overlap: a closed gradient's reduction runs while the next unit's backward computes
         # (workspace.py); where it reads the gradient slot itself (fp32 storage, sharded grads)
@@ -164,42 +165,8 @@ class Zero:
     # ------------------------------------------------------------------ step
     def forward_backward(self, x, y, micro: int = 0) -> float:
         """Forward and backward of micro-batch ``micro`` (of grad_accum) over all
-        units; after the last one the grads are reduced. Returns its local loss."""
-        m, plan, ws = self.model, self.plan, self.workspaces
-        U = plan.units
-        caches = [None] * U
-        act = peak = 0
-        h = x
-        for i in range(U):
-            if self._published:              # stages 1-2 with overlap: the update's gathers, unit by unit
-                self.wait_params(self.layout.needs(i))
-            for w, s, g in plan.materialize[i]:
-                ws.materialize(w, s, g)
-            for w, s, g in plan.gather_start[i]:
-                ws.start_gather(w, s, g)     # prefetch: a later position's gather runs beside this compute
-            h, caches[i] = m.forward_unit(i, ws.param_views[i], h, y if i == U - 1 else None)
-            act += m.cache_nbytes(caches[i])
-            peak = max(peak, act)
-        loss = float(h)
-        dy = self._seed()
-        for i in range(U, 2 * U):
-            u = plan.positions[i][1]
-            for w, s, g in plan.materialize[i]:
-                ws.materialize(w, s, g)
-            for w, s, g in plan.gather_start[i]:
-                ws.start_gather(w, s, g)
-            for w, s in plan.grad_release[i]:
-                ws.release(w, s)             # a reduction in flight since an earlier position
-            for w, s in plan.grad_open[i]:
-                ws.zero_grad(w, s)
-            dy = m.backward_unit(u, dy, caches[u], ws.param_views[i], ws.grad_views[i])
-            act -= m.cache_nbytes(caches[u])
-            caches[u] = None
-            for w, s in plan.grad_close[i]:
-                ws.close_grad(w, s, micro)
-        ws.drain()                           # every reduction done before anyone reads the grads
-        self.activation_peak = max(self.activation_peak, peak)
-        return loss
+        units (passes.py); after the last one the grads are reduced. Returns its local loss."""
+        return passes.train_pass(self, x, y, micro)
 
     def _grad_pieces(self):
         """Yield (u, r, g) for every gradient piece this rank updates, r outer:
@@ -240,8 +207,7 @@ class Zero:
         tl = self.workspaces.timeline()
         # forward+backward wall time less the waits for collectives = compute; "comm_s": the
         # collectives' own time, hidden or not (stages 1-2's parameter gathers are the update's)
-        gw, self._gather_wait = self._gather_wait, 0.0
-        (pg, pc), self._gather_ran = self._gather_ran, [0.0, 0.0]
+        pg, gw, pc = self.update_gathers.timeline()
         fb = time.perf_counter() - t0
         self.timeline = {"fwd_bwd_s": fb, **tl, "param_gather_s": pg, "param_gather_exposed_s": gw,
                          "progress_cpu_s": tl["progress_cpu_s"] + pc,
@@ -268,13 +234,11 @@ class Zero:
             # with overlap (stages 1-2) the params' all-gathers run while the next forward computes;
             # whoever reads params before it waits for them (wait_params)
             t1 = time.perf_counter()
-            self._published = self.state.publish(self.ring, start=self.overlap)
+            self.update_gathers.started(self.state.publish(self.ring, start=self.overlap))
             if not self.overlap and self.policy.full_params and not self.policy.full_optimizer:
                 dt = time.perf_counter() - t1          # stages 1-2: the blocking gathers (and casts)
-                tlv = self.timeline
-                tlv["param_gather_s"] += dt
-                tlv["param_gather_exposed_s"] += dt
-                tlv["comm_s"] += dt
+                for k in ("param_gather_s", "param_gather_exposed_s", "comm_s"):
+                    self.timeline[k] += dt
         self.step_count += 1
         led1 = reports.ledger_totals(self.topology)
         self.last_step_ledger = {k: led1[k] - led0.get(k, 0) for k in led1}
@@ -289,32 +253,14 @@ class Zero:
 
     def wait_params(self, units=None):
         """Wait for the started all-gathers of these units' params (all: every one). Collective-free."""
-        if not self._published:
-            return
-        t0 = time.perf_counter()
-        for u in (list(self._published) if units is None else units):
-            p = self._published.pop(u, None)
-            if p is not None:
-                p.wait()
-                self._gather_ran[0] += p.ran
-                self._gather_ran[1] += p.cpu
-        self._gather_wait += time.perf_counter() - t0
+        self.update_gathers.wait(units)
 
     # ------------------------------------------------------------- forward only
     def eval_loss(self, x, y) -> float:
         """Global mean loss of a forward pass (no gradients, no update), run as
         grad_accum micro-batches like a step (activations of B/K rows)."""
-        m, plan, ws = self.model, self.plan, self.workspaces
-        U = plan.units
-        loss = 0.0
         self.wait_params()
-        for xk, yk in self.micro_batches(x, y):
-            h = xk
-            for i in range(U):
-                for w, s, g in plan.forward_materialize[i]:
-                    ws.materialize(w, s, g)
-                h, _ = m.forward_unit(i, ws.forward_views[i], h, yk if i == U - 1 else None)
-            loss += float(h)
+        loss = sum(passes.forward_pass(self, xk, yk) for xk, yk in self.micro_batches(x, y))
         buf = np.array([loss / self.grad_accum], np.float64)
         allb = np.zeros(self.topology.world_size, np.float64)
         self.topology.control.all_gather(buf, allb)

@@ -63,15 +63,18 @@ What it is
     checked against the ring's started calls (``Ring.owner``).
 
 What it is not
-    It decides nothing about *when*: plan.py does. No optimizer.
+    It decides nothing about *when*: plan.py does. What a started collective holds and
+    where it is waited for is inflight.py's bookkeeping. No optimizer.
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 
 import numpy as np
 
+from ringzero.runtime.inflight import Inflight
 from ringzero.runtime.state import cast_into
 
 
@@ -105,13 +108,10 @@ class Workspaces:
         if policy.grad_bucket:
             n_bucket = (2 if self.overlap else 1) if self.grad_cast else plan.grad_slots
             self.bufs["grad_bucket"] = [xp.empty(cap, storage) for _ in range(n_bucket)]
-        self._pending = {}           # what a started reduction reads -> its Pendings
-        self._after = {}             # the same key -> (unit, micro-batch) to add into the accumulator
         self._bucket = 0             # the bucket the next cast writes (2-byte storage, overlap)
-        self._replica = []           # hybrid: started all-reduces across nodes, waited for at the drain
-        self._replica_of = {}        # hybrid: a started reduction's key -> the shard to all-reduce once it is done
-        self._gathers = {}           # (unit, slot) -> its prefetched all-gather (plan.gather_start)
-        self._comm = self._exposed = self._gather = self._gather_exposed = self._cpu = 0.0
+        # hybrid: each shard is all-reduced across nodes once its reduce-scatter is done
+        self._replicas = topology.replica_ring is not None and topology.replica_ring.size > 1
+        self.inflight = Inflight(topology.replica_ring)   # what the started collectives hold; the timeline
         self._check = os.environ.get("RINGZERO_CHECK_OWNERSHIP", "0") == "1"
         # K > 1, stage 3 / hybrid, 2-byte storage: one reduce-scattered piece widened to fp32
         # before it is added into the accumulator (a unit's piece at most)
@@ -154,7 +154,7 @@ class Workspaces:
         return self.bufs["grad_bucket"][slot]
 
     def zero_grad(self, w, slot):
-        self._wait(("slot", slot))   # a reduction the plan let run past its close reads this slot
+        self.inflight.wait(("slot", slot))   # a reduction the plan let run past its close reads this slot
         g = self.grad_target(w, slot)[:self.layout.unit_padded[w]]
         self._touch(g)
         g.fill(0)
@@ -171,7 +171,7 @@ class Workspaces:
         seg, own = self._landing(w, slot, land)
         self._touch(seg)
         own[...] = self.layout.unit_shard(self.state.params, w)
-        self._gathers[(w, slot)] = self.topology.ring.all_gather_start(own, seg)
+        self.inflight.gather(w, slot, self.topology.ring.all_gather_start(own, seg))
 
     def materialize(self, w, slot, land=0):
         """Make unit w's full params available in the compute dtype, in ``slot``: wait for its started
@@ -179,19 +179,12 @@ class Workspaces:
         L, state = self.layout, self.state
         if self.policy.gather_params:
             seg, own = self._landing(w, slot, land)
-            t0 = time.perf_counter()
-            p = self._gathers.pop((w, slot), None)
-            if p is None:
+            if not self.inflight.gathered(w, slot):      # not prefetched: gather it here
+                t0 = time.perf_counter()
                 self._touch(seg)
                 own[...] = L.unit_shard(state.params, w)
                 self.topology.ring.all_gather(own, seg)
-                ran = time.perf_counter() - t0
-            else:
-                p.wait()
-                ran = p.ran
-                self._cpu += p.cpu
-            self._gather += ran
-            self._gather_exposed += time.perf_counter() - t0
+                self.inflight.blocking("gather", time.perf_counter() - t0)
             src = seg
         else:
             src = L.unit_full(state.params, w)
@@ -208,7 +201,7 @@ class Workspaces:
             return self.bufs["grad_bucket"][slot][:L.unit_padded[w]], ("slot", slot)
         b = self._bucket
         self._bucket = (b + 1) % len(self.bufs["grad_bucket"])
-        self._wait(("bucket", b))    # the reduction started two units ago reads this bucket
+        self.inflight.wait(("bucket", b))    # the reduction started two units ago reads this bucket
         return self.bufs["grad_bucket"][b][:L.unit_padded[w]], ("bucket", b)
 
     def reduce_grad(self, w, slot):
@@ -230,72 +223,36 @@ class Workspaces:
             # (Ring guarantees all_reduce == reduce_scatter + all_gather, bitwise)
             own = L.own(seg, w, state.shard_rank)
             if self.overlap:          # one ring, one order: the all-gather reads what the RS wrote
-                self._pending[key] = [ring.reduce_scatter_start(seg, own)]
+                ps = [ring.reduce_scatter_start(seg, own)]
                 if self.policy.all_reduce_grads:
-                    self._pending[key].append(ring.all_gather_start(own, seg))
+                    ps.append(ring.all_gather_start(own, seg))
+                self.inflight.hold(key, ps)
                 return
             ring.reduce_scatter(seg, own)
             if self.policy.all_reduce_grads:
                 ring.all_gather(own, seg)
         else:
             out = L.unit_shard(state.grads, w)
-            replicas = topo.replica_ring is not None and topo.replica_ring.size > 1
             if self.overlap:
-                self._pending[key] = [ring.reduce_scatter_start(seg, out)]
-                if replicas:
-                    self._replica_of[key] = out
+                self.inflight.hold(key, [ring.reduce_scatter_start(seg, out)],
+                                   replica=out if self._replicas else None)
                 return
             ring.reduce_scatter(seg, out)
-            if replicas:
+            if self._replicas:
                 topo.replica_ring.all_reduce(out)
-        dt = time.perf_counter() - t0
-        self._comm += dt
-        self._exposed += dt
-
-    def _wait(self, key):
-        """Wait for the started reductions that hold `key` (a slot, a bucket, a unit's grads)."""
-        ps = self._pending.pop(key, None)
-        if ps:
-            t0 = time.perf_counter()
-            for p in ps:
-                p.wait()
-                self._comm += p.ran
-                self._cpu += p.cpu
-            self._exposed += time.perf_counter() - t0
-        if key in self._after:
-            self._accumulate(*self._after.pop(key))
-        out = self._replica_of.pop(key, None)
-        if out is not None:          # hybrid: the reduce-scatter is done, so across nodes it goes
-            self._replica.append(self.topology.replica_ring.all_reduce_start(out))
+        self.inflight.blocking("reduce", time.perf_counter() - t0)
 
     def release(self, w, slot):
         """The plan frees unit w's slot here: its reduction must be done."""
-        self._wait(("slot", slot))
+        self.inflight.wait(("slot", slot))
 
     def drain(self):
-        """End of a backward: every started reduction done, and hybrid's all-reduces across nodes
-        (each started, on the replica ring's own progress thread, once its reduce-scatter was done)."""
-        for key in list(self._pending):
-            self._wait(key)
-        if self._replica:
-            t0 = time.perf_counter()
-            for p in self._replica:
-                p.wait()
-                self._comm += p.ran
-                self._cpu += p.cpu
-            self._replica.clear()
-            self._exposed += time.perf_counter() - t0
+        """End of a backward: every started reduction done (hybrid: and its all-reduce across nodes)."""
+        self.inflight.drain()
 
     def timeline(self) -> dict:
-        """Seconds since the last call: reductions and gathers run, and the caller's waits for them
-        (a collective run on the caller's thread is all exposed); then reset."""
-        out = {"reduce_s": self._comm, "reduce_exposed_s": self._exposed,
-               "reduce_hidden_s": max(0.0, self._comm - self._exposed),
-               "gather_s": self._gather, "gather_exposed_s": self._gather_exposed,
-               "gather_hidden_s": max(0.0, self._gather - self._gather_exposed),
-               "progress_cpu_s": self._cpu}
-        self._comm = self._exposed = self._gather = self._gather_exposed = self._cpu = 0.0
-        return out
+        """The step's seconds of reductions and gathers, run and exposed (inflight.py); then reset."""
+        return self.inflight.timeline()
 
     def _touch(self, x):
         """RINGZERO_CHECK_OWNERSHIP=1: refuse to write a buffer a started collective still owns."""
@@ -333,14 +290,12 @@ class Workspaces:
             cast_into(seg, g)
         out = L.unit_shard(state.grads, w)
         if self.overlap:      # the add into the accumulator waits for the RS (at a release or the drain)
-            self._pending[key] = [topo.ring.reduce_scatter_start(seg, out)]
-            self._after[key] = (w, k)
+            self.inflight.hold(key, [topo.ring.reduce_scatter_start(seg, out)],
+                               after=functools.partial(self._accumulate, w, k))
             return
         t0 = time.perf_counter()
         topo.ring.reduce_scatter(seg, out)
-        dt = time.perf_counter() - t0
-        self._comm += dt
-        self._exposed += dt
+        self.inflight.blocking("reduce", time.perf_counter() - t0)
         self._accumulate(w, k)
 
     def _accumulate(self, w, k):
@@ -359,8 +314,8 @@ class Workspaces:
             acc += wide
         if k == self.grad_accum - 1:
             cast_into(out, acc)                       # the step's gradient, in the storage dtype
-            if topo.replica_ring is not None and topo.replica_ring.size > 1:
+            if self._replicas:
                 if self.overlap:
-                    self._replica.append(topo.replica_ring.all_reduce_start(out))
+                    self.inflight.replicate(out)
                 else:
                     topo.replica_ring.all_reduce(out)     # across nodes once per step
