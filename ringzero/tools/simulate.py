@@ -32,13 +32,16 @@ What it is
     Where ranks outnumber cores, compute is slowed by ranks/cores (they share
     the cores; the per-n α, β already include it for communication).
 
-    no overlap  every operation in program order (what ringzero runs today).
+    no overlap  every operation in program order (ringzero's default on one host,
+                and --no-overlap).
     overlap     two streams, compute and communication: a unit's gather may
                 start once the previous unit's compute has started (one-ahead
                 prefetch, as FSDP does), a reduce-scatter as soon as its
                 backward is done; the update waits for both streams. Stage
                 1-2's all-gather of the new parameters is taken in the steady
                 state: in front of each unit's next forward, like a gather.
+                (ringzero's default when the ranks span nodes: the engine's
+                overlap and stage 3's prefetch of 1.)
 
 What it is not
     A measurement. ``benchmarks/check_simulate.py`` runs the collectives

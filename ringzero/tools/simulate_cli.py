@@ -201,8 +201,8 @@ def print_predictions(rows, cfg, comp, links, psi, f=None, nodes=None):
           f"{_t(r0['compute']):>12}{_t(r0['comm']):>12}{_t(r0['update']):>12}"
           f"{_t(r1['exposed_comm_s']):>14}" + (f"{r0['step_s'] / b:>10.3f}x" if b else f"{'':>11}" if nodes else "")
           + (f"{r0['internode_bytes'] / 2**20:>11.2f} MiB" if nodes else ""))
-    p("no overlap: every operation in program order, as ringzero runs; overlap: collectives on a "
-      "second stream (one-ahead gathers, reduce-scatters behind the backward).")
+    p("no overlap: every operation in program order (ringzero on one host); overlap: collectives on a "
+      "second stream (one-ahead gathers, reduce-scatters behind the backward; ringzero across nodes).")
     if nodes is not None:
         p("across nodes: bytes one rank sends to other nodes per step (stage 3 sends its all-gathers "
           "over the network, hybrid only its all-reduce)")
