@@ -87,7 +87,16 @@ def one_host(args, n, cwd, env_=None, timeout=300):
     """The trainer on this host (no nodes): ``mpirun -n N python -m mpi4py -m ringzero.train ARGS``."""
     cmd = ["timeout", str(timeout)] + trainer_cli._mpirun() + ["-n", str(n), sys.executable, "-m", "mpi4py",
                                                              "-m", "ringzero.train", *args]
-    return subprocess.run(cmd, cwd=cwd, env=env_ or env(), capture_output=True, text=True, timeout=timeout + 10)
+    for attempt in (1, 2):
+        p = subprocess.run(cmd, cwd=cwd, env=env_ or env(), capture_output=True, text=True, timeout=timeout + 10)
+        # Open MPI's launcher can fail to start its PMIx listener (seen once in CI, right after a
+        # cluster's links were removed) before any rank runs: that start is tried once more
+        if p.returncode == 0 or LAUNCHER_FLAKE not in p.stderr:
+            return p
+    return p
+
+
+LAUNCHER_FLAKE = "PMIx server's listener thread failed to start"
 
 
 def wait_for(pred, timeout, proc=None, step=0.2):
