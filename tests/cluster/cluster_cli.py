@@ -87,7 +87,7 @@ def one_host(args, n, cwd, env_=None, timeout=300):
     """The trainer on this host (no nodes): ``mpirun -n N python -m mpi4py -m ringzero.train ARGS``."""
     cmd = ["timeout", str(timeout)] + trainer_cli._mpirun() + ["-n", str(n), sys.executable, "-m", "mpi4py",
                                                              "-m", "ringzero.train", *args]
-    for attempt in (1, 2):
+    for _ in range(2):
         p = subprocess.run(cmd, cwd=cwd, env=env_ or env(), capture_output=True, text=True, timeout=timeout + 10)
         # Open MPI's launcher can fail to start its PMIx listener (seen once in CI, right after a
         # cluster's links were removed) before any rank runs: that start is tried once more
