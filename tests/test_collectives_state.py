@@ -184,13 +184,17 @@ def test_disagreeing_lengths_raise_not_hang(comm):
         # the Ring refuses further use; a new one works once everyone is back in step
         again = _expect_failure(comm, lambda: ring.all_reduce(np.ones(4, np.float32)), RuntimeError)
         ok = ok and isinstance(again, RuntimeError)
-        comm.Barrier()
-        fresh = Ring(comm)
-        y = np.ones(6, np.float32)
-        fresh.all_reduce(y)
-        ok = ok and np.all(y == n)
-        fresh.free()
+        ok = ok and _fresh_ring_sums(comm, np.ones(6, np.float32))
         assert_all(comm, ok, f"{schedule}: got {e!r}; all ranks: {kinds}; reuse: {again!r}")
+
+
+def _fresh_ring_sums(comm, y) -> bool:
+    """Once every rank is back in step, a new Ring all-reduces y (ones) to comm.size."""
+    comm.Barrier()
+    fresh = Ring(comm)
+    fresh.all_reduce(y)
+    fresh.free()
+    return bool(np.all(y == comm.size))
 
 
 @pytest.mark.mpi
@@ -216,12 +220,7 @@ def test_missing_peer_times_out(comm, schedule, op):
             ok = ok and f"rank {skipper};" in str(e)
     else:
         e, ok = None, True
-    comm.Barrier()  # back in step
-    fresh = Ring(comm)
-    y = np.ones(3, np.float64)
-    fresh.all_reduce(y)
-    ok = ok and np.all(y == n)
-    fresh.free()
+    ok = ok and _fresh_ring_sums(comm, np.ones(3, np.float64))
     assert_all(comm, ok, f"rank {r}: {e!r}")
 
 

@@ -118,16 +118,8 @@ def runs(sets, units: int) -> list:
 def assign_slots(rs) -> tuple:
     """Greedy slot assignment of runs ordered by first position: a slot is
     free again after its run's last position. Returns ({(unit, first): slot}, slots)."""
-    free, live, slot_of, n = [], [], {}, 0
-    for w, a, b in rs:
-        for item in [x for x in live if x[0] < a]:
-            live.remove(item)
-            free.append(item[1])
-        s = free.pop() if free else n
-        n = max(n, s + 1)
-        live.append((b, s))
-        slot_of[(w, a)] = s
-    return slot_of, n
+    slots, n = _greedy([(a, b) for _, a, b in rs])
+    return {(w, a): s for (w, a, _), s in zip(rs, slots)}, n
 
 
 def _tables(rs, slots, lands, order, needs, count):
@@ -148,7 +140,7 @@ def _tables(rs, slots, lands, order, needs, count):
 def _greedy(intervals) -> tuple:
     """Greedy slots of (first, last) intervals (ends inclusive): [slot per interval, in input order], count."""
     out, free, live, n = [None] * len(intervals), [], [], 0
-    for k in sorted(range(len(intervals)), key=lambda k: intervals[k]):
+    for k in sorted(range(len(intervals)), key=lambda k: intervals[k][0]):   # stable: ties keep their order
         a, b = intervals[k]
         for item in [x for x in live if x[0] < a]:
             live.remove(item)
