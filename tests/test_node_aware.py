@@ -26,6 +26,8 @@ def layouts(n):
             N = n // P
             out.append((f"{N}x{P} by slot", [r // P for r in range(n)]))
             out.append((f"{N}x{P} round robin", [f"node{r % N}" for r in range(n)]))
+    if n % 2 == 0 and n > 2:      # two nodes, ranks 0 1 1 0 0 1 ...: one local index's ranks not in node order
+        out.append((f"2x{n // 2} crossed", [(r & 1) ^ (r >> 1 & 1) for r in range(n)]))
     return out
 
 
@@ -123,6 +125,8 @@ def test_node_aware_waits_name_the_rings_ranks(comm):
             ring.all_reduce(x)
         plan = next(iter(ring.cache.plans.values()))
         mates = set(ring.node_group.parent) | set(ring.cross_group.parent)
+        if ring.cross_pair is not None:             # two nodes: the cross pass's own two peers
+            mates |= {ring.cross_pair.left, ring.cross_pair.right}
         for st in plan.steps:
             if isinstance(st, (Wait, MultiWait)) or hasattr(st, "waiting"):
                 peers = st.waiting.peer if isinstance(st.waiting.peer, tuple) else (st.waiting.peer,)

@@ -19,7 +19,9 @@ What it is
     of each of its ranks, so a stall or error line names the Ring's rank.
     ``split(comm)`` makes the two a node-aware call runs on: ``node`` (the
     ranks of this node) and ``cross`` (the ranks with this local index, one
-    per node, in node order).
+    per node, in node order). ``block_order`` says where this node keeps each
+    rank's block, and across two nodes gives the ``Pair`` that replaces
+    ``cross`` there.
 
 What it is not
     A placement policy: ranks stay where the launcher put them. A map that is
@@ -98,6 +100,50 @@ class Group:
 
     def free(self):
         self.comm.Free()
+
+
+class Pair:
+    """Two nodes' cross pass as one directed cycle over every rank: a ring of two, with left != right.
+
+    Between two nodes a same-local-index pair would send both ways at once on one
+    connection, and over Open MPI's TCP that ran at about half the link's rate
+    (docs/multinode.md). Here every pair of ranks carries one direction only:
+    node 0's local l sends to node 1's l and hears from node 1's l+1; node 1's
+    l sends to node 0's l-1 and hears from node 0's l (mod ppn), the reduce-
+    scatter's direction; ``reversed()`` is the all-gather's. ``rank`` is the
+    node index (0 or 1), ``parent`` None: left and right are the Ring's ranks.
+    """
+
+    size, parent = 2, None
+
+    def __init__(self, comm, rank, left, right):
+        self.comm, self.rank, self.left, self.right = comm, rank, left, right
+
+    def reversed(self) -> "Pair":
+        return Pair(self.comm, self.rank, self.right, self.left)
+
+
+def block_order(nm: NodeMap, me: int, comm=None) -> tuple:
+    """(pos, pair): where rank me's node keeps each rank's block in its local-index-major buffer.
+
+    pos[b] = the slot of block b; local rank l's super-block is slots [l*N, (l+1)*N). With N > 2
+    nodes, super-block l holds the blocks of the ranks with local index l, in node order (the
+    cross pass is a group of those ranks) and pair is None. With two nodes the cross pass is a
+    ``Pair``: node 0's super-block l holds [block (0, l), block (1, l)], node 1's super-block l
+    holds [block (0, l-1), block (1, l)], which is what each rank's two Pair peers send and need.
+    """
+    n, N, P = len(nm.node_of), nm.count, nm.ppn
+    if N != 2:
+        lo = nm.local_of
+        return tuple(lo[b] * N + sum(1 for q in range(b) if lo[q] == lo[b]) for b in range(n)), None
+    at = {(nm.node_of[b], nm.local_of[b]): b for b in range(n)}   # (node, local) -> rank
+    k, loc = nm.node_of[me], nm.local_of[me]
+    pos = [0] * n
+    for j in range(P):
+        pos[at[1, j]] = 2 * j + 1
+        pos[at[0, j]] = 2 * j if k == 0 else 2 * ((j + 1) % P)
+    left, right = (at[1, (loc + 1) % P], at[1, loc]) if k == 0 else (at[0, loc], at[0, (loc - 1) % P])
+    return tuple(pos), Pair(comm, k, left, right)
 
 
 def split(comm, nm: NodeMap) -> tuple:

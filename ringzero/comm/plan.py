@@ -94,9 +94,8 @@ def node_aware(ring, plan, name, send, recv, scratch):
 
     With N nodes of P ranks, the n = N*P blocks are laid out in ``perm`` (one
     scratch buffer of S) local-index-major: block b at position
-    ``ring.node_order[b]`` = local_of[b] * N + (b's rank among the ranks with
-    its local index). Local rank l's super-block, perm[l*N*m:(l+1)*N*m], then
-    holds the N blocks of the ranks with local index l, one per node, so:
+    ``ring.node_order[b]`` (nodes.block_order). Local rank l's super-block,
+    perm[l*N*m:(l+1)*N*m], then holds N blocks, one per node, so:
 
         reduce-scatter  copy send into perm; RS inside the node, in place, to
                         super-block l; RS of it across the N nodes (one rank per
@@ -107,10 +106,14 @@ def node_aware(ring, plan, name, send, recv, scratch):
                         all-gather)
 
     Each pass takes the flat schedule comm/schedule.py picks for its group
-    and size. What leaves a node per pass is S (N-1)/N, the least any schedule
-    can send; the intra-node passes move (P-1)/P S over shared memory.
+    and size, except across two nodes: there the cross pass is the ring of
+    two over ``ring.cross_pair`` (nodes.Pair), whose every pair of ranks
+    sends one way only (reversed for the all-gather), and node 1's super-block
+    l holds the block of node 0's l-1, not l. What leaves a node per pass is
+    S (N-1)/N, the least any schedule can send; the intra-node passes move
+    (P-1)/P S over shared memory.
     """
-    node, cross = ring.node_group, ring.cross_group
+    node, cross, pair = ring.node_group, ring.cross_group, ring.cross_pair
     N, isz = cross.size, send.itemsize
     L = len(recv) if name == "all_gather" else len(send)
     m = L // ring.size
@@ -126,10 +129,17 @@ def node_aware(ring, plan, name, send, recv, scratch):
             plan.steps.append(Copy(perm[pos[b] * m:(pos[b] + 1) * m], send[b * m:(b + 1) * m]))
         passes(ring, plan, node, "reduce_scatter", perm, mid, ring.sub_schedule("reduce_scatter", node, perm), sc(2))
         own = recv if name == "reduce_scatter" else send[r * m:(r + 1) * m]
-        passes(ring, plan, cross, "reduce_scatter", mid, own, ring.sub_schedule("reduce_scatter", cross, mid), sc(4))
+        if pair is None:
+            passes(ring, plan, cross, "reduce_scatter", mid, own, ring.sub_schedule("reduce_scatter", cross, mid),
+                   sc(4))
+        else:
+            passes(ring, plan, pair, "reduce_scatter", mid, own, "ring", sc(4))
     if name != "reduce_scatter":
         own = send if name == "all_gather" else send[r * m:(r + 1) * m]
-        passes(ring, plan, cross, "all_gather", own, mid, ring.sub_schedule("all_gather", cross, mid), sc(4), 1)
+        if pair is None:
+            passes(ring, plan, cross, "all_gather", own, mid, ring.sub_schedule("all_gather", cross, mid), sc(4), 1)
+        else:
+            passes(ring, plan, pair.reversed(), "all_gather", own, mid, "ring", sc(4), 1)
         passes(ring, plan, node, "all_gather", mid, perm, ring.sub_schedule("all_gather", node, perm), sc(2), 1)
         out = recv if name == "all_gather" else send
         for b in range(ring.size):

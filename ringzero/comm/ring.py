@@ -109,7 +109,7 @@ from ringzero.comm.cache import MAX_PLANS, PlanCache
 from ringzero.comm.checks import DTYPES, check_args
 from ringzero.comm.diagnostics import Diagnostics, Limits
 from ringzero.comm.executor import Executor
-from ringzero.comm.nodes import NodeMap, split
+from ringzero.comm.nodes import NodeMap, block_order, split
 from ringzero.comm.progress import Pending, Progress
 from ringzero.comm.schedule import DIRECT_RANKS, EAGER_BYTES, NODE_BYTES, SEG_BYTES, TREE_BYTES, choose, defaults
 from ringzero.comm.staging import staged_call
@@ -139,11 +139,10 @@ class Ring:
         self.left, self.right = (self.rank - 1) % self.size, (self.rank + 1) % self.size
         self.nodes = NodeMap.discover(self.comm, nodes)   # collective: which ranks share a node
         self.remote = frozenset(p for p in range(self.size) if self.nodes.crosses(self.rank, p))
-        self.node_group = self.cross_group = self.node_order = None
+        self.node_group = self.cross_group = self.node_order = self.cross_pair = None
         if self.nodes.uniform:       # the node-aware schedule's groups and block order (plan.node_aware)
             self.node_group, self.cross_group = split(self.comm, self.nodes)
-            N, lo = self.nodes.count, self.nodes.local_of
-            self.node_order = tuple(lo[b] * N + sum(1 for q in range(b) if lo[q] == lo[b]) for b in range(self.size))
+            self.node_order, self.cross_pair = block_order(self.nodes, self.rank, self.comm)
         self.limits = Limits.from_env(timeout, stall_warn)
         knobs = defaults(self.size)                      # schedule.py: the rule and its defaults
         self._small_bytes = int(os.environ.get("RINGZERO_SMALL_BYTES", knobs["small_bytes"]))
