@@ -35,7 +35,14 @@ def uniform_rings(comm):
     maps = layouts(comm.size)
     if not maps:
         pytest.skip(f"no uniform multi-node map of {comm.size} ranks with > 1 rank per node")
-    return [(name, labels, Ring(comm, nodes=labels)) for name, labels in maps]
+    rings = []
+    for name, labels in maps:
+        rings.append((name, labels, Ring(comm, nodes=labels)))
+        if labels.count(labels[0]) * 2 == len(labels):   # two nodes: also the Pair cross pass at every size
+            pair = Ring(comm, nodes=labels)
+            pair.pair_bytes = 0
+            rings.append((name + ", pair", labels, pair))
+    return rings
 
 
 @pytest.mark.mpi

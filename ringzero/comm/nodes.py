@@ -123,7 +123,7 @@ class Pair:
         return Pair(self.comm, self.rank, self.right, self.left)
 
 
-def block_order(nm: NodeMap, me: int, comm=None) -> tuple:
+def block_order(nm: NodeMap, me: int, comm=None, pair: bool = True) -> tuple:
     """(pos, pair): where rank me's node keeps each rank's block in its local-index-major buffer.
 
     pos[b] = the slot of block b; local rank l's super-block is slots [l*N, (l+1)*N). With N > 2
@@ -131,9 +131,10 @@ def block_order(nm: NodeMap, me: int, comm=None) -> tuple:
     cross pass is a group of those ranks) and pair is None. With two nodes the cross pass is a
     ``Pair``: node 0's super-block l holds [block (0, l), block (1, l)], node 1's super-block l
     holds [block (0, l-1), block (1, l)], which is what each rank's two Pair peers send and need.
+    pair=False: the group layout at N = 2 too (pair None).
     """
     n, N, P = len(nm.node_of), nm.count, nm.ppn
-    if N != 2:
+    if N != 2 or not pair:
         lo = nm.local_of
         return tuple(lo[b] * N + sum(1 for q in range(b) if lo[q] == lo[b]) for b in range(n)), None
     at = {(nm.node_of[b], nm.local_of[b]): b for b in range(n)}   # (node, local) -> rank

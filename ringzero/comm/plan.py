@@ -106,18 +106,19 @@ def node_aware(ring, plan, name, send, recv, scratch):
                         all-gather)
 
     Each pass takes the flat schedule comm/schedule.py picks for its group
-    and size, except across two nodes: there the cross pass is the ring of
-    two over ``ring.cross_pair`` (nodes.Pair), whose every pair of ranks
+    and size, except across two nodes from ``ring.pair_bytes`` (S) up: there
+    the cross pass is the ring of two over ``ring.cross_pair`` (nodes.Pair),
+    whose every pair of ranks
     sends one way only (reversed for the all-gather), and node 1's super-block
     l holds the block of node 0's l-1, not l. What leaves a node per pass is
     S (N-1)/N, the least any schedule can send; the intra-node passes move
     (P-1)/P S over shared memory.
     """
-    node, cross, pair = ring.node_group, ring.cross_group, ring.cross_pair
-    N, isz = cross.size, send.itemsize
+    node, cross, isz = ring.node_group, ring.cross_group, send.itemsize
     L = len(recv) if name == "all_gather" else len(send)
-    m = L // ring.size
-    pos, r = ring.node_order, ring.rank
+    N, m, r = cross.size, L // ring.size, ring.rank
+    pair = ring.cross_pair if ring.cross_pair is not None and 0 <= ring.pair_bytes <= L * isz else None
+    pos = ring.node_order if pair is None else ring.pair_order
 
     def sc(first):          # every pass its own scratch slots: 0 is perm, then 2 apiece
         return lambda nb, k=2: scratch(nb, k, first)

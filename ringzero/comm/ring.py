@@ -102,7 +102,7 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from ringzero.comm import kernels
+from ringzero.comm import kernels, schedule
 from ringzero.comm import plan as planmod
 from ringzero.comm.backend import Staging, cuda_aware, sync
 from ringzero.comm.cache import MAX_PLANS, PlanCache
@@ -139,10 +139,11 @@ class Ring:
         self.left, self.right = (self.rank - 1) % self.size, (self.rank + 1) % self.size
         self.nodes = NodeMap.discover(self.comm, nodes)   # collective: which ranks share a node
         self.remote = frozenset(p for p in range(self.size) if self.nodes.crosses(self.rank, p))
-        self.node_group = self.cross_group = self.node_order = self.cross_pair = None
-        if self.nodes.uniform:       # the node-aware schedule's groups and block order (plan.node_aware)
+        self.node_group = self.cross_group = self.node_order = self.cross_pair = self.pair_order = None
+        if self.nodes.uniform:       # the node-aware schedule's groups and block orders (plan.node_aware)
             self.node_group, self.cross_group = split(self.comm, self.nodes)
-            self.node_order, self.cross_pair = block_order(self.nodes, self.rank, self.comm)
+            self.node_order, _ = block_order(self.nodes, self.rank, self.comm, pair=False)
+            self.pair_order, self.cross_pair = block_order(self.nodes, self.rank, self.comm)
         self.limits = Limits.from_env(timeout, stall_warn)
         knobs = defaults(self.size)                      # schedule.py: the rule and its defaults
         self._small_bytes = int(os.environ.get("RINGZERO_SMALL_BYTES", knobs["small_bytes"]))
@@ -152,6 +153,7 @@ class Ring:
         self._direct_bytes = int(os.environ.get("RINGZERO_DIRECT_BYTES", knobs["direct_bytes"]))
         self._latency_bytes = int(os.environ.get("RINGZERO_LATENCY_BYTES", knobs["latency_bytes"]))
         self._node_bytes = int(os.environ.get("RINGZERO_NODE_BYTES", NODE_BYTES))
+        self._pair_bytes = int(os.environ.get("RINGZERO_PAIR_BYTES", schedule.PAIR_BYTES))   # -1: never
         self.pow2 = self.size & (self.size - 1) == 0
         self.cache = PlanCache(MAX_PLANS)
         self._hot = self.cache.hot   # the hot path's one dictionary
@@ -181,6 +183,7 @@ class Ring:
     latency_bytes = _knob("latency_bytes")  # RS/AG at or below (power-of-two n): the tree, not direct
     eager_bytes = _knob("eager_bytes")    # recursive doubling's largest message (up to 4 of them)
     node_bytes = _knob("node_bytes")      # at or above, across N > 1 nodes of P > 1 ranks: node_aware; -1: never
+    pair_bytes = _knob("pair_bytes")      # at or above, node-aware across two nodes: the cross pass as nodes.Pair
     del _knob
 
     timeout = property(lambda self: self.limits.timeout)
@@ -285,7 +288,7 @@ class Ring:
             return (name, op, type(send), send.dtype, send.shape, send.strides, _where(send),
                     type(recv), recv.shape, recv.strides, _where(recv),
                     self._small_bytes, self._tree_bytes, self._seg_bytes, self._direct_bytes, self._eager_bytes,
-                    self._latency_bytes, self._node_bytes)
+                    self._latency_bytes, self._node_bytes, self._pair_bytes)
         except Exception:  # noqa: BLE001 (not an array MPI takes: check_args says why)
             return None
 

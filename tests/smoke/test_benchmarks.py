@@ -38,6 +38,7 @@ RUNS = {
     "check_simulate.py": [(None, ["--ns", "2", "--models", "1L-32C", "--iters", "2", "--max-bytes", "16K"],
                            r"^\|error\|: median")],
     "interleave_bias.py": [(2, ["4096"], r"all_reduce\s+4096\s+loop\s+ring")],
+    "link_pairs.py": [(4, ["64K", "--repeats", "1"], r"^\s+65,536\s+both ways, 2 pairs\s+[\d.]+$")],
     "plan_profile.py": [(2, ["all_reduce", "4K", "20"], r"Ring call .* us, MPI")],
     "ring_before_after.py": [(2, [PREV, "--ops", "all_reduce", "--sizes", "4K", "--allocs", "1", "--budget", "0.05"],
                               r"all_reduce\s+4096")],
