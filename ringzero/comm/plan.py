@@ -108,11 +108,10 @@ def node_aware(ring, plan, name, send, recv, scratch):
     Each pass takes the flat schedule comm/schedule.py picks for its group
     and size, except across two nodes from ``ring.pair_bytes`` (S) up: there
     the cross pass is the ring of two over ``ring.cross_pair`` (nodes.Pair),
-    whose every pair of ranks
-    sends one way only (reversed for the all-gather), and node 1's super-block
-    l holds the block of node 0's l-1, not l. What leaves a node per pass is
-    S (N-1)/N, the least any schedule can send; the intra-node passes move
-    (P-1)/P S over shared memory.
+    whose every pair of ranks sends one way only (reversed for the
+    all-gather), and node 1's super-block l holds the block of node 0's l-1,
+    not l. What leaves a node per pass is S (N-1)/N, the least any schedule
+    can send; the intra-node passes move (P-1)/P S over shared memory.
     """
     node, cross, isz = ring.node_group, ring.cross_group, send.itemsize
     L = len(recv) if name == "all_gather" else len(send)
@@ -123,6 +122,12 @@ def node_aware(ring, plan, name, send, recv, scratch):
     def sc(first):          # every pass its own scratch slots: 0 is perm, then 2 apiece
         return lambda nb, k=2: scratch(nb, k, first)
 
+    def across(op, a, b, phase):   # the pass across the nodes, on super-block mid
+        if pair is None:
+            passes(ring, plan, cross, op, a, b, ring.sub_schedule(op, cross, mid), sc(4), phase)
+        else:
+            passes(ring, plan, pair if op == "reduce_scatter" else pair.reversed(), op, a, b, "ring", sc(4), phase)
+
     perm = scratch(L * isz, 1, 0)[0].view(send.dtype)[:L]
     mid = perm[node.rank * N * m:(node.rank + 1) * N * m]   # super-block l, in place in perm
     if name != "all_gather":
@@ -130,17 +135,10 @@ def node_aware(ring, plan, name, send, recv, scratch):
             plan.steps.append(Copy(perm[pos[b] * m:(pos[b] + 1) * m], send[b * m:(b + 1) * m]))
         passes(ring, plan, node, "reduce_scatter", perm, mid, ring.sub_schedule("reduce_scatter", node, perm), sc(2))
         own = recv if name == "reduce_scatter" else send[r * m:(r + 1) * m]
-        if pair is None:
-            passes(ring, plan, cross, "reduce_scatter", mid, own, ring.sub_schedule("reduce_scatter", cross, mid),
-                   sc(4))
-        else:
-            passes(ring, plan, pair, "reduce_scatter", mid, own, "ring", sc(4))
+        across("reduce_scatter", mid, own, 0)
     if name != "reduce_scatter":
         own = send if name == "all_gather" else send[r * m:(r + 1) * m]
-        if pair is None:
-            passes(ring, plan, cross, "all_gather", own, mid, ring.sub_schedule("all_gather", cross, mid), sc(4), 1)
-        else:
-            passes(ring, plan, pair.reversed(), "all_gather", own, mid, "ring", sc(4), 1)
+        across("all_gather", own, mid, 1)
         passes(ring, plan, node, "all_gather", mid, perm, ring.sub_schedule("all_gather", node, perm), sc(2), 1)
         out = recv if name == "all_gather" else send
         for b in range(ring.size):
