@@ -38,10 +38,10 @@ def uniform_rings(comm):
     rings = []
     for name, labels in maps:
         rings.append((name, labels, Ring(comm, nodes=labels)))
-        if labels.count(labels[0]) * 2 == len(labels):   # two nodes: also the Pair cross pass at every size
-            pair = Ring(comm, nodes=labels)
-            pair.pair_bytes = 0
-            rings.append((name + ", pair", labels, pair))
+        if labels.count(labels[0]) * 2 == len(labels):   # two nodes: also the group's exchange (no Pair)
+            group = Ring(comm, nodes=labels)
+            group.pair_bytes = -1
+            rings.append((name + ", no pair", labels, group))
     return rings
 
 

@@ -87,9 +87,9 @@ EAGER_BYTES = 4000         # recursive doubling cuts a buffer of up to 4x this e
                            # of at most this: Open MPI's shared-memory eager limit is 4096 bytes,
                            # header included, and a 4 KiB message pays a rendezvous round trip
 NODE_BYTES = 0             # at or above, on ranks that span N > 1 nodes of P > 1 ranks each: node_aware
-PAIR_BYTES = 4 << 20       # at or above, across two nodes: the cross pass as one directed cycle (nodes.Pair);
-                           # 2x2 at 1 Gbit/s: at 16 MiB 1.2-1.3x the link's limit against 1.4-1.8x, at 1 MiB
-                           # 18 ms against 11-14 (docs/multinode.md)
+PAIR_BYTES = 0             # at or above, across two nodes: the cross pass as one directed cycle (nodes.Pair);
+                           # -1: the group's exchange. 2x2 at 1 Gbit/s: as fast from 256 KiB, 1.3-1.5x faster
+                           # from 4 MiB (docs/multinode.md)
                            # (RINGZERO_NODE_BYTES; -1: never)
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 KNOBS = ("small_bytes", "tree_bytes", "direct_bytes", "latency_bytes")  # choose()'s thresholds, by name
