@@ -183,7 +183,7 @@ class Ring:
     latency_bytes = _knob("latency_bytes")  # RS/AG at or below (power-of-two n): the tree, not direct
     eager_bytes = _knob("eager_bytes")    # recursive doubling's largest message (up to 4 of them)
     node_bytes = _knob("node_bytes")      # at or above, across N > 1 nodes of P > 1 ranks: node_aware; -1: never
-    pair_bytes = _knob("pair_bytes")      # at or above, node-aware across 2 nodes: the cross pass as nodes.Pair; -1: never
+    pair_bytes = _knob("pair_bytes")      # at or above, node-aware across 2 nodes: the cross pass is nodes.Pair
     del _knob
 
     timeout = property(lambda self: self.limits.timeout)
