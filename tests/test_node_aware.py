@@ -38,10 +38,13 @@ def uniform_rings(comm):
     rings = []
     for name, labels in maps:
         rings.append((name, labels, Ring(comm, nodes=labels)))
-        if labels.count(labels[0]) * 2 == len(labels):   # two nodes: also the group's exchange (no Pair)
-            group = Ring(comm, nodes=labels)
-            group.pair_bytes = -1
-            rings.append((name + ", no pair", labels, group))
+        other = Ring(comm, nodes=labels)   # the other cross pass at every size the test takes
+        if labels.count(labels[0]) * 2 == len(labels):   # two nodes: the group's exchange (no Pair)
+            other.pair_bytes = -1
+            rings.append((name + ", no pair", labels, other))
+        else:                                           # more: the group's ring
+            other.cross_ring_bytes = 0
+            rings.append((name + ", cross ring", labels, other))
     return rings
 
 

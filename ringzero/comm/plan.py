@@ -106,12 +106,15 @@ def node_aware(ring, plan, name, send, recv, scratch):
                         all-gather)
 
     Each pass takes the flat schedule comm/schedule.py picks for its group
-    and size, except across two nodes from ``ring.pair_bytes`` (S) up: there
-    the cross pass is the ring of two over ``ring.cross_pair`` (nodes.Pair),
-    whose every pair of ranks sends one way only (reversed for the
-    all-gather), and node 1's super-block l holds the block of node 0's l-1,
-    not l. What leaves a node per pass is S (N-1)/N, the least any schedule
-    can send; the intra-node passes move (P-1)/P S over shared memory.
+    and size, except the pass across the nodes, where a pair of ranks that
+    sends both ways at once halves the link's rate over TCP (docs/multinode.md):
+    across two nodes from ``ring.pair_bytes`` (S) up it is the ring of two
+    over ``ring.cross_pair`` (nodes.Pair), whose every pair of ranks sends
+    one way only (reversed for the all-gather), and node 1's super-block l
+    holds the block of node 0's l-1, not l; across more nodes, from
+    ``ring.cross_ring_bytes`` up, the group's ring. What leaves a node per
+    pass is S (N-1)/N, the least any schedule can send; the intra-node passes
+    move (P-1)/P S over shared memory.
     """
     node, cross, isz = ring.node_group, ring.cross_group, send.itemsize
     L = len(recv) if name == "all_gather" else len(send)
@@ -124,7 +127,9 @@ def node_aware(ring, plan, name, send, recv, scratch):
 
     def across(op, a, b, phase):   # the pass across the nodes, on super-block mid
         if pair is None:
-            passes(ring, plan, cross, op, a, b, ring.sub_schedule(op, cross, mid), sc(4), phase)
+            one_way = 0 <= ring.cross_ring_bytes <= L * isz   # the ring: each pair of ranks sends one way
+            sched = "ring" if one_way else ring.sub_schedule(op, cross, mid)
+            passes(ring, plan, cross, op, a, b, sched, sc(4), phase)
         else:
             passes(ring, plan, pair if op == "reduce_scatter" else pair.reversed(), op, a, b, "ring", sc(4), phase)
 

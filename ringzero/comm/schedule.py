@@ -70,7 +70,9 @@ What it is not
     A cost model of the machine: rounds and bytes only (simulate.py fits α, β).
     The node-aware schedule (``nodes`` > 1) is the first row of the rule: ranks
     that span several nodes with the same number on each sum inside each node,
-    cross once, and gather back (plan.node_aware); its passes use this table.
+    cross once, and gather back (plan.node_aware); its passes use this table,
+    but for the one across the nodes from PAIR_BYTES / CROSS_RING_BYTES up,
+    which sends one way per pair of ranks.
 """
 from __future__ import annotations
 
@@ -87,10 +89,12 @@ EAGER_BYTES = 4000         # recursive doubling cuts a buffer of up to 4x this e
                            # of at most this: Open MPI's shared-memory eager limit is 4096 bytes,
                            # header included, and a 4 KiB message pays a rendezvous round trip
 NODE_BYTES = 0             # at or above, on ranks that span N > 1 nodes of P > 1 ranks each: node_aware
+                           # (RINGZERO_NODE_BYTES; -1: never)
 PAIR_BYTES = 0             # at or above, across two nodes: the cross pass as one directed cycle (nodes.Pair);
                            # -1: the group's exchange. 2x2 at 1 Gbit/s: as fast from 256 KiB, 1.3-1.5x faster
                            # from 4 MiB (docs/multinode.md)
-                           # (RINGZERO_NODE_BYTES; -1: never)
+CROSS_RING_BYTES = 4 << 20  # at or above, across N > 2 nodes: the cross pass takes the ring (each pair one way);
+                            # 4x2 at 1 Gbit/s, 4-16 MiB: 14-20 % faster RS and AR than direct (docs/multinode.md)
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 KNOBS = ("small_bytes", "tree_bytes", "direct_bytes", "latency_bytes")  # choose()'s thresholds, by name
 
@@ -134,15 +138,18 @@ def steps_wire(op: str, n: int, S: float, nodes: int = 1, **knobs) -> tuple:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if n < 2:
         return 0, 0.0
+    across = ("node_bytes", "pair_bytes", "cross_ring_bytes")
     if nodes > 1 and n % nodes == 0 and n // nodes > 1 and knobs.get("node_bytes", NODE_BYTES) >= 0:
-        P, k = n // nodes, {x: v for x, v in knobs.items() if x != "node_bytes"}
+        P, k = n // nodes, {x: v for x, v in knobs.items() if x not in across}
+        ring_from = knobs.get("cross_ring_bytes", CROSS_RING_BYTES)
+        kx = {**k, "direct_bytes": 0, "tree_bytes": 0} if nodes > 2 and 0 <= ring_from <= S else k  # the ring
         rounds, sent = 0, 0.0
         for sub in ("reduce_scatter", "all_gather") if op == "all_reduce" else (op,):
             a = steps_wire(sub, P, S, **k)               # inside the node, on the whole buffer
-            b = steps_wire(sub, nodes, S / P, **k)       # across the nodes, on one super-block
+            b = steps_wire(sub, nodes, S / P, **kx)      # across the nodes, on one super-block
             rounds, sent = rounds + a[0] + b[0], sent + a[1] + b[1]
         return rounds, sent
-    k = {**defaults(n), **{x: v for x, v in knobs.items() if x != "node_bytes"}}
+    k = {**defaults(n), **{x: v for x, v in knobs.items() if x not in across}}
     sched = choose(op, n, S, n, k["small_bytes"], k["tree_bytes"], k["direct_bytes"], k["latency_bytes"])
     passes = 2 if op == "all_reduce" else 1
     if sched == "recursive_doubling":
