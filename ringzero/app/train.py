@@ -5,7 +5,7 @@ What it is
     by the sharding runtime at any ZeRO stage, with a tqdm bar, held-out
     evaluation, the memory and traffic accounting of the running stage, a
     JSONL metrics file (ringzero/metrics.py) and a text sample at the end.
-    Only rank 0 prints. ``run`` reads as its four parts::
+    Only rank 0 prints. ``run`` reads as its four parts (the reports are reports.py)::
 
         start_report   model, data, Ψ, and model state per rank: measured vs formula
         train_loop     the steps: lr schedule, engine.step, metrics, checkpoints, evals
@@ -34,12 +34,9 @@ import numpy as np
 
 from ringzero.app.config import Config, ConfigError, build_parser, gpt_config, lr_at, parse_config, validate  # noqa: F401
 from ringzero.app.exits import agree, leave, under_mpi
+from ringzero.app.reports import end_report, start_report, summarize
 from ringzero.metrics import read_metrics  # noqa: F401  (its old home; tools import ringzero.metrics)
 from ringzero.sizes import parse_size
-
-
-def _mib(b) -> str:
-    return f"{b / 2**20:9.2f} MiB"
 
 
 # ---------------------------------------------------------------------- run
@@ -74,39 +71,6 @@ def prepare(cfg: Config, n: int):
         except MemoryBudgetError as e:
             raise ConfigError(f"--mem-budget {cfg.mem_budget}: {e}") from None
     return corpus, model, budget
-
-
-def start_report(say, cfg: Config, corpus, engine, H: float) -> dict:
-    """Print what runs and the model state per rank beside the formulas; return the memory report."""
-    from ringzero.runtime import accounting
-    L, n, mem = engine.layout, engine.topology.world_size, engine.memory_report()
-    g, pr, K = engine.model.cfg, cfg.precision, cfg.grad_accum
-    say(f"ringzero | {corpus.describe()}")
-    say(f"ringzero | GPT {cfg.model + ' ' if cfg.model else ''}{g.n_layer}L {g.n_head}H {g.n_embd}C "
-        f"T={cfg.seq_len} (context {g.block_size}) V={g.vocab}, Ψ = {L.numel:,} "
-        f"(padded {L.padded:,}), Nd = {n}, stage {cfg.stage} "
-        f"({accounting.bytes_per_param_formula(cfg.stage, pr, K)}), {pr}"
-        f"{' (no loss scaler)' if pr == 'bf16' else ''}, {cfg.device}"
-        f"{', overlap' if engine.overlap else ''}{f', prefetch {engine.prefetch}' if engine.prefetch else ''}")
-    if K > 1:
-        say(f"ringzero | grad accumulation: {K} micro-batches of {cfg.batch // K} rows per step "
-            f"({'summed on the rank, reduced once' if engine.policy.accumulate_locally else 'reduce-scattered each'}"
-            f"; global batch {cfg.batch * n} sequences)")
-    say(f"ringzero | held-out unigram entropy {H:.3f} nats (target: final eval loss <= {0.6 * H:.3f})")
-    say("model state per rank       measured       formula")
-    for c, d in mem["classes"].items():
-        say(f"  {accounting.class_name(c, pr):<18} {_mib(d['measured_bytes'])} {_mib(d['formula_bytes'])}")
-    say(f"  {'total':<18} {_mib(mem['model_state_measured'])} {_mib(mem['model_state_formula'])}")
-    say("  workspace (not model state): " + ", ".join(f"{k} {_mib(v).strip()}" for k, v in mem["workspace"].items()))
-    others = []
-    for st in accounting.STAGES:
-        hybrid = accounting.replicated_across_nodes(st)
-        if hybrid and not engine.policy.hybrid:
-            continue        # hybrid is shown only when it runs: its group is the node's
-        rpn = L.shards if hybrid else None
-        others.append(f"{st}: {accounting.model_state_total(st, L.padded, n, rpn, pr, K) / 2**20:.2f} MiB")
-    say("  every stage at this Nd: " + " | ".join(others))
-    return mem
 
 
 @dataclass
@@ -205,62 +169,6 @@ def _save(cfg: Config, engine, step: int) -> str:
     return ck.save(engine, cfg.save_dir, step,
                    config={**dataclasses.asdict(cfg), "gpt": dataclasses.asdict(engine.model.cfg)},
                    data_state={"step": step, "seed": cfg.seed}, keep=cfg.keep or None)
-
-
-def end_report(say, cfg: Config, engine, loop: LoopResult, eval_loss: float, H: float) -> dict:
-    """Print the final loss, throughput and traffic; return the figures the summary keeps."""
-    traffic = engine.traffic_report()     # the last training step's ledger
-    train_loss = float(np.mean(loop.losses[-10:])) if loop.losses else float("nan")
-    steady = loop.times[min(2, len(loop.times) - 1):] or [float("nan")]
-    tput = cfg.batch * cfg.seq_len * engine.topology.world_size / float(np.median(steady))
-    rel = 100 * (1 - eval_loss / H)
-    say(f"ringzero | final held-out loss {eval_loss:.4f} nats vs unigram entropy {H:.4f} "
-        f"({abs(rel):.1f}% {'below' if rel >= 0 else 'above'}); train loss (last 10) {train_loss:.4f}")
-    say(f"ringzero | throughput {tput:,.0f} tokens/s (median step {np.median(steady) * 1e3:.1f} ms), "
-        f"{cfg.steps} steps in {loop.wall:.1f} s")
-    say(f"traffic per step per rank  measured {traffic['measured_bytes_per_step']:,} B   formula "
-        f"{traffic['formula']} = {traffic['formula_bytes_per_step']:,} B")
-    for op, b in traffic["by_op"].items():
-        if b:
-            say(f"  {op:<22} {b:,} B")
-    if traffic["plan_bytes_per_step"] != traffic["formula_bytes_per_step"]:
-        say(f"  differs by {traffic['formula_bytes_per_step'] - traffic['measured_bytes_per_step']:,} B: the "
-            f"last unit's forward and backward are adjacent, so it is gathered once, not twice (as FSDP does)")
-    if traffic["nodes"] > 1:              # the part that left the node (N nodes of P ranks)
-        f = traffic["formula_internode_bytes_per_step"]
-        say(f"  across nodes ({traffic['node_map']})  measured {traffic['measured_internode_bytes_per_step']:,} B   "
-            + (f"formula {traffic['internode_formula']} = {f:,} B" if f is not None else "no formula"))
-    rss = peak_rss_per_rank(engine.comm)
-    say(f"ringzero | peak RSS per rank: max {rss[int(np.argmax(rss))] / 2**20:.1f} MiB (rank {int(np.argmax(rss))}), "
-        f"min {min(rss) / 2**20:.1f} MiB")
-    return {"traffic": traffic, "train_loss": train_loss, "eval_loss": eval_loss, "tokens_per_s": tput,
-            "peak_rss_bytes": rss}
-
-
-def peak_rss_per_rank(comm) -> list:
-    """Every rank's peak resident set size in bytes (getrusage; Linux reports KiB). Collective."""
-    import resource
-    mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    return comm.allgather(int(mine)) if comm.size > 1 else [int(mine)]
-
-
-def summarize(cfg: Config, engine, mem: dict, end: dict, H: float) -> dict:
-    """The closing metrics record (metrics.SUMMARY_KEYS), also run's return value."""
-    L, traffic = engine.layout, end["traffic"]
-    return {"summary": True, "params": L.numel, "params_padded": L.padded,
-            "world_size": engine.topology.world_size, "stage": cfg.stage, "precision": cfg.precision,
-            "grad_accum": cfg.grad_accum, "model": cfg.model or None,
-            "ranks_per_node": engine.policy.ranks_per_node(L.shards),
-            "memory": {c: {"measured_bytes": d["measured_bytes"], "formula_bytes": d["formula_bytes"]}
-                       for c, d in mem["classes"].items()},
-            "traffic": {"measured_bytes_per_step": traffic["measured_bytes_per_step"],
-                        "formula_bytes_per_step": traffic["formula_bytes_per_step"],
-                        "plan_bytes_per_step": traffic["plan_bytes_per_step"],
-                        **{k: traffic[k] for k in ("nodes", "node_ppn", "measured_internode_bytes_per_step",
-                                                   "formula_internode_bytes_per_step", "internode_formula")}},
-            "train_loss": end["train_loss"], "eval_loss": end["eval_loss"], "unigram_entropy": H,
-            "tokens_per_s": end["tokens_per_s"], "activation_peak_bytes": engine.activation_peak,
-            "peak_rss_bytes": end["peak_rss_bytes"]}
 
 
 def run(cfg: Config, comm, stop=None) -> dict:
