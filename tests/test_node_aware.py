@@ -45,6 +45,9 @@ def uniform_rings(comm):
         else:                                           # more: the group's ring
             other.cross_ring_bytes = 0
             rings.append((name + ", cross ring", labels, other))
+        chunked = Ring(comm, nodes=labels)               # the pipeline, in chunks of 4 KiB
+        chunked.chunk_bytes = 4096
+        rings.append((name + ", chunked", labels, chunked))
     return rings
 
 
@@ -74,6 +77,31 @@ def test_node_aware_sums_against_numpy(comm, dtype):
                     bad.append(f"{name}: all_reduce != reduce_scatter + all_gather, L={L}")
         ring.free()
     assert_all(comm, not bad, "; ".join(sorted(set(bad))[:4]))
+
+
+@pytest.mark.mpi
+def test_node_aware_chunks_change_no_bit(comm):
+    """The pipelined chunks add in the unchunked schedule's order: random float32, every op, bitwise."""
+    n, r = comm.size, comm.rank
+    bad = []
+    for name, labels in layouts(comm.size):
+        whole, cut = Ring(comm, nodes=labels), Ring(comm, nodes=labels)
+        whole.chunk_bytes, cut.chunk_bytes = 0, 4096
+        for L in (4099 * n, 10000 * n):
+            x, m = data(r, L, "float32", ints=False), L // n
+            outs = []
+            for ring in (whole, cut):
+                y, rs, ag = x.copy(), np.empty(m, x.dtype), np.empty(L, x.dtype)
+                ring.all_reduce(y)
+                ring.reduce_scatter(x, rs)
+                ring.all_gather(x[:m], ag)
+                outs.append((y, rs, ag))
+            for what, a, b in zip(("all_reduce", "reduce_scatter", "all_gather"), *outs):
+                if not np.array_equal(a, b):
+                    bad.append(f"{name}: {what} L={L} chunked differs from one chunk")
+        whole.free()
+        cut.free()
+    assert_all(comm, not bad, "; ".join(bad[:4]))
 
 
 @pytest.mark.mpi

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from ringzero.comm import algorithms as alg
 from ringzero.comm.builder import Builder
-from ringzero.comm.steps import CollectivePlan, Copy, blocks
+from ringzero.comm.steps import CollectivePlan, Copy, Start, blocks
 
 
 def build(ring, name, xp, send, recv, sched, scratch):
@@ -115,36 +115,96 @@ def node_aware(ring, plan, name, send, recv, scratch):
     ``ring.cross_ring_bytes`` up, the group's ring. What leaves a node per
     pass is S (N-1)/N, the least any schedule can send; the intra-node passes
     move (P-1)/P S over shared memory.
+
+    From 2 x ``ring.chunk_bytes`` of S up, the call runs in K chunks (chunk c:
+    the same slice of every block, so its own K-th of perm) as a pipeline,
+    one chunk's pass across the nodes on the wire while the next (or, for
+    the all-gather, the last) chunk's pass inside the node runs.
     """
     node, cross, isz = ring.node_group, ring.cross_group, send.itemsize
     L = len(recv) if name == "all_gather" else len(send)
-    N, m, r = cross.size, L // ring.size, ring.rank
+    n, N, m, r = ring.size, cross.size, L // ring.size, ring.rank
     pair = ring.cross_pair if ring.cross_pair is not None and 0 <= ring.pair_bytes <= L * isz else None
     pos = ring.node_order if pair is None else ring.pair_order
+    K = max(1, min(m, L * isz // ring.chunk_bytes)) if ring.chunk_bytes > 0 else 1
+    sub = blocks(m, K)      # chunk c: elements [sub[c], sub[c+1]) of every block
 
     def sc(first):          # every pass its own scratch slots: 0 is perm, then 2 apiece
         return lambda nb, k=2: scratch(nb, k, first)
 
+    def steps_of(fn, *args):  # the steps fn appends to the plan, taken out
+        saved, plan.steps = plan.steps, []
+        fn(*args)
+        out, plan.steps = plan.steps, saved
+        return out
+
     def across(op, a, b, phase):   # the pass across the nodes, on super-block mid
         if pair is None:
             one_way = 0 <= ring.cross_ring_bytes <= L * isz   # the ring: each pair of ranks sends one way
-            sched = "ring" if one_way else ring.sub_schedule(op, cross, mid)
+            sched = "ring" if one_way else ring.sub_schedule(op, cross, whole_mid)   # the unchunked call's rule
             passes(ring, plan, cross, op, a, b, sched, sc(4), phase)
         else:
             passes(ring, plan, pair if op == "reduce_scatter" else pair.reversed(), op, a, b, "ring", sc(4), phase)
 
     perm = scratch(L * isz, 1, 0)[0].view(send.dtype)[:L]
-    mid = perm[node.rank * N * m:(node.rank + 1) * N * m]   # super-block l, in place in perm
+    whole_mid = perm[:N * m]
+    node_pass, cross_pass = [], []   # per chunk: its steps inside the node, and across
+    for c in range(K):
+        a, e = sub[c], sub[c + 1]
+        w = e - a
+        pc = perm[n * a:n * e]                                  # chunk c of perm: its n sub-blocks, as pos says
+        mid = pc[node.rank * N * w:(node.rank + 1) * N * w]     # super-block l of the chunk
+        own = (recv[a:e] if name == "reduce_scatter" else send[a:e] if name == "all_gather"
+               else send[r * m + a:r * m + e])
+        if name != "all_gather":
+            ins = [Copy(pc[pos[b] * w:(pos[b] + 1) * w], send[b * m + a:b * m + e]) for b in range(n)]
+            ins += steps_of(passes, ring, plan, node, "reduce_scatter", pc, mid,
+                            ring.sub_schedule("reduce_scatter", node, perm), sc(2))
+            node_pass.append(ins)
+            cross_pass.append(steps_of(across, "reduce_scatter", mid, own, 0))
+        if name != "reduce_scatter":
+            out = recv if name == "all_gather" else send
+            gather = steps_of(passes, ring, plan, node, "all_gather", mid, pc,
+                              ring.sub_schedule("all_gather", node, perm), sc(2), 1)
+            gather += [Copy(out[b * m + a:b * m + e], pc[pos[b] * w:(pos[b] + 1) * w]) for b in range(n)]
+            node_pass.append(gather)
+            cross_pass.append(steps_of(across, "all_gather", own, mid, 1))
+    pipeline(plan, name, node_pass, cross_pass)
+
+
+def _starts(st):
+    """(the Start steps a pass opens with, the rest)."""
+    k = 0
+    while k < len(st) and isinstance(st[k], Start):
+        k += 1
+    return st[:k], st[k:]
+
+
+def pipeline(plan, name, node_pass, cross_pass):
+    """Append the chunks' steps in pipeline order; node_pass[i] / cross_pass[i]: pass i's steps.
+
+    A chunk's pass across the nodes is started, then the next chunk's pass inside the node runs
+    (its waits inside MPI move the network's bytes too), then the one across is finished:
+
+        reduce-scatter  node(0) | start cross(0), node(1), end cross(0) | start cross(1), node(2), ...
+        all-gather      cross(0) | start cross(1), node(0), end cross(1) | ... | node(K-1)
+
+    An all-reduce's passes alternate RS, AG per chunk; all its RS run first. Every chunk keeps the
+    whole buffer's block owners and summation order, so the bits are the unchunked schedule's, and
+    an all-reduce is still its reduce-scatter, then its all-gather.
+    """
+    step = 2 if name == "all_reduce" else 1
     if name != "all_gather":
-        for b in range(ring.size):
-            plan.steps.append(Copy(perm[pos[b] * m:(pos[b] + 1) * m], send[b * m:(b + 1) * m]))
-        passes(ring, plan, node, "reduce_scatter", perm, mid, ring.sub_schedule("reduce_scatter", node, perm), sc(2))
-        own = recv if name == "reduce_scatter" else send[r * m:(r + 1) * m]
-        across("reduce_scatter", mid, own, 0)
+        rs = list(zip(node_pass[::step], cross_pass[::step]))
+        plan.steps += rs[0][0]
+        for c, (_, x) in enumerate(rs):
+            head, rest = _starts(x)
+            plan.steps += head + (rs[c + 1][0] if c + 1 < len(rs) else []) + rest
     if name != "reduce_scatter":
-        own = send if name == "all_gather" else send[r * m:(r + 1) * m]
-        across("all_gather", own, mid, 1)
-        passes(ring, plan, node, "all_gather", mid, perm, ring.sub_schedule("all_gather", node, perm), sc(2), 1)
-        out = recv if name == "all_gather" else send
-        for b in range(ring.size):
-            plan.steps.append(Copy(out[b * m:(b + 1) * m], perm[pos[b] * m:(pos[b] + 1) * m]))
+        first = 1 if name == "all_reduce" else 0
+        ag = list(zip(node_pass[first::step], cross_pass[first::step]))
+        plan.steps += ag[0][1]
+        for c in range(1, len(ag)):
+            head, rest = _starts(ag[c][1])
+            plan.steps += head + ag[c - 1][0] + rest
+        plan.steps += ag[-1][0]

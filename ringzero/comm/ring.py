@@ -155,6 +155,7 @@ class Ring:
         self._node_bytes = int(os.environ.get("RINGZERO_NODE_BYTES", NODE_BYTES))
         self._pair_bytes = int(os.environ.get("RINGZERO_PAIR_BYTES", schedule.PAIR_BYTES))   # -1: never
         self._cross_ring_bytes = int(os.environ.get("RINGZERO_CROSS_RING_BYTES", schedule.CROSS_RING_BYTES))
+        self._chunk_bytes = int(os.environ.get("RINGZERO_CHUNK_BYTES", schedule.CHUNK_BYTES))
         self.pow2 = self.size & (self.size - 1) == 0
         self.cache = PlanCache(MAX_PLANS)
         self._hot = self.cache.hot   # the hot path's one dictionary
@@ -186,6 +187,7 @@ class Ring:
     node_bytes = _knob("node_bytes")      # at or above, across N > 1 nodes of P > 1 ranks: node_aware; -1: never
     pair_bytes = _knob("pair_bytes")      # at or above, node-aware across 2 nodes: the cross pass is nodes.Pair
     cross_ring_bytes = _knob("cross_ring_bytes")  # at or above, node-aware across > 2 nodes: the cross pass's ring
+    chunk_bytes = _knob("chunk_bytes")    # node-aware: the pipeline's chunk of S; 0: one chunk
     del _knob
 
     timeout = property(lambda self: self.limits.timeout)
@@ -290,7 +292,8 @@ class Ring:
             return (name, op, type(send), send.dtype, send.shape, send.strides, _where(send),
                     type(recv), recv.shape, recv.strides, _where(recv),
                     self._small_bytes, self._tree_bytes, self._seg_bytes, self._direct_bytes, self._eager_bytes,
-                    self._latency_bytes, self._node_bytes, self._pair_bytes, self._cross_ring_bytes)
+                    self._latency_bytes, self._node_bytes, self._pair_bytes, self._cross_ring_bytes,
+                    self._chunk_bytes)
         except Exception:  # noqa: BLE001 (not an array MPI takes: check_args says why)
             return None
 

@@ -93,6 +93,9 @@ NODE_BYTES = 0             # at or above, on ranks that span N > 1 nodes of P > 
 PAIR_BYTES = 0             # at or above, across two nodes: the cross pass as one directed cycle (nodes.Pair);
                            # -1: the group's exchange. 2x2 at 1 Gbit/s: as fast from 256 KiB, 1.3-1.5x faster
                            # from 4 MiB (docs/multinode.md)
+CHUNK_BYTES = 2 << 20      # the node-aware schedule cuts S into chunks of about this and pipelines them
+                           # (a chunk's pass across the nodes runs beside the next one's inside the node);
+                           # 0: one chunk
 CROSS_RING_BYTES = 4 << 20  # at or above, across N > 2 nodes: the cross pass takes the ring (each pair one way);
                             # 4x2 at 1 Gbit/s, 4-16 MiB: 14-20 % faster RS and AR than direct (docs/multinode.md)
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
