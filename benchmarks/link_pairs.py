@@ -41,6 +41,10 @@ def main(argv=None) -> int:
     ap.add_argument("sizes", nargs="+", help="bytes per message, e.g. 4M 16M")
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args(argv)
+    try:
+        sizes = [parse_size(t) for t in a.sizes]
+    except ValueError as e:
+        ap.error(str(e))                       # one line, exit 2, on every rank
     w = MPI.COMM_WORLD
     node = w.Split_type(MPI.COMM_TYPE_SHARED)
     if node.size == w.size:                    # one host: its two halves stand in for the nodes
@@ -60,8 +64,7 @@ def main(argv=None) -> int:
         print(f"# link_pairs: {w.size} ranks, {node.size} per node; link {link or 'not set'}; "
               f"MPI {MPI.Get_library_version().split(',')[0].strip()}")
         print(f"{'bytes':>10} {'pattern':>20} {'median ms':>10}" + (f" {'limit ms':>9} {'x limit':>8}" if rate else ""))
-    for text in a.sizes:
-        S = parse_size(text)
+    for S in sizes:
         x, y = np.ones(S, np.uint8), np.empty(S, np.uint8)
         for kind in kinds:
             ts = []
