@@ -42,9 +42,12 @@ def uniform_rings(comm):
         if labels.count(labels[0]) * 2 == len(labels):   # two nodes: the group's exchange (no Pair)
             other.pair_bytes = -1
             rings.append((name + ", no pair", labels, other))
-        else:                                           # more: the group's ring
+        else:                                           # more: the group's ring, and the flat rule
             other.cross_ring_bytes = 0
             rings.append((name + ", cross ring", labels, other))
+            flat = Ring(comm, nodes=labels)
+            flat.cross_ring_bytes = -1
+            rings.append((name + ", no cross ring", labels, flat))
         chunked = Ring(comm, nodes=labels)               # the pipeline, in chunks of 4 KiB
         chunked.chunk_bytes = 4096
         rings.append((name + ", chunked", labels, chunked))

@@ -111,8 +111,10 @@ def node_aware(ring, plan, name, send, recv, scratch):
     across two nodes from ``ring.pair_bytes`` (S) up it is the ring of two
     over ``ring.cross_pair`` (nodes.Pair), whose every pair of ranks sends
     one way only (reversed for the all-gather), and node 1's super-block l
-    holds the block of node 0's l-1, not l; across more nodes, from
-    ``ring.cross_ring_bytes`` up, the group's ring. What leaves a node per
+    holds the block of node 0's l-1, not l; across more nodes the group's
+    ring, for the all-gather at every size and for the reduce-scatter from
+    ``ring.cross_ring_bytes`` up (below it direct is faster: its adds wait
+    for one round, not N-1). What leaves a node per
     pass is S (N-1)/N, the least any schedule can send; the intra-node passes
     move (P-1)/P S over shared memory.
 
@@ -140,7 +142,8 @@ def node_aware(ring, plan, name, send, recv, scratch):
 
     def across(op, a, b, phase):   # the pass across the nodes, on super-block mid
         if pair is None:
-            one_way = 0 <= ring.cross_ring_bytes <= L * isz   # the ring: each pair of ranks sends one way
+            ring_from = ring.cross_ring_bytes     # the ring: each pair of ranks sends one way
+            one_way = 0 <= ring_from and (op == "all_gather" or ring_from <= L * isz)
             sched = "ring" if one_way else ring.sub_schedule(op, cross, whole_mid)   # the unchunked call's rule
             passes(ring, plan, cross, op, a, b, sched, sc(4), phase)
         else:

@@ -96,8 +96,9 @@ PAIR_BYTES = 0             # at or above, across two nodes: the cross pass as on
 CHUNK_BYTES = 2 << 20      # the node-aware schedule cuts S into chunks of about this and pipelines them
                            # (a chunk's pass across the nodes runs beside the next one's inside the node);
                            # 0: one chunk
-CROSS_RING_BYTES = 4 << 20  # at or above, across N > 2 nodes: the cross pass takes the ring (each pair one way);
-                            # 4x2 at 1 Gbit/s, 4-16 MiB: 14-20 % faster RS and AR than direct (docs/multinode.md)
+CROSS_RING_BYTES = 4 << 20  # at or above, across N > 2 nodes: the RS's cross pass takes the ring (each pair one
+                            # way; the AG's always does; -1: neither). 4x2 at 1 Gbit/s: RS and AR 14-30 % faster
+                            # at 4-16 MiB, AG at 1 MiB 8.9 ms against 23.3 (docs/multinode.md)
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 KNOBS = ("small_bytes", "tree_bytes", "direct_bytes", "latency_bytes")  # choose()'s thresholds, by name
 
@@ -145,9 +146,10 @@ def steps_wire(op: str, n: int, S: float, nodes: int = 1, **knobs) -> tuple:
     if nodes > 1 and n % nodes == 0 and n // nodes > 1 and knobs.get("node_bytes", NODE_BYTES) >= 0:
         P, k = n // nodes, {x: v for x, v in knobs.items() if x not in across}
         ring_from = knobs.get("cross_ring_bytes", CROSS_RING_BYTES)
-        kx = {**k, "direct_bytes": 0, "tree_bytes": 0} if nodes > 2 and 0 <= ring_from <= S else k  # the ring
         rounds, sent = 0, 0.0
         for sub in ("reduce_scatter", "all_gather") if op == "all_reduce" else (op,):
+            one_way = nodes > 2 and 0 <= ring_from and (sub == "all_gather" or ring_from <= S)
+            kx = {**k, "direct_bytes": 0, "tree_bytes": 0} if one_way else k    # the ring (plan.node_aware)
             a = steps_wire(sub, P, S, **k)               # inside the node, on the whole buffer
             b = steps_wire(sub, nodes, S / P, **kx)      # across the nodes, on one super-block
             rounds, sent = rounds + a[0] + b[0], sent + a[1] + b[1]
