@@ -186,7 +186,7 @@ class Ring:
     eager_bytes = _knob("eager_bytes")    # recursive doubling's largest message (up to 4 of them)
     node_bytes = _knob("node_bytes")      # at or above, across N > 1 nodes of P > 1 ranks: node_aware; -1: never
     pair_bytes = _knob("pair_bytes")      # at or above, node-aware across 2 nodes: the cross pass is nodes.Pair
-    cross_ring_bytes = _knob("cross_ring_bytes")  # at or above, node-aware across > 2 nodes: the cross pass's ring
+    cross_ring_bytes = _knob("cross_ring_bytes")  # node-aware across > 2 nodes: RS's cross ring from here; -1: none
     chunk_bytes = _knob("chunk_bytes")    # node-aware: the pipeline's chunk of S; 0: one chunk
     del _knob
 

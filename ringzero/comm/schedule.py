@@ -71,8 +71,9 @@ What it is not
     The node-aware schedule (``nodes`` > 1) is the first row of the rule: ranks
     that span several nodes with the same number on each sum inside each node,
     cross once, and gather back (plan.node_aware); its passes use this table,
-    but for the one across the nodes from PAIR_BYTES / CROSS_RING_BYTES up,
-    which sends one way per pair of ranks.
+    but for the one across the nodes, which sends one way per pair of ranks
+    (PAIR_BYTES across two nodes; across more, the all-gather always and the
+    reduce-scatter from CROSS_RING_BYTES).
 """
 from __future__ import annotations
 
