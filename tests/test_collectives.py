@@ -329,3 +329,48 @@ def test_cupy_buffers(comm, monkeypatch, aware, dtype):
                 bad.append("float16 device != host bits")
         ring.free()
     assert_all(comm, not bad, f"aware={aware} {dtype}: {bad}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("aware", ["0", "1"])
+def test_cupy_started_calls_keep_stream_order(comm, monkeypatch, aware):
+    """On a GPU: started calls on buffers whose producing kernels are still queued on the caller's
+    stream, with more kernels queued after the start (a busy loop of matmuls), give exact sums, and
+    what the caller queues after wait() reads the result (backend.StreamOrder)."""
+    if not have_cupy():
+        from ringzero.comm.backend import cupy_missing_reason
+        pytest.skip(f"CuPy with a GPU is not available ({cupy_missing_reason()})")
+    import cupy
+
+    from ringzero.comm.backend import _library_cuda_hint, select_device
+    if aware == "1" and not _library_cuda_hint() and os.environ.get("RINGZERO_CUDA_AWARE") != "1":
+        pytest.skip("this MPI does not say it is CUDA-aware (set RINGZERO_CUDA_AWARE=1 to force)")
+    monkeypatch.setenv("RINGZERO_CUDA_AWARE", aware)
+    select_device(comm)
+    n, r = comm.size, comm.rank
+    ring = Ring(comm)
+    bad = []
+    busy = cupy.ones((2048, 2048), cupy.float32)
+    for m in (1, 4099, 1 << 20):
+        L = n * m
+        src = cupy.asarray(data(r, L, "float32"))
+        for _ in range(3):                      # the first two calls build and keep the plans
+            x = cupy.zeros(L, cupy.float32)
+            s, part, full = cupy.zeros(L, cupy.float32), cupy.empty(m, cupy.float32), cupy.empty(L, cupy.float32)
+            for _ in range(4):
+                busy @ busy                     # the producer is late: its copies queue behind these
+            x += src
+            s += src
+            p1, p2 = ring.all_reduce_start(x), ring.reduce_scatter_start(s, part)
+            for _ in range(4):
+                busy @ busy                     # the caller's compute, beside the calls
+            p1.wait()
+            p2.wait()
+            ring.all_gather_start(part, full).wait()
+            y, z = x * 1, full * 1              # queued after wait(): must read the results
+            want = exact_sum(n, L, "float32")
+            if not (np.array_equal(y.get().astype(np.float64), want)
+                    and np.array_equal(z.get().astype(np.float64), want)):
+                bad.append(f"m={m}")
+    ring.free()
+    assert_all(comm, not bad, f"aware={aware}: {bad}")

@@ -82,6 +82,61 @@ def test_standin_gemm_strided_batched_is_column_major(cp):
                                   blas.CUBLAS_COMPUTE_64F, -1)
 
 
+def _on_thread(fn):
+    """fn() on a new thread (its own current stream and device, as in CUDA); what it raised, or None."""
+    import threading
+    out = []
+
+    def run():
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 (handed back to the test)
+            out.append(e)
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return out[0] if out else None
+
+
+def test_standin_orders_streams_by_events(cp):
+    """Another thread's stream may hand a buffer to MPI only after waiting for its writer's event."""
+    a = cp.zeros(8, cp.float32)
+    cp.cuda.get_current_stream().synchronize()
+    a[:] = 3                                        # a kernel on this thread's stream, not done
+    ev = cp.cuda.Event()
+    ev.record(cp.cuda.get_current_stream())
+    s = cp.cuda.Stream(non_blocking=True)
+
+    def unordered():
+        with s:
+            s.synchronize()
+            a.__cuda_array_interface__
+
+    def ordered():
+        with s:
+            s.wait_event(ev)
+            s.synchronize()
+            a.__cuda_array_interface__
+    err = _on_thread(unordered)
+    assert isinstance(err, RuntimeError) and "another stream" in str(err)
+    assert _on_thread(ordered) is None
+    assert a.__cuda_array_interface__           # this stream: done through the other's wait
+
+
+def test_standin_device_is_per_thread(cp, monkeypatch):
+    """A thread starts on device 0, as in CUDA: a kernel on device 1's arrays needs Device(1) there."""
+    monkeypatch.setenv("RINGZERO_STANDIN_DEVICES", "2")
+    with cp.cuda.Device(1):
+        a = cp.ones(4, cp.float32)
+        err = _on_thread(lambda: cp.add(a, a, out=a))
+        assert isinstance(err, ValueError) and "device" in str(err)
+
+        def on_one():
+            with cp.cuda.Device(1):
+                cp.add(a, a, out=a)
+        assert _on_thread(on_one) is None
+
+
 # ---------------------------------------------------------------- the Ring
 def _data(rank, L, dtype, seed=0):
     rng = np.random.default_rng(seed + 97 * rank)
@@ -145,6 +200,52 @@ def test_ring_device_paths_bitwise_equal_host(comm, cp, monkeypatch, aware, dtyp
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("aware", ["0", "1"])
+def test_ring_started_calls_keep_the_callers_stream_order(comm, cp, monkeypatch, aware):
+    """Started calls on device buffers, made while the caller's stream still has the producing
+    kernels in flight and given more kernels before the wait, on a second device: the bits of
+    the NumPy Ring; the call ran on the Ring's own stream, and the caller's stream waited for it."""
+    from ringzero.comm.ring import Ring
+    monkeypatch.setenv("RINGZERO_CUDA_AWARE", aware)
+    monkeypatch.setenv("RINGZERO_STANDIN_DEVICES", "2")
+    n, r = comm.size, comm.rank
+    bad = []
+    with cp.cuda.Device(1):
+        dev, host = Ring(comm), Ring(comm)
+        for m in (1, 301):
+            L = n * m
+            hs, ha = _data(r, L, "float32", 4), _data(r, L, "float32", 5)
+            ds, da, dp, df = cp.zeros(L, cp.float32), cp.zeros(L, cp.float32), cp.empty(m, cp.float32), \
+                cp.empty(L, cp.float32)
+            other = cp.zeros(L, cp.float32)
+            for _ in range(3):                      # the first two calls build and keep the plans
+                cp.cuda.get_current_stream().synchronize()
+                ds[...] = cp.asarray(hs)            # producers, still "in flight" at the start
+                da[...] = cp.asarray(ha)
+                p1 = dev.all_reduce_start(da)
+                p2 = dev.reduce_scatter_start(ds, dp)
+                other += 1                          # the caller's compute, queued after the starts
+                p1.wait()
+                p2.wait()
+                me = cp.cuda.get_current_stream()
+                if not any(src is dev._order.stream for _, src, _ in me._waits):
+                    bad.append("the caller's stream did not wait for the Ring's")
+                dev.all_gather_start(dp, df).wait()
+            hp, hf = np.empty(m, np.float32), np.empty(L, np.float32)
+            host.all_reduce(ha)
+            host.reduce_scatter(hs, hp)
+            host.all_gather(hp, hf)
+            for name, d, h in (("all_reduce", da, ha), ("reduce_scatter", dp, hp), ("all_gather", df, hf)):
+                if not np.array_equal(d.get().view(np.uint32), h.view(np.uint32)):
+                    bad.append(f"{name} m={m}")
+        if dev._order is None or dev._order.stream._queued == 0 or dev._order.device.id != 1:
+            bad.append("the started calls did not run on the Ring's stream on device 1")
+        for ring in (dev, host):
+            ring.free()
+    assert_all(comm, not bad, f"aware={aware}: {bad}")
+
+
+@pytest.mark.mpi
 def test_ring_mixing_host_and_device_is_type_error(comm, cp):
     from ringzero.comm.ring import Ring
     ring = Ring(comm)
@@ -194,13 +295,15 @@ def same_embed_sum(monkeypatch):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("overlap", [None, True], ids=["default", "overlap"])
 @pytest.mark.parametrize("stage", ["0", "1", "2", "3", "hybrid"])
-def test_engine_cuda_bitwise_equals_cpu(comm, cp, same_embed_sum, stage):
-    """fp32: the device path does the host path's arithmetic, bit for bit."""
+def test_engine_cuda_bitwise_equals_cpu(comm, cp, same_embed_sum, stage, overlap):
+    """fp32: the device path does the host path's arithmetic, bit for bit; with overlap its
+    collectives run on the progress thread's stream (and the CPU reference stays blocking)."""
     kw = {"ranks_per_node": 1 if comm.size % 2 else 2} if stage == "hybrid" else {}
     if stage == "hybrid" and comm.size == 1:
         kw = {"ranks_per_node": 1}
-    l_gpu, m_gpu, eng = _run(comm, stage, "cuda", **kw)
+    l_gpu, m_gpu, eng = _run(comm, stage, "cuda", overlap=overlap, **kw)
     l_cpu, m_cpu, _ = _run(comm, stage, "cpu", **kw)
     same = l_gpu == l_cpu and np.array_equal(m_gpu.view(np.uint32), m_cpu.view(np.uint32))
     assert_all(comm, same, f"stage {stage}: cuda {l_gpu[-1]} vs cpu {l_cpu[-1]}")

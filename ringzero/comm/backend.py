@@ -15,6 +15,8 @@ What it is
     - ``Staging``: grow-only pinned host buffers through which device data
       passes when MPI is not CUDA-aware, plus ``sync(x)``, which waits for the
       CuPy stream before a device buffer is handed to MPI.
+    - ``StreamOrder``: the stream order between a caller's thread and a Ring's
+      progress thread for started calls on device buffers (progress.py).
 
 What it is not
     Any arithmetic or communication; ring.py does that on whatever
@@ -23,6 +25,7 @@ What it is not
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
 import re
@@ -232,3 +235,59 @@ class Staging:
                 self._bufs[slot] = (arr, arr)
             self.growths += 1
         return self._bufs[slot][1][:nbytes]
+
+
+class StreamOrder:
+    """Stream order between the caller's thread and a Ring's progress thread, for CuPy buffers.
+
+    Made on the caller's thread at a Ring's first started call on device buffers: it keeps the
+    device current then and makes one non-blocking stream on it, the progress thread's. A Ring's
+    calls run in one order on one thread (every rank's message stream must stay in step), so one
+    stream per Ring carries its reductions and gathers alike; a second Ring (hybrid's replica
+    ring) has its own thread and stream.
+
+        wrap(job, pending)  on the caller's thread: an event marks what the caller's current
+                            stream has queued so far (the kernels that wrote send, and the ones
+                            that read recv's old values); the returned job runs on the progress
+                            thread on this device and stream, which first waits for that event,
+                            so every ``sync`` inside the job (before MPI reads a buffer, after an
+                            add, the staging copies) waits for the producer and for nothing the
+                            caller queued after the start: its compute runs on beside the call.
+                            Then an event marks the job's own work (pending.finished).
+        join(event)         at ``Pending.wait``, on the caller's thread: its current stream waits
+                            for that event, so what it queues next reads the result.
+
+    Events come from a free list, so the steady state creates none.
+    """
+
+    def __init__(self, cupy):
+        self._cp = cupy
+        self.device = cupy.cuda.Device()                      # the caller's current device
+        self.stream = cupy.cuda.Stream(non_blocking=True)     # on that device
+        self._free = collections.deque()
+
+    def _event(self):
+        try:
+            return self._free.pop()
+        except IndexError:
+            return self._cp.cuda.Event(disable_timing=True)
+
+    def wrap(self, job, pending):
+        ready = self._event()
+        ready.record(self._cp.cuda.get_current_stream())
+
+        def run():
+            with self.device, self.stream:
+                self.stream.wait_event(ready)
+                self._free.append(ready)          # the wait took its state: free to record again
+                try:
+                    job()
+                finally:
+                    done = self._event()
+                    done.record(self.stream)
+                    pending.finished = done
+        return run
+
+    def join(self, event):
+        self._cp.cuda.get_current_stream().wait_event(event)
+        self._free.append(event)

@@ -23,6 +23,11 @@ What it is
         in the background (a bad count, a timeout naming op, context and peer)
         is raised by ``wait`` on the caller's thread, and the Ring is then
         unusable as after any error;
+      - device buffers (CuPy): the call runs on the Ring's own stream and device
+        (backend.StreamOrder), after an event that marks what the caller's
+        stream had queued at the start, and ``wait`` makes the caller's
+        stream wait for the call's last kernels: the caller's kernels queued
+        after the start run beside it, never under it;
       - ownership: until ``wait`` returns, the collective owns its buffers
         (it reads send and writes recv). Calls on one Ring run in order, like
         work on one CUDA stream, so a later call may read what an earlier one
@@ -61,11 +66,14 @@ def _span(x):
 class Pending:
     """A started collective. ``wait()`` returns its recv or raises what the background run raised."""
 
-    __slots__ = ("name", "recv", "reads", "writes", "ran", "cpu", "_done", "_error", "_progress")
+    __slots__ = ("name", "recv", "reads", "writes", "ran", "cpu", "_done", "_error", "_progress",
+                 "order", "finished")
 
-    def __init__(self, name, send, recv, progress=None):
+    def __init__(self, name, send, recv, progress=None, order=None):
         self.name, self.recv = name, recv
         self._progress = progress   # the Progress that runs it (told when the caller waits)
+        self.order = order          # device buffers: the Ring's backend.StreamOrder (None on the host)
+        self.finished = None        # ... and the event after the job's device work (set by the job)
         self.reads, self.writes = _span(send), _span(recv)
         self.ran = 0.0       # seconds it ran on the progress thread (0 until done)
         self.cpu = 0.0       # of which the progress thread was on a core (MPI, the sockets, the adds)
@@ -88,6 +96,9 @@ class Pending:
                 pr.awaited = None
                 pr.hurry.clear()
         self._done.wait()
+        if self.finished is not None:       # what the caller queues next runs after the job's kernels
+            ev, self.finished = self.finished, None
+            self.order.join(ev)
         if self._error is not None:
             err, self._error = self._error, None
             raise err

@@ -104,7 +104,7 @@ from mpi4py import MPI
 
 from ringzero.comm import kernels, schedule
 from ringzero.comm import plan as planmod
-from ringzero.comm.backend import Staging, cuda_aware, sync
+from ringzero.comm.backend import Staging, StreamOrder, cuda_aware, get_array_module, sync
 from ringzero.comm.cache import MAX_PLANS, PlanCache
 from ringzero.comm.checks import DTYPES, check_args
 from ringzero.comm.diagnostics import Diagnostics, Limits
@@ -167,6 +167,7 @@ class Ring:
         self.executor = Executor(self.comm, self.limits, self.diagnostics, self._on_fail)
         self._run = self.executor.run
         self._progress = None        # the progress thread of the nonblocking forms, once one is started
+        self._order = None           # device buffers: the progress thread's stream and device (backend.StreamOrder)
         WATCHDOG.add(self.executor)
 
     # ---- schedule knobs: setting one drops the id-keyed shortcut to kept plans
@@ -349,7 +350,12 @@ class Ring:
             for p in pr.inflight:
                 p._done.wait()
             job = self._prepare(name, send, recv, op)
-        return pr.submit(job, Pending(name, send, recv, pr))
+        if isinstance(send, np.ndarray):
+            return pr.submit(job, Pending(name, send, recv, pr))
+        if self._order is None:
+            self._order = StreamOrder(get_array_module(send))
+        pending = Pending(name, send, recv, pr, self._order)
+        return pr.submit(self._order.wrap(job, pending), pending)
 
     # ---- what plans are made of --------------------------------------------
     @staticmethod

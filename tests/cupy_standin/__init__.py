@@ -22,6 +22,13 @@ What it is
     - ``__cuda_array_interface__`` (how mpi4py hands a device buffer to MPI)
       refuses while the stream has unsynchronized work: handing a buffer to
       MPI without ``stream.synchronize()`` first is a race on a GPU;
+    - streams and events are modelled as work in stream order: each thread
+      has its own current stream (``with stream:``) and current device (a
+      kernel on another device's array is CuPy's ValueError), a kernel records
+      the allocation it writes, and a buffer whose last writer on some other
+      stream is not known to be done (no ``wait_event`` on its event, then a
+      synchronize) is refused by ``__cuda_array_interface__`` and ``get()``,
+      as the race it would be on a GPU;
     - ``cupy.matmul`` on arrays of more than 2 dims makes the copies CuPy
       makes (float16 operands are copied to float32, the result lands in a
       temporary and is copied into ``out``), counted in ``stats()``;
@@ -46,7 +53,18 @@ import types
 import numpy as np
 
 from . import _routines
-from ._core import _S, CUDARuntimeError, Device, Stream, _synchronize, get_current_stream, n_devices, ndarray, stats
+from ._core import (
+    _S,
+    CUDARuntimeError,
+    Device,
+    Event,
+    Stream,
+    _synchronize,
+    get_current_stream,
+    n_devices,
+    ndarray,
+    stats,
+)
 from ._cuda import (
     _POOL,
     CUBLAS_COMPUTE_16F,
@@ -117,7 +135,7 @@ def _build():
     dev.get_cublas_handle = get_cublas_handle
     dev.Device = Device
     cuda.runtime, cuda.cublas, cuda.device = rt, blas, dev
-    cuda.Stream, cuda.Device, cuda.get_current_stream = Stream, Device, get_current_stream
+    cuda.Stream, cuda.Event, cuda.Device, cuda.get_current_stream = Stream, Event, Device, get_current_stream
     cuda.get_cublas_handle = get_cublas_handle
     cuda.alloc_pinned_memory, cuda.PinnedMemoryPointer = alloc_pinned_memory, PinnedMemoryPointer
     cuda.MemoryPool = MemoryPool
@@ -166,6 +184,9 @@ def run_script(path, argv=()):
 
 
 def reset():
-    _S.pending, _S.device = False, 0
+    _synchronize()
+    _S.device = 0
+    _S.tls.streams = None
+    _S.writes.clear()
     _S.copies.clear()
     _S.allocs = _S.matmul_nd_copies = _S.host_reads = 0

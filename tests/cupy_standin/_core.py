@@ -5,18 +5,22 @@ import bisect
 import ctypes
 import os
 import sys
+import threading
 import weakref
 
 import numpy as np
+from numpy.lib.array_utils import byte_bounds
 
 _SCALARS = (bool, int, float, complex, np.generic)
 
 
 class _State:
+    """The stand-in's device state. ``device`` is per thread, as cudaSetDevice is."""
+
     def __init__(self):
-        self.pending = False          # kernels / async copies not yet synchronized
         self.copies = []              # queued host->device copies: (dst np view, host array)
-        self.device = 0
+        self.tls = threading.local()  # .device, .streams (the `with stream:` stack) of each thread
+        self.writes = {}              # allocation start -> [(lo, hi, Stream, epoch)] of writes maybe not done
         self.live = {}                # root base ptr -> nbytes (device allocations)
         self.starts = []              # sorted base ptrs
         self.used = 0
@@ -25,6 +29,14 @@ class _State:
         self.matmul_nd_copies = 0
         self.host_reads = 0           # device->host reads that block: float(a), int(a), a.get()
         self.pinned = []              # (ptr, nbytes) of pinned host allocations
+
+    device = property(lambda self: getattr(self.tls, "device", 0),
+                      lambda self, d: setattr(self.tls, "device", d))
+
+    @property
+    def pending(self) -> bool:
+        """Has the calling thread's current stream work not yet synchronized?"""
+        return get_current_stream()._busy
 
 
 _S = _State()
@@ -41,47 +53,149 @@ def stats() -> dict:
 
 
 # ---------------------------------------------------------------- streams
+# Work is modelled as epochs: a kernel launched on stream s is s's epoch s._queued += 1, and it is
+# done once s._done reaches it. s.synchronize() (or an event's) completes s up to then, and, through
+# every wait_event s has queued, the other streams' work those events marked. A kernel records
+# the bytes it writes (``_launch(out)``), so a buffer handed to MPI or read back while a write
+# into its bytes is not known to be done is a race the stand-in refuses, whatever thread asks.
 def _flush():
     for dst, host in _S.copies:
         dst[...] = host.reshape(dst.shape)   # read the host array only now, as an async copy does
     _S.copies.clear()
 
 
-def _launch():
-    """A kernel is about to run on the current stream (stream order: queued copies land first)."""
+def _alloc_of(ptr):
+    """The start of the live device allocation holding byte ptr, or None."""
+    i = bisect.bisect_right(_S.starts, ptr) - 1
+    if i >= 0 and ptr < _S.starts[i] + _S.live[_S.starts[i]]:
+        return _S.starts[i]
+    return None
+
+
+def _bounds(w):
+    """[lo, hi) bytes of what a kernel writes: a device array (stand-in, or its NumPy view), or a pointer."""
+    if isinstance(w, int):
+        return w, w + 1
+    a = w._a if isinstance(w, ndarray) else w
+    return byte_bounds(a) if a.size else (0, 0)
+
+
+def _launch(*written):
+    """A kernel is about to run on the current stream (stream order: queued copies land first).
+
+    written: what it writes: device arrays (stand-in, or their NumPy views) or device pointers.
+    Each allocation keeps the byte ranges written by work not known to be done."""
     _flush()
-    _S.pending = True
+    s = get_current_stream()
+    s._queued += 1
+    for w in written:
+        _wrote(_bounds(w), s)
+
+
+def _wrote(bounds, s):
+    lo, hi = bounds
+    k = _alloc_of(lo) if hi > lo else None
+    if k is not None:
+        live = [e for e in _S.writes.get(k, ()) if e[2]._done < e[3]]
+        live.append((lo, hi, s, s._queued))
+        _S.writes[k] = live
+
+
+def _unfinished_writer(a):
+    """The stream of a write into a's bytes that is not known to be done, or None."""
+    lo, hi = _bounds(a)
+    for wlo, whi, s, ep in _S.writes.get(_alloc_of(lo), ()) if hi > lo else ():
+        if wlo < hi and lo < whi and s._done < ep:
+            return s
+    return None
 
 
 def _synchronize():
+    """cudaDeviceSynchronize: every stream's work done."""
     _flush()
-    _S.pending = False
+    for s in list(Stream._all):
+        s._done = s._queued
 
 
 class Stream:
+    _all = weakref.WeakSet()
+
     def __init__(self, null=False, non_blocking=False, ptds=False, priority=None):
-        self.ptr = 0 if null else 1
+        self.ptr = 0 if null else id(self)
+        self._queued = self._done = 0     # epochs: work queued, work done
+        self._waits = []            # (my epoch, event's stream, its epoch) of each wait_event
         self._prev = None
+        Stream._all.add(self)
+
+    _busy = property(lambda self: self._done < self._queued)
+    done = property(lambda self: not self._busy)    # CuPy's: all work queued here is done
+
+    def _complete(self, upto):
+        if upto <= self._done:
+            return
+        self._done = upto
+        for mine, src, theirs in self._waits:
+            if mine <= upto:
+                src._complete(theirs)
+        self._waits = [w for w in self._waits if w[0] > upto]
 
     def synchronize(self):
-        _synchronize()
+        _flush()
+        self._complete(self._queued)
+
+    def wait_event(self, event):
+        """cudaStreamWaitEvent: work queued here after this runs after the event's work."""
+        if event._stream is not None:
+            self._queued += 1
+            self._waits.append((self._queued, event._stream, event._epoch))
+
+    def record(self, event=None):
+        event = Event() if event is None else event
+        event.record(self)
+        return event
 
     def use(self):
+        _S.tls.streams = [self]
         return self
 
     def __enter__(self):
+        st = getattr(_S.tls, "streams", None)
+        if st is None:
+            st = _S.tls.streams = [Stream.null]
+        st.append(self)
         return self
 
     def __exit__(self, *a):
+        _S.tls.streams.pop()
         return False
 
 
 Stream.null = Stream(null=True)
-_current_stream = Stream()
 
 
 def get_current_stream(device_id=-1):
-    return _current_stream
+    st = getattr(_S.tls, "streams", None)
+    return st[-1] if st else Stream.null
+
+
+class Event:
+    """cudaEvent: marks a stream's work queued so far (record); done once that work is."""
+
+    def __init__(self, block=False, disable_timing=False, interprocess=False):
+        self._stream, self._epoch = None, 0
+
+    def record(self, stream=None):
+        self._stream = get_current_stream() if stream is None else stream
+        self._epoch = self._stream._queued
+
+    @property
+    def done(self) -> bool:
+        return self._stream is None or self._stream._done >= self._epoch
+
+    def synchronize(self):
+        if self._stream is not None:
+            _flush()
+            self._stream._complete(self._epoch)
 
 
 class CUDARuntimeError(RuntimeError):
@@ -153,7 +267,7 @@ class MemoryPointer:
         for p in (self.ptr, src.ptr):
             if size and not _inside(p, size):
                 raise RuntimeError(f"cupy stand-in: memcpy [{p:#x}, +{size}) is outside any live device allocation")
-        _launch()
+        _launch(self.ptr)
         ctypes.memmove(self.ptr, src.ptr, size)
 
     @property
@@ -197,6 +311,7 @@ def _wrap(r, fresh=True):
     if not r.flags.owndata or r.base is not None:
         r = r.copy()
     _register(r)
+    _wrote(_bounds(r), get_current_stream())     # the kernel that made it wrote it
     out = ndarray.__new__(ndarray)
     out._a, out._dev = r, _S.device
     return out
@@ -239,6 +354,9 @@ class ndarray:
         if _S.pending:
             raise RuntimeError("cupy stand-in: a device buffer was handed out (to MPI?) while the current "
                                "stream has unsynchronized work; synchronize the stream first")
+        if _unfinished_writer(self._a) is not None:
+            raise RuntimeError("cupy stand-in: a device buffer was handed out (to MPI?) while a kernel that "
+                               "writes it on another stream may still run; wait for its event first")
         a = self._a
         return {"shape": a.shape, "typestr": a.dtype.str, "descr": [("", a.dtype.str)],
                 "data": (a.__array_interface__["data"][0], False), "version": 3, "stream": 1,
@@ -259,7 +377,13 @@ class ndarray:
                 raise ValueError(f"Shape mismatch. Expected shape: {self.shape}, actual shape: {out.shape}")
             if not (out.flags.c_contiguous or out.flags.f_contiguous):
                 raise RuntimeError("`out` cannot be specified when copying to non-contiguous ndarray")
-        _synchronize() if blocking else _flush()
+        if blocking:
+            get_current_stream().synchronize()
+        else:
+            _flush()
+        if _unfinished_writer(self._a) is not None:
+            raise RuntimeError("cupy stand-in: get() read a device buffer that a kernel on another stream "
+                               "may still be writing; make this stream wait for its event first")
         _S.host_reads += 1
         if out is None:
             return np.array(self._a, order=order)
@@ -275,7 +399,7 @@ class ndarray:
             raise ValueError(f"Shape mismatch. Old shape: {self.shape}, new shape: {arr.shape}")
         if not (self._a.flags.c_contiguous or self._a.flags.f_contiguous):
             raise RuntimeError("Cannot set to non-contiguous array")
-        _launch()
+        _launch(self)
         from ._cuda import _pinned
         if _pinned(arr):        # a DMA from page-locked memory: reads arr when the stream gets there
             _S.copies.append((self._a, arr))
@@ -337,7 +461,7 @@ class ndarray:
         if isinstance(value, np.ndarray):
             raise TypeError(f"Unsupported type {type(value)}")
         v = _k(value)
-        _launch()
+        _launch(self)
         self._a[_key(key)] = v
 
     def view(self, dtype=None):
@@ -375,7 +499,7 @@ class ndarray:
         return _wrap(self._a.copy(order=order), fresh=True)
 
     def fill(self, value):
-        _launch()
+        _launch(self)
         self._a.fill(_k(value))
 
     def dot(self, b, out=None):

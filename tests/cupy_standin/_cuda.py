@@ -89,7 +89,7 @@ def scatter_add(a, slices, value):
     """cupyx.scatter_add: an atomicAdd per element on a GPU (order not fixed)."""
     if not isinstance(a, ndarray):
         raise TypeError(f"Unsupported type {type(a)}")
-    _launch()
+    _launch(a)
     np.add.at(a._a, _key(slices), _k(value))
 
 
@@ -119,7 +119,7 @@ def gemmStridedBatchedEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, 
     cdt = np.float64 if computeType in (CUBLAS_COMPUTE_64F, 1) else np.float32
     al = np.frombuffer((ctypes.c_char * 8).from_address(alpha), cdt, 1)[0]
     be = np.frombuffer((ctypes.c_char * 8).from_address(beta), cdt, 1)[0]
-    _launch()
+    _launch(C)
 
     def mat(ptr, typ, ld, stride, rows, cols, trans):
         dt = np.dtype(_ITEM[typ])

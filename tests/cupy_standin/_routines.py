@@ -15,7 +15,7 @@ def _ewise(name):
         xs = [_k(a) for a in args]
         if out is not None and not isinstance(out, ndarray):
             raise TypeError(f"Unsupported type {type(out)}")
-        _launch()
+        _launch(*(() if out is None else (out,)))
         if out is not None:
             npf(*xs, out=out._a, **kw)
             return out
@@ -24,7 +24,7 @@ def _ewise(name):
     def at(a, idx, b):
         if not isinstance(a, ndarray):
             raise TypeError(f"Unsupported type {type(a)}")
-        _launch()
+        _launch(a)
         npf.at(a._a, _key(idx), _k(b))
     f.__name__, f.at = name, at
     return f
@@ -65,7 +65,7 @@ _DTYPE_REDUCTIONS = ("sum", "mean", "prod", "argmax", "argmin")
 
 def _reduce(name, a, axis, dtype, out, keepdims):
     x = _k(a)
-    _launch()
+    _launch(*(() if out is None else (out,)))
     kw = {} if dtype is None else {"dtype": dtype}
     r = getattr(np, name)(x, axis=axis, keepdims=bool(keepdims), **kw)
     if out is not None:
@@ -164,7 +164,7 @@ def copyto(dst, src, casting="same_kind", where=None):
         if src.size != 1:
             raise ValueError("non-scalar numpy.ndarray cannot be used for copyto")
         src = src.reshape(()).item()
-    _launch()
+    _launch(dst)
     np.copyto(dst._a, _k(src), casting=casting, where=True if where is None else _k(where))
 
 
@@ -172,7 +172,7 @@ def take(a, indices, axis=None, out=None):
     if not isinstance(indices, (ndarray, int, np.integer)):
         raise TypeError(f"Unsupported type {type(indices)}")
     x, idx = _k(a), _k(indices)
-    _launch()
+    _launch(*(() if out is None else (out,)))
     # CuPy wraps out-of-range indices around instead of raising (see cupy.take's docs)
     if out is not None:
         np.take(x, idx, axis=axis, out=_k(out), mode="wrap")
@@ -187,7 +187,7 @@ def matmul(a, b, out=None):
     is copied into ``out``)."""
     x, y = _k(a), _k(b)
     o = _k(out)
-    _launch()
+    _launch(*(() if out is None else (out,)))
     if max(x.ndim, y.ndim) > 2:
         dt = np.promote_types(x.dtype, y.dtype)
         cdt = np.dtype(np.float32) if dt == np.float16 else dt
@@ -218,7 +218,7 @@ def dot(a, b, out=None):
             raise ValueError("Not supported dtype combination.")
         if not o.flags.c_contiguous:
             raise ValueError("Output array must be C-contiguous")
-    _launch()
+    _launch(*(() if out is None else (out,)))
     if out is None:
         return _wrap(np.dot(x, y), fresh=True)
     np.dot(x, y, out=o)
@@ -248,7 +248,7 @@ def _simple(name):
         if out is not None and not isinstance(out, ndarray):
             raise TypeError(f"Unsupported type {type(out)}")
         kw = {k: _k(v) if isinstance(v, (ndarray, np.ndarray)) else v for k, v in kw.items()}
-        _launch()
+        _launch(*(() if out is None else (out,)))
         r = npf(x, *args, **kw)
         if out is not None:
             return out                      # written in place: no new allocation
@@ -281,7 +281,7 @@ class _ElementwiseKernel:
                 raise TypeError(f"Unsupported type {type(a)}")
             if a.dtype != np.dtype(t):
                 raise TypeError(f"{self.name}: argument {n} expected {t}, got {a.dtype}")
-        _launch()
+        _launch(*args[len(self.ins):])
         r = self.fn(*[a._a for a in args[:len(self.ins)]])
         if len(args) > len(self.ins):
             args[-1]._a[...] = r
