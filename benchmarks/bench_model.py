@@ -201,6 +201,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--n-embd", type=int, default=GPTConfig.n_embd,
+                    help="model width C (default %(default)s; the trainer's default run uses 128)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--checkpoint", action="store_true",
@@ -220,7 +222,9 @@ def main(argv=None):
         xp, sync = np, (lambda: None)
     dtype = np.dtype(a.dtype)
 
-    cfg = GPTConfig()
+    if a.n_embd < 1 or a.n_embd % GPTConfig.n_head:
+        raise SystemExit(f"--n-embd must be a positive multiple of n_head {GPTConfig.n_head}, got {a.n_embd}")
+    cfg = GPTConfig(n_embd=a.n_embd)
     if a.seq > cfg.block_size:
         raise SystemExit(f"--seq must be <= block_size {cfg.block_size}, got {a.seq}")
     layout = Layout(gpt_units(cfg), 1)
