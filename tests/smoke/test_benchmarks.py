@@ -43,6 +43,7 @@ RUNS = {
     "ring_before_after.py": [(2, [PREV, "--ops", "all_reduce", "--sizes", "4K", "--allocs", "1", "--budget", "0.05"],
                               r"all_reduce\s+4096")],
     "stage3_ring_before_after.py": [(2, [PREV, "2"], r"new/old step time: [\d.]+")],
+    "sgemm_libs.py": [(None, ["--n-embd", "8", "--rows", "16"], r"^\s+the layer\s+\|\s+[\d.]+")],
     "train_peer.py": [(None, PEER, r"^\| ringzero \| 2 \| \d+")],
 }
 # not scripts of their own: what runs them
