@@ -44,13 +44,15 @@ def uniform_rings(comm):
             rings.append((name + ", no pair", labels, other))
         else:                                           # more: the group's ring, and the flat rule
             other.cross_ring_bytes = 0
-            rings.append((name + ", cross ring", labels, other))
+            other.cross_seg_bytes = 200
+            rings.append((name + ", cross ring, cut", labels, other))
             flat = Ring(comm, nodes=labels)
             flat.cross_ring_bytes = -1
             rings.append((name + ", no cross ring", labels, flat))
-        chunked = Ring(comm, nodes=labels)               # the pipeline, in chunks of 4 KiB
-        chunked.chunk_bytes = 4096
-        rings.append((name + ", chunked", labels, chunked))
+        chunked = Ring(comm, nodes=labels)               # the pipeline, in chunks of 4 KiB, and the
+        chunked.chunk_bytes = 4096                       # cross pass's messages cut to 200 bytes
+        chunked.cross_seg_bytes = 200
+        rings.append((name + ", chunked, cut", labels, chunked))
     return rings
 
 
@@ -84,12 +86,14 @@ def test_node_aware_sums_against_numpy(comm, dtype):
 
 @pytest.mark.mpi
 def test_node_aware_chunks_change_no_bit(comm):
-    """The pipelined chunks add in the unchunked schedule's order: random float32, every op, bitwise."""
+    """The pipelined chunks, and the cross pass's messages cut small, add in the unchunked schedule's
+    order: random float32, every op, bitwise."""
     n, r = comm.size, comm.rank
     bad = []
     for name, labels in layouts(comm.size):
         whole, cut = Ring(comm, nodes=labels), Ring(comm, nodes=labels)
         whole.chunk_bytes, cut.chunk_bytes = 0, 4096
+        whole.cross_seg_bytes, cut.cross_seg_bytes = 0, 200
         for L in (4099 * n, 10000 * n):
             x, m = data(r, L, "float32", ints=False), L // n
             outs = []

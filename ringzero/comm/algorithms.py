@@ -200,9 +200,10 @@ def ring_ag(pb, buf, off, send=None):
     left, right = pb.left, pb.right
     own = buf[off[r]:off[r + 1]]
     src = own if send is None else send
-    # segments let a block be forwarded while it arrives; n = 2 forwards nothing,
-    # so there a block is one message (pieces would only add messages and waits)
-    cut = pb.segs if n > 2 else (lambda length, _: [(0, length)])
+    # segments let a block be forwarded while it arrives; n = 2 forwards nothing, so
+    # there a block is one message (pieces would only add messages and waits), unless
+    # the builder cuts for the transport's eager limit (pb.eager: the cross pass)
+    cut = pb.segs if n > 2 or pb.eager else (lambda length, _: [(0, length)])
     sends = [pb.send(src[a:e], right) for a, e in cut(len(own), isz)]
     steps = []
     for s in range(n - 1):

@@ -25,9 +25,12 @@ TAGS = {"all_reduce": 0, "reduce_scatter": 4, "all_gather": 8}  # + phase: ops n
 
 
 class Builder:
-    def __init__(self, ring, plan, phase, group=None):
+    def __init__(self, ring, plan, phase, group=None, seg_bytes=0):
+        """seg_bytes > 0: the ring's messages are at most this (segs), even where nothing is forwarded."""
         g = ring if group is None else group
         self.ring, self.p = ring, plan
+        self.seg_bytes = seg_bytes if seg_bytes > 0 else ring.seg_bytes
+        self.eager = seg_bytes > 0
         self.comm, self.n, self.r, self.left, self.right = g.comm, g.size, g.rank, g.left, g.right
         self.tag = TAGS[plan.name] + phase
         self._parent = getattr(g, "parent", None)   # group rank -> the Ring's rank
@@ -78,7 +81,7 @@ class Builder:
 
     def segs(self, length, itemsize):
         """[(start, end), ...] cutting `length` elements into the ring's pipeline segments."""
-        seg = max(1, self.ring.seg_bytes // itemsize)
+        seg = max(1, self.seg_bytes // itemsize)
         return [(a, min(a + seg, length)) for a in range(0, length, seg)]
 
     def exchange(self, sendbuf, recvbuf, peer, piece=0):

@@ -34,31 +34,37 @@ def build(ring, name, xp, send, recv, sched, scratch):
     return plan
 
 
-def passes(ring, plan, g, name, send, recv, sched, scratch, phase=0):
-    """Append to `plan` the steps of op `name` among group g (the Ring, or a nodes.Group) by `sched`."""
+def passes(ring, plan, g, name, send, recv, sched, scratch, phase=0, seg_bytes=0):
+    """Append to `plan` the steps of op `name` among group g (the Ring, or a nodes.Group) by `sched`.
+
+    seg_bytes > 0: the ring's messages are at most this (Builder), the node-aware cross pass's.
+    """
     n, r = g.size, g.rank
+
+    def pb(ph):
+        return Builder(ring, plan, ph, g, seg_bytes)
     if name == "all_reduce":
         L = len(send)
         if n > 1 and L:
             if sched == "recursive_doubling":
                 t0, = scratch(send.nbytes, 1)
-                alg.recursive_doubling(Builder(ring, plan, phase, g), send, t0.view(send.dtype)[:L])
+                alg.recursive_doubling(pb(phase), send, t0.view(send.dtype)[:L])
             elif sched == "direct":
                 off = blocks(L, n)
                 t0, = scratch((L - (off[r + 1] - off[r])) * send.itemsize, 1)
-                alg.direct_rs(Builder(ring, plan, phase, g), send, send[off[r]:off[r + 1]], off, t0.view(send.dtype))
-                alg.direct_ag(Builder(ring, plan, phase + 1, g), send, L // n)
+                alg.direct_rs(pb(phase), send, send[off[r]:off[r + 1]], off, t0.view(send.dtype))
+                alg.direct_ag(pb(phase + 1), send, L // n)
             elif sched == "rabenseifner":
                 m = L // n
                 t0, = scratch(send.nbytes // 2, 1)
-                alg.halving_rs(Builder(ring, plan, phase, g), send, send[r * m:(r + 1) * m], None, t0.view(send.dtype))
-                alg.doubling_ag(Builder(ring, plan, phase + 1, g), send, m)
+                alg.halving_rs(pb(phase), send, send[r * m:(r + 1) * m], None, t0.view(send.dtype))
+                alg.doubling_ag(pb(phase + 1), send, m)
             else:
                 off = blocks(L, n)
                 t0, t1 = scratch(max(off[i + 1] - off[i] for i in range(n)) * send.itemsize)
                 tmp = (t0.view(send.dtype), t1.view(send.dtype))
-                alg.ring_rs(Builder(ring, plan, phase, g), send, send[off[r]:off[r + 1]], off, tmp)
-                alg.ring_ag(Builder(ring, plan, phase + 1, g), send, off)
+                alg.ring_rs(pb(phase), send, send[off[r]:off[r + 1]], off, tmp)
+                alg.ring_ag(pb(phase + 1), send, off)
     elif name == "reduce_scatter":
         m = len(recv)
         if n == 1 or m == 0:
@@ -67,14 +73,14 @@ def passes(ring, plan, g, name, send, recv, sched, scratch, phase=0):
         elif sched == "direct":
             off = blocks(len(send), n)
             t0, = scratch((n - 1) * m * send.itemsize, 1)
-            alg.direct_rs(Builder(ring, plan, phase, g), send, recv, off, t0.view(send.dtype))
+            alg.direct_rs(pb(phase), send, recv, off, t0.view(send.dtype))
         elif sched == "tree":
             t0, t1 = scratch(send.nbytes // 2)
-            alg.halving_rs(Builder(ring, plan, phase, g), send, recv, t0.view(send.dtype), t1.view(send.dtype))
+            alg.halving_rs(pb(phase), send, recv, t0.view(send.dtype), t1.view(send.dtype))
         else:
             off = blocks(len(send), n)
             t0, t1 = scratch(max(off[i + 1] - off[i] for i in range(n)) * send.itemsize)
-            alg.ring_rs(Builder(ring, plan, phase, g), send, recv, off, (t0.view(send.dtype), t1.view(send.dtype)))
+            alg.ring_rs(pb(phase), send, recv, off, (t0.view(send.dtype), t1.view(send.dtype)))
     else:
         m = len(send)
         apart = m and ring.addr(send) != ring.addr(recv[r * m:(r + 1) * m])  # not in place: one local copy
@@ -82,11 +88,11 @@ def passes(ring, plan, g, name, send, recv, sched, scratch, phase=0):
             if apart:
                 plan.steps.append(Copy(recv, send))
         elif sched == "direct":
-            alg.direct_ag(Builder(ring, plan, phase, g), recv, m, send if apart else None)
+            alg.direct_ag(pb(phase), recv, m, send if apart else None)
         elif sched == "tree":
-            alg.doubling_ag(Builder(ring, plan, phase, g), recv, m, send if apart else None)
+            alg.doubling_ag(pb(phase), recv, m, send if apart else None)
         else:
-            alg.ring_ag(Builder(ring, plan, phase, g), recv, blocks(len(recv), n), send if apart else None)
+            alg.ring_ag(pb(phase), recv, blocks(len(recv), n), send if apart else None)
 
 
 def node_aware(ring, plan, name, send, recv, scratch):
@@ -145,9 +151,10 @@ def node_aware(ring, plan, name, send, recv, scratch):
             ring_from = ring.cross_ring_bytes     # the ring: each pair of ranks sends one way
             one_way = 0 <= ring_from and (op == "all_gather" or ring_from <= L * isz)
             sched = "ring" if one_way else ring.sub_schedule(op, cross, whole_mid)   # the unchunked call's rule
-            passes(ring, plan, cross, op, a, b, sched, sc(4), phase)
+            passes(ring, plan, cross, op, a, b, sched, sc(4), phase, ring.cross_seg_bytes)
         else:
-            passes(ring, plan, pair if op == "reduce_scatter" else pair.reversed(), op, a, b, "ring", sc(4), phase)
+            passes(ring, plan, pair if op == "reduce_scatter" else pair.reversed(), op, a, b, "ring", sc(4), phase,
+                   ring.cross_seg_bytes)
 
     perm = scratch(L * isz, 1, 0)[0].view(send.dtype)[:L]
     whole_mid = perm[:N * m]

@@ -156,6 +156,7 @@ class Ring:
         self._pair_bytes = int(os.environ.get("RINGZERO_PAIR_BYTES", schedule.PAIR_BYTES))   # -1: never
         self._cross_ring_bytes = int(os.environ.get("RINGZERO_CROSS_RING_BYTES", schedule.CROSS_RING_BYTES))
         self._chunk_bytes = int(os.environ.get("RINGZERO_CHUNK_BYTES", schedule.CHUNK_BYTES))
+        self._cross_seg_bytes = int(os.environ.get("RINGZERO_CROSS_SEG_BYTES", schedule.CROSS_SEG_BYTES))
         self.pow2 = self.size & (self.size - 1) == 0
         self.cache = PlanCache(MAX_PLANS)
         self._hot = self.cache.hot   # the hot path's one dictionary
@@ -189,6 +190,7 @@ class Ring:
     pair_bytes = _knob("pair_bytes")      # at or above, node-aware across 2 nodes: the cross pass is nodes.Pair
     cross_ring_bytes = _knob("cross_ring_bytes")  # node-aware across > 2 nodes: RS's cross ring from here; -1: none
     chunk_bytes = _knob("chunk_bytes")    # node-aware: the pipeline's chunk of S; 0: one chunk
+    cross_seg_bytes = _knob("cross_seg_bytes")  # node-aware: the cross ring's largest message; 0: seg_bytes
     del _knob
 
     timeout = property(lambda self: self.limits.timeout)
@@ -294,7 +296,7 @@ class Ring:
                     type(recv), recv.shape, recv.strides, _where(recv),
                     self._small_bytes, self._tree_bytes, self._seg_bytes, self._direct_bytes, self._eager_bytes,
                     self._latency_bytes, self._node_bytes, self._pair_bytes, self._cross_ring_bytes,
-                    self._chunk_bytes)
+                    self._chunk_bytes, self._cross_seg_bytes)
         except Exception:  # noqa: BLE001 (not an array MPI takes: check_args says why)
             return None
 

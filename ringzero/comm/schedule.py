@@ -97,6 +97,10 @@ PAIR_BYTES = 0             # at or above, across two nodes: the cross pass as on
 CHUNK_BYTES = 2 << 20      # the node-aware schedule cuts S into chunks of about this and pipelines them
                            # (a chunk's pass across the nodes runs beside the next one's inside the node);
                            # 0: one chunk
+CROSS_SEG_BYTES = 63 << 10  # the node-aware cross pass's ring cuts its messages to at most this (0: the ring's
+                            # SEG_BYTES, and one message a block across two nodes), under Open MPI's TCP eager
+                            # limit (64 KiB, header included): a rendezvous waits for the far rank to be inside
+                            # MPI. 2x2 at 1 Gbit/s: all-reduce 4-64 MiB 1.09-1.15x the link's limit -> ... (docs)
 CROSS_RING_BYTES = 4 << 20  # at or above, across N > 2 nodes: the RS's cross pass takes the ring (each pair one
                             # way; the AG's always does; -1: neither). 4x2 at 1 Gbit/s: RS and AR 14-30 % faster
                             # at 4-16 MiB, AG at 1 MiB 8.9 ms against 23.3 (docs/multinode.md)
