@@ -120,7 +120,11 @@ def node_aware(ring, plan, name, send, recv, scratch):
     holds the block of node 0's l-1, not l; across more nodes the group's
     ring, for the all-gather at every size and for the reduce-scatter from
     ``ring.cross_ring_bytes`` up (below it direct is faster: its adds wait
-    for one round, not N-1). What leaves a node per
+    for one round, not N-1). The cross pass's ring cuts its messages to
+    ``ring.cross_seg_bytes`` (63 KiB, under Open MPI's TCP eager limit), even
+    across two nodes where a block is forwarded nowhere: a rendezvous would
+    wait for the far rank to be inside MPI, which a rank busy with its own
+    node pass is not (docs/multinode.md). What leaves a node per
     pass is S (N-1)/N, the least any schedule can send; the intra-node passes
     move (P-1)/P S over shared memory.
 

@@ -100,7 +100,8 @@ CHUNK_BYTES = 2 << 20      # the node-aware schedule cuts S into chunks of about
 CROSS_SEG_BYTES = 63 << 10  # the node-aware cross pass's ring cuts its messages to at most this (0: the ring's
                             # SEG_BYTES, and one message a block across two nodes), under Open MPI's TCP eager
                             # limit (64 KiB, header included): a rendezvous waits for the far rank to be inside
-                            # MPI. 2x2 at 1 Gbit/s: all-reduce 4-64 MiB 1.09-1.15x the link's limit -> ... (docs)
+                            # MPI. 2x2 at 1 Gbit/s, reduce-scatter 4-64 MiB: 1.10-1.17x the link's limit -> 1.04-1.05x
+                            # (docs/multinode.md)
 CROSS_RING_BYTES = 4 << 20  # at or above, across N > 2 nodes: the RS's cross pass takes the ring (each pair one
                             # way; the AG's always does; -1: neither). 4x2 at 1 Gbit/s: RS and AR 14-30 % faster
                             # at 4-16 MiB, AG at 1 MiB 8.9 ms against 23.3 (docs/multinode.md)
