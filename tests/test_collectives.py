@@ -284,11 +284,9 @@ def test_comm_self_is_identity():
 
 # ---- GPU (CuPy), several ranks may share one GPU ---------------------------
 
-@pytest.mark.mpi
-@pytest.mark.gpu
-@pytest.mark.parametrize("aware", ["0", "1"])
-@pytest.mark.parametrize("dtype", ["float16", "float32", "int64"])
-def test_cupy_buffers(comm, monkeypatch, aware, dtype):
+def _cupy_on_this_rank(comm, monkeypatch, aware):
+    """cupy, with this rank on its GPU and RINGZERO_CUDA_AWARE=aware; skips without CuPy and a GPU,
+    or for aware=1 where the MPI does not say it is CUDA-aware."""
     if not have_cupy():
         from ringzero.comm.backend import cupy_missing_reason
         pytest.skip(f"CuPy with a GPU is not available ({cupy_missing_reason()})")
@@ -299,6 +297,15 @@ def test_cupy_buffers(comm, monkeypatch, aware, dtype):
         pytest.skip("this MPI does not say it is CUDA-aware (set RINGZERO_CUDA_AWARE=1 to force)")
     monkeypatch.setenv("RINGZERO_CUDA_AWARE", aware)
     select_device(comm)
+    return cupy
+
+
+@pytest.mark.mpi
+@pytest.mark.gpu
+@pytest.mark.parametrize("aware", ["0", "1"])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "int64"])
+def test_cupy_buffers(comm, monkeypatch, aware, dtype):
+    cupy = _cupy_on_this_rank(comm, monkeypatch, aware)
     n, r = comm.size, comm.rank
     bad = []
     for small in (0, 1 << 40):
@@ -331,22 +338,14 @@ def test_cupy_buffers(comm, monkeypatch, aware, dtype):
     assert_all(comm, not bad, f"aware={aware} {dtype}: {bad}")
 
 
+@pytest.mark.mpi
 @pytest.mark.gpu
 @pytest.mark.parametrize("aware", ["0", "1"])
 def test_cupy_started_calls_keep_stream_order(comm, monkeypatch, aware):
     """On a GPU: started calls on buffers whose producing kernels are still queued on the caller's
     stream, with more kernels queued after the start (a busy loop of matmuls), give exact sums, and
     what the caller queues after wait() reads the result (backend.StreamOrder)."""
-    if not have_cupy():
-        from ringzero.comm.backend import cupy_missing_reason
-        pytest.skip(f"CuPy with a GPU is not available ({cupy_missing_reason()})")
-    import cupy
-
-    from ringzero.comm.backend import _library_cuda_hint, select_device
-    if aware == "1" and not _library_cuda_hint() and os.environ.get("RINGZERO_CUDA_AWARE") != "1":
-        pytest.skip("this MPI does not say it is CUDA-aware (set RINGZERO_CUDA_AWARE=1 to force)")
-    monkeypatch.setenv("RINGZERO_CUDA_AWARE", aware)
-    select_device(comm)
+    cupy = _cupy_on_this_rank(comm, monkeypatch, aware)
     n, r = comm.size, comm.rank
     ring = Ring(comm)
     bad = []
