@@ -55,6 +55,9 @@ class Config:
                                      "same bits either way)")
     prefetch: int | None = opt(None, "stage 3/hybrid with overlap: start a unit's all-gather this many "
                                      "units before it is read (None: 1, as FSDP; 0: where it is read)")
+    reduce_bucket_mb: float | None = opt(None, "stages 0-2: reduce the gradients of consecutive units in "
+                                               "buckets of up to this many MiB (0: each unit alone; None: "
+                                               "16 without overlap, 0 with)")
     mem_budget: str = opt("", 'per-rank model-state budget, e.g. 512MiB ("" = none)')
     # ---- reporting
     eval_interval: int = opt(100, "steps between held-out evaluations (0 = only at the end)")
@@ -157,6 +160,14 @@ def parse_config(argv=None):
     return cfg, ns.check
 
 
+def _gathers_params(stage) -> bool:
+    from ringzero.runtime.policy import StagePolicy
+    try:
+        return StagePolicy.of(stage).gather_params
+    except ValueError:
+        return False              # an unknown stage has its own message
+
+
 def validate(cfg: Config):
     from ringzero.runtime import accounting
     from ringzero.sizes import parse_size
@@ -171,6 +182,11 @@ def validate(cfg: Config):
     need(not cfg.prefetch or cfg.overlap is not False,
          f"--prefetch {cfg.prefetch} needs overlap (a gather runs beside compute only then): drop --no-overlap "
          "or use --prefetch 0")
+    need(cfg.reduce_bucket_mb is None or cfg.reduce_bucket_mb >= 0,
+         f"--reduce-bucket-mb must be >= 0, got {cfg.reduce_bucket_mb}")
+    need(not cfg.reduce_bucket_mb or not _gathers_params(cfg.stage),
+         f"--reduce-bucket-mb applies to stages 0-2; stage {cfg.stage} reduces each unit's gradient as its "
+         "backward ends (FSDP's order): drop it")
     need(cfg.batch % cfg.grad_accum == 0,
          f"--batch must split into --grad-accum micro-batches: expected batch % K == 0, got "
          f"{cfg.batch} % {cfg.grad_accum} = {cfg.batch % cfg.grad_accum} (batch is rows per rank per step)")

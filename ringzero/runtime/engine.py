@@ -82,7 +82,7 @@ class Zero:
     def __init__(self, model: "ShardableModel", comm, stage="2", *, precision="fp16", device="cpu", seed=0,
                  adam: AdamConfig | None = None, ranks_per_node=None, mem_budget=None,
                  scaler: LossScaler | None = None, timeout=None, grad_accum: int = 1, nodes=None,
-                 overlap: bool | None = None, prefetch: int | None = None):
+                 overlap: bool | None = None, prefetch: int | None = None, reduce_bucket: int | None = None):
         self.model, self.comm = model, comm
         self.policy = P = StagePolicy.of(stage)
         self.stage = P.stage
@@ -129,8 +129,22 @@ class Zero:
                                [bool(model.backward_reads_params(u)) for u in range(U)],
                                inflight=1 if self.overlap and reads_slot else 0, prefetch=self.prefetch,
                                land_in_slot=self.compute_dtype == self.storage_dtype)
+        # buckets (stages 0-2): consecutive units' gradients reduced by one call (plan.reduce_buckets).
+        # None: without overlap, up to the ring's tree_bytes (16 MiB), where the Ring sums a bucket in
+        # the order it sums each unit, so the stages stay bitwise equal; every blocking reduction is a
+        # wait for the slowest rank, and fewer of them cost a step less. With overlap, each unit alone,
+        # started as its backward ends (as FSDP's are)
+        if reduce_bucket is not None and (isinstance(reduce_bucket, bool) or int(reduce_bucket) != reduce_bucket
+                                          or reduce_bucket < 0):
+            raise ValueError(f"reduce_bucket must be an int >= 0 (bytes), got {reduce_bucket!r}")
+        if reduce_bucket and P.gather_params:
+            raise ValueError(f"reduce_bucket applies to stages 0-2; stage {self.stage} reduces each unit's "
+                             "gradient as its backward ends (FSDP's order): drop the bucket size")
+        if reduce_bucket is None:
+            reduce_bucket = 0 if self.overlap or P.gather_params else self.ring.tree_bytes
+        self.reduce_bucket = int(reduce_bucket)
         self.workspaces = Workspaces(L, P, self.plan, self.state, topo, self.compute_dtype, self.grad_accum,
-                                     overlap=self.overlap)
+                                     overlap=self.overlap, reduce_bucket=self.reduce_bucket)
         self.timeline = {}                   # the last step's seconds: compute, reduction, and what was hidden
         self.adam = AdamW(adam or AdamConfig(), max(L.piece_numel), xp)
         self.scaler = scaler or LossScaler(dynamic=(precision == "fp16"),

@@ -49,6 +49,16 @@ What it is
                                gathers   g0   g2   g3   ...
                                slot held by unit 1 from position 0, compute 1
 
+    - ``reduce_buckets`` (stages 0-2, DDP's buckets, DeepSpeed's
+      reduce_bucket_size): gradients that close one after the other, of
+      units next to each other in the layout, share one reduction of at most
+      ``cap`` bytes. A blocking reduction waits for the slowest rank, so a
+      step pays that wait once per bucket rather than once per unit::
+
+            close order   B3   B2   B1   B0      (units 3, 2, 1, 0)
+            cap = all     [0 1 2 3]               one reduce-scatter
+            cap = 2 units [2 3] [0 1]             two
+
     (Not to be confused with the collective plans of ringzero/comm: which
     algorithm a Ring call runs is comm/schedule.py; this plan says when a
     unit is gathered and reduced.)
@@ -229,3 +239,32 @@ def build_plan(needs, backward_reads_params, inflight: int = 0, prefetch: int = 
                 grad_writes=tuple(grad_writes), grad_inflight=int(inflight),
                 grad_release=tuple(map(tuple, grad_release)), prefetch=int(prefetch),
                 gather_start=gather_start, land_slots=n_land, forward_land_slots=n_fland)
+
+
+def close_order(plan: StepPlan) -> tuple:
+    """The units in the order their gradients close (the backward's, U-1 .. 0 for a chain)."""
+    return tuple(w for closes in plan.grad_close for w, _ in closes)
+
+
+def reduce_buckets(order, nbytes, cap: int) -> tuple:
+    """Consecutive closes grouped into buckets: ((units ascending), ...) in close order.
+
+    A bucket is a run of closes whose units are consecutive and descending
+    (u, u-1, ...), so that its units' pieces lie side by side in every shard,
+    and whose ``nbytes[u]`` sum to at most ``cap``; a unit over ``cap`` has a
+    bucket of its own. ``cap`` 0 puts every unit alone.
+    """
+    if isinstance(cap, bool) or int(cap) != cap or cap < 0:
+        raise ValueError(f"expected the bucket cap to be an int >= 0 bytes, got {cap!r}")
+    out, cur, size = [], [], 0
+    for w in order:
+        if cur and cur[-1] - 1 == w and size + nbytes[w] <= cap:
+            cur.append(w)
+            size += nbytes[w]
+            continue
+        if cur:
+            out.append(tuple(sorted(cur)))
+        cur, size = [w], nbytes[w]
+    if cur:
+        out.append(tuple(sorted(cur)))
+    return tuple(out)

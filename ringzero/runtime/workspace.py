@@ -10,6 +10,8 @@ What it is
                        the param slots themselves when nothing is cast)
         grad_bucket    storage-dtype gradient of one unit, reduce-scattered into the
                        grads shard                                    (grads sharded: 2, 3, hybrid)
+        reduce_bucket  storage-dtype gradients of a bucket of units,  (stages 0-2, buckets of
+                       reduced by one call                             more than one unit)
 
     and, per position of the step, the named views the model reads (params) and
     adds into (grads). Where no workspace is needed (stages 0-2 without a
@@ -38,6 +40,20 @@ What it is
         is also rounded to 2 bytes, so the two agree within rounding, not
         bit for bit. Stages 0-2 among themselves (same local sum, same RS) and
         stage 3 vs hybrid on one node (same RS, no replica) stay bitwise equal.
+
+    Buckets (stages 0-2, ``reduce_bucket`` bytes > 0: plan.reduce_buckets):
+    consecutive units whose gradients close one after the other share one
+    reduction. Each unit's gradient is cast, as it closes, into its bucket
+    laid out block by block (block j: the units' pieces j side by side), so
+    that the reduce-scatter of the bucket leaves this rank's pieces of all
+    its units in one run: at stage 2 straight into the grads shard (its
+    pieces are consecutive there), at stages 0-1 into the bucket's own
+    block, copied back into the full grads after (stage 0 all-gathers the
+    bucket first; stage 1 copies every block back, as an in-place
+    reduce-scatter would leave them). Every element is summed in the order its unit's own
+    reduce-scatter would use (the Ring's order depends on the rank count,
+    and on the size only above ``tree_bytes``, which a bucket of several
+    units stays under: engine.py), so stages 0-3 stay bitwise equal.
 
     Overlap (``overlap=True``, the engine's default): a closed gradient's
     reduction is *started* on the ring's progress thread (comm/progress.py)
@@ -75,6 +91,7 @@ import time
 import numpy as np
 
 from ringzero.runtime.inflight import Inflight
+from ringzero.runtime.plan import close_order, reduce_buckets
 from ringzero.runtime.state import cast_into
 
 
@@ -82,7 +99,7 @@ class Workspaces:
     """Slot buffers and per-position views for one engine."""
 
     def __init__(self, layout, policy, plan, state, topology, compute_dtype, grad_accum: int = 1,
-                 overlap: bool = False):
+                 overlap: bool = False, reduce_bucket: int = 0):
         self.layout, self.policy, self.state, self.topology = layout, policy, state, topology
         xp, cap, storage = state.xp, layout.max_unit_padded, state.params.dtype
         # params are cast when the compute dtype differs from storage (CPU: fp32
@@ -109,6 +126,7 @@ class Workspaces:
             n_bucket = (2 if self.overlap else 1) if self.grad_cast else plan.grad_slots
             self.bufs["grad_bucket"] = [xp.empty(cap, storage) for _ in range(n_bucket)]
         self._bucket = 0             # the bucket the next cast writes (2-byte storage, overlap)
+        self._init_buckets(plan, int(reduce_bucket), np.dtype(storage).itemsize, xp, storage)
         # hybrid: each shard is all-reduced across nodes once its reduce-scatter is done
         self._replicas = topology.replica_ring is not None and topology.replica_ring.size > 1
         self.inflight = Inflight(topology.replica_ring)   # what the started collectives hold; the timeline
@@ -131,6 +149,25 @@ class Workspaces:
         self.param_views = views(plan.param_reads, self.param_source)      # per position
         self.forward_views = views(plan.forward_reads, self.param_source)  # per forward position
         self.grad_views = views(plan.grad_writes, self.grad_target)        # per position (backward)
+
+    def _init_buckets(self, plan, cap, itemsize, xp, storage):
+        """The reduction buckets of stages 0-2 (module docstring); units alone need none."""
+        L = self.layout
+        groups = ()
+        if cap and not self.policy.gather_params and L.shards > 1:   # one rank: nothing to reduce
+            groups = reduce_buckets(close_order(plan), [n * itemsize for n in L.unit_padded], cap)
+        self.buckets = tuple(g for g in groups if len(g) > 1)
+        self._group, self._goff, self._gsize = {}, {}, {}
+        for g in self.buckets:
+            self._gsize[g] = sum(L.piece_numel[u] for u in g)      # elements of one block
+            for u in g:
+                self._group[u] = g
+                self._goff[u] = L.shard_offset[u] - L.shard_offset[g[0]]   # the unit's piece in a block
+        self._open = {}              # bucket -> [its buffer, units still to close] this step
+        self._rb = 0                 # the reduce_bucket buffer the next bucket fills
+        if self.buckets:
+            n = max(self._gsize.values()) * L.shards
+            self.bufs["reduce_bucket"] = [xp.empty(n, storage) for _ in range(2 if self.overlap else 1)]
 
     def nbytes(self) -> dict:
         """{workspace: bytes} (not model state)."""
@@ -206,6 +243,9 @@ class Workspaces:
 
     def reduce_grad(self, w, slot):
         """Unit w's gradient is complete: cast to the storage dtype and reduce it."""
+        if w in self._group:
+            src = self.bufs["grad_compute"][slot] if self.grad_cast else self.grad_target(w, slot)
+            return self._into_bucket(w, src)
         seg, key = self._storage_seg(w, slot)
         if self.grad_cast:
             self._touch(seg)
@@ -242,6 +282,63 @@ class Workspaces:
                 topo.replica_ring.all_reduce(out)
         self.inflight.blocking("reduce", time.perf_counter() - t0)
 
+    def _into_bucket(self, w, src):
+        """Unit w's finished gradient ``src`` (at least its padded length, any float dtype) into its
+        bucket, piece j into block j; the bucket is reduced once its last unit is in."""
+        L, n, g = self.layout, self.layout.shards, self._group[w]
+        if g not in self._open:                  # the bucket's first unit: take a buffer
+            b = self._rb
+            self._rb = (b + 1) % len(self.bufs["reduce_bucket"])
+            self.inflight.wait(("rbucket", b))   # the bucket reduced before the last one reads it
+            self._open[g] = [b, len(g)]
+        b = self._open[g][0]
+        blocks = self.bufs["reduce_bucket"][b][:n * self._gsize[g]].reshape(n, self._gsize[g])
+        off, m = self._goff[w], L.piece_numel[w]
+        pieces = src[:L.unit_padded[w]].reshape(n, m)
+        self._touch(blocks)
+        for j in range(n):                       # (n, m) rows into (n, P) columns: n contiguous casts
+            cast_into(blocks[j, off:off + m], pieces[j])
+        self._open[g][1] -= 1
+        if not self._open[g][1]:
+            del self._open[g]
+            self._reduce_bucket(g, blocks, ("rbucket", b))
+
+    def _reduce_bucket(self, g, blocks, key):
+        """Reduce bucket g, laid out as ``blocks`` (n, P): stage 2 into the grads shard, stages 0-1 in
+        its own block (stage 0: and all-gathered), then back into the full grads."""
+        L, state, ring = self.layout, self.state, self.topology.ring
+        flat = blocks.reshape(-1)
+        t0 = time.perf_counter()
+        if not self.policy.full_grads:           # stage 2: the units' pieces are one run of the shard
+            a = L.shard_offset[g[0]]
+            out = state.grads[a:a + self._gsize[g]]
+            if self.overlap:
+                self.inflight.hold(key, [ring.reduce_scatter_start(flat, out)])
+                return
+            ring.reduce_scatter(flat, out)
+        else:
+            own = blocks[state.shard_rank]
+            after = functools.partial(self._unbucket, g, blocks)
+            if self.overlap:
+                ps = [ring.reduce_scatter_start(flat, own)]
+                if self.policy.all_reduce_grads:
+                    ps.append(ring.all_gather_start(own, flat))
+                self.inflight.hold(key, ps, after=after)
+                return
+            ring.reduce_scatter(flat, own)
+            if self.policy.all_reduce_grads:
+                ring.all_gather(own, flat)
+            after()
+        self.inflight.blocking("reduce", time.perf_counter() - t0)
+
+    def _unbucket(self, g, blocks):
+        """Stages 0-1: a reduced bucket back into the full grads, every block (as a reduce-scatter in
+        place would leave them: stage 1's other blocks are partial sums, which nothing reads)."""
+        L, state = self.layout, self.state
+        for u in g:
+            off, m = self._goff[u], L.piece_numel[u]
+            L.unit_full(state.grads, u).reshape(L.shards, m)[...] = blocks[:, off:off + m]
+
     def release(self, w, slot):
         """The plan frees unit w's slot here: its reduction must be done."""
         self.inflight.wait(("slot", slot))
@@ -277,7 +374,9 @@ class Workspaces:
                 cast_into(acc, g)
             else:
                 acc += g
-            if last:
+            if last and w in self._group:
+                self._into_bucket(w, acc)
+            elif last:
                 seg, key = self._storage_seg(w, slot)
                 self._touch(seg)
                 cast_into(seg, acc)

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import functools
 
+from ringzero.comm.schedule import TREE_BYTES
 from ringzero.nn.gpt import GPTConfig, gpt_units
 from ringzero.runtime.flat import Layout
+from ringzero.runtime.plan import close_order, reduce_buckets
 
 MIB = 1 << 20
 
@@ -167,7 +169,7 @@ def _plan(n_layer: int, inflight: int, prefetch: int, land_in_slot: bool):
 
 
 def plan_buffers(cfg: GPTConfig, stage: str = "0", nd: int = 1, device: str = "cuda",
-                 precision: str = "fp16", overlap: bool = False) -> dict:
+                 precision: str = "fp16", overlap: bool = False, reduce_bucket: int | None = None) -> dict:
     """{name: bytes} of the buffers ``Zero`` allocates at start-up for this GPT.
 
     Mirrors zero.py: five state buffers (full or shard by stage), the unit-sized
@@ -177,6 +179,8 @@ def plan_buffers(cfg: GPTConfig, stage: str = "0", nd: int = 1, device: str = "c
     With overlap (the engine's default across nodes) 2-byte storage alternates two gradient
     buckets, and fp32 storage holds one more gradient slot, while a reduction runs; stage 3 and
     hybrid prefetch one unit's gather (the plan's landings, or its param slots held early).
+    Stages 0-2 on more than one rank reduce consecutive units in buckets of up to
+    ``reduce_bucket`` bytes (None: the engine's default, 16 MiB without overlap, none with).
     """
     L = Layout(gpt_units(cfg), shards=nd)
     sb = 2 if precision == "fp16" else 4
@@ -201,6 +205,13 @@ def plan_buffers(cfg: GPTConfig, stage: str = "0", nd: int = 1, device: str = "c
         out[f"gather{i}"] = sb * cap
     for i in range(((2 if overlap else 1) if gcast else n_grad_slots) if sharded_grads else 0):
         out[f"grad_bucket{i}"] = sb * cap
+    if reduce_bucket is None:
+        reduce_bucket = 0 if overlap else TREE_BYTES
+    if reduce_bucket and not gathers and nd > 1:
+        groups = [g for g in reduce_buckets(close_order(p), [sb * n for n in L.unit_padded], reduce_bucket)
+                  if len(g) > 1]
+        for i in range(2 if overlap else 1) if groups else ():
+            out[f"reduce_bucket{i}"] = sb * nd * max(sum(L.piece_numel[u] for u in g) for g in groups)
     out["adam_tmp"] = 4 * max(L.piece_numel)
     out["grad_scratch"] = 4 * max(L.piece_numel)
     return out
