@@ -118,3 +118,25 @@ def test_buckets_refused_at_stage_3(comm):
         engine(comm, "3", reduce_bucket=1 << 20)
     with pytest.raises(ValueError, match="reduce_bucket must be an int >= 0"):
         engine(comm, "2", reduce_bucket=-1)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("stage", ["0", "1", "2", "3"])
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_plan_buffers_match_the_engine_on_every_rank_count(comm, stage, precision, overlap):
+    """Every workspace the engine allocates on this many ranks, as tools.traces.plan_buffers predicts it
+    (with buckets, 2-byte storage makes no unit-sized grad_bucket: no unit is reduced alone)."""
+    from test_zero import TINY
+
+    from ringzero.nn.gpt import GPTConfig
+    from ringzero.tools import traces
+    eng = engine(comm, stage, precision=precision, overlap=overlap)
+    plan = traces.plan_buffers(GPTConfig(**TINY), stage, comm.size, device="cpu", precision=precision,
+                               overlap=overlap)
+    bad = [k for k, bufs in eng.work.items()
+           if sorted(v for n, v in plan.items() if n.rstrip("0123456789") == k) != sorted(b.nbytes for b in bufs)]
+    bad += [n for n in plan if n.rstrip("0123456789") not in eng.work
+            and n not in ("params", "grads", "master", "adam_m", "adam_v", "adam_tmp", "grad_scratch")]
+    assert_all(comm, not bad, f"stage {stage} {precision} overlap {overlap} n={comm.size}: {bad} differ; "
+                              f"engine {({k: [b.nbytes for b in v] for k, v in eng.work.items()})}, plan {plan}")

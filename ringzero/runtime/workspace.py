@@ -122,11 +122,14 @@ class Workspaces:
             self.bufs["gather"] = [xp.empty(cap, storage) for _ in range(n_land)]
         # overlap: a reduction may still read a gradient while the next unit computes
         self.overlap = bool(overlap)
-        if policy.grad_bucket:
+        self._init_buckets(plan, int(reduce_bucket), np.dtype(storage).itemsize, xp, storage)
+        # a unit's own bucket: where 2-byte storage casts a unit reduced alone (none when every unit
+        # is in a bucket of several), or where fp32 storage accumulates each open gradient
+        alone = len(self._group) < len(layout.units)
+        if policy.grad_bucket and (alone or not self.grad_cast):
             n_bucket = (2 if self.overlap else 1) if self.grad_cast else plan.grad_slots
             self.bufs["grad_bucket"] = [xp.empty(cap, storage) for _ in range(n_bucket)]
         self._bucket = 0             # the bucket the next cast writes (2-byte storage, overlap)
-        self._init_buckets(plan, int(reduce_bucket), np.dtype(storage).itemsize, xp, storage)
         # hybrid: each shard is all-reduced across nodes once its reduce-scatter is done
         self._replicas = topology.replica_ring is not None and topology.replica_ring.size > 1
         self.inflight = Inflight(topology.replica_ring)   # what the started collectives hold; the timeline

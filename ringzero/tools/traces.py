@@ -203,15 +203,18 @@ def plan_buffers(cfg: GPTConfig, stage: str = "0", nd: int = 1, device: str = "c
         out[f"grad_compute{i}"] = 4 * cap
     for i in range(n_land if gathers else 0):
         out[f"gather{i}"] = sb * cap
-    for i in range(((2 if overlap else 1) if gcast else n_grad_slots) if sharded_grads else 0):
-        out[f"grad_bucket{i}"] = sb * cap
     if reduce_bucket is None:
         reduce_bucket = 0 if overlap else TREE_BYTES
+    groups = []
     if reduce_bucket and not gathers and nd > 1:
         groups = [g for g in reduce_buckets(close_order(p), [sb * n for n in L.unit_padded], reduce_bucket)
                   if len(g) > 1]
         for i in range(2 if overlap else 1) if groups else ():
             out[f"reduce_bucket{i}"] = sb * nd * max(sum(L.piece_numel[u] for u in g) for g in groups)
+    alone = sum(len(g) for g in groups) < len(L.units)      # a unit reduced by itself
+    for i in range(((2 if overlap else 1) if gcast else n_grad_slots) if sharded_grads and (alone or not gcast)
+                   else 0):
+        out[f"grad_bucket{i}"] = sb * cap
     out["adam_tmp"] = 4 * max(L.piece_numel)
     out["grad_scratch"] = 4 * max(L.piece_numel)
     return out
