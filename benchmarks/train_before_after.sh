@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The main job (`mpirun -n 8 python -m ringzero.train`) of this tree against the same job
+# of an older commit, alternated in one run, on the same venv and mpirun flags.
+#   benchmarks/train_before_after.sh REV [ROUNDS] [-- flags for ringzero.train]
+#   benchmarks/train_before_after.sh fb351df 1            # the default 400 steps, once each
+#   benchmarks/train_before_after.sh fb351df 2 -- --steps 60 --eval-interval 0
+# The older tree is a git worktree under ${TMPDIR:-/tmp}/ringzero-REV with its C
+# extensions built in place; `python -m ringzero.train` run from inside a tree imports
+# that tree's package. Prints, per run, the training seconds and the final held-out
+# loss the trainer reports, the load average before and after, then this tree's total
+# over the older one's.
+source "$(dirname "$0")/../launch/_env.sh"
+REV="${1:?usage: train_before_after.sh REV [ROUNDS] [-- train flags]}"
+ROUNDS="${2:-1}"
+shift $(( $# >= 2 ? 2 : 1 ))
+[ "${1:-}" = "--" ] && shift
+case "$ROUNDS" in ''|*[!0-9]*|0) echo "train_before_after: ROUNDS must be an integer >= 1, got '$ROUNDS'" >&2; exit 2 ;; esac
+git -C "$ROOT" rev-parse --verify -q "$REV^{commit}" >/dev/null \
+    || { echo "train_before_after: '$REV' is not a commit of $ROOT" >&2; exit 2; }
+ensure_venv
+OLD="${TMPDIR:-/tmp}/ringzero-$(git -C "$ROOT" rev-parse --short "$REV")"
+if [ ! -d "$OLD" ]; then
+    git -C "$ROOT" worktree add -f --detach "$OLD" "$REV" >/dev/null
+    (cd "$OLD" && "$PY" setup.py -q build_ext --inplace >/dev/null 2>&1) \
+        || echo "train_before_after: no C extensions built in $OLD (its NumPy fallbacks run)" >&2
+fi
+"$PY" -m ringzero.train --check 8 "$@" || exit $?
+LOGS="$(mktemp -d)"
+run_one() {   # tree label round [train flags]
+    local tree="$1" label="$2" round="$3" l0 l1 secs loss
+    shift 3
+    local log="$LOGS/$label-$round.log"
+    l0="$(cut -d' ' -f1 /proc/loadavg)"
+    (cd "$tree" && timeout 1800 mpirun $(mpi_flags) -n 8 "$PY" -m mpi4py -m ringzero.train \
+        --quiet --sample-chars 0 "$@" >"$log" 2>&1) \
+        || { echo "train_before_after: the $label run failed:" >&2; tail -5 "$log" >&2; exit 1; }
+    l1="$(cut -d' ' -f1 /proc/loadavg)"
+    secs="$(grep -oE 'steps in [0-9.]+ s' "$log" | grep -oE '[0-9.]+ ' | tr -d ' ')"
+    loss="$(grep -oE 'final held-out loss [0-9.]+' "$log" | grep -oE '[0-9.]+$')"
+    echo "$label $round $secs $loss $l0 $l1"
+}
+shift_args=("$@")
+{
+    for r in $(seq 1 "$ROUNDS"); do
+        run_one "$ROOT" this "$r" "${shift_args[@]}"
+        run_one "$OLD" "$REV" "$r" "${shift_args[@]}"
+    done
+} | tee "$LOGS/table" | awk '{printf "%-8s round %s: %8.1f s of training, final held-out loss %s (load %s -> %s)\n", $1, $2, $3, $4, $5, $6}'
+awk -v rev="$REV" '$1 == "this" {a += $3; la = $4} $1 != "this" {b += $3; lb = $4}
+    END {printf "this tree / %s: %.3fx the training time (%.1f s against %.1f s); final loss %s against %s (%+.2f%%)\n",
+               rev, a / b, a, b, la, lb, 100 * (la - lb) / lb}' "$LOGS/table"
