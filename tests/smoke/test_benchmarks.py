@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import re
 import sys
 
 import pytest
@@ -85,3 +86,33 @@ def test_bad_cluster_is_one_line_exit_2(script, bad):
     name = script[:-3]
     assert rc == 2 and out.strip().splitlines() == [out.strip()] and out.startswith(f"{name}: --cluster"), \
         f"benchmarks/{script} --cluster {bad}: exit {rc}, output:\n{out}"
+
+
+def test_train_before_after_sh(tmp_path):
+    """benchmarks/train_before_after.sh: HEAD against itself (a worktree of HEAD), 2 tiny steps each;
+    the same loss from both trees, a ratio line; a bad commit or round count is one line and exit 2."""
+    import subprocess
+    sh = os.path.join(ROOT, "benchmarks", "train_before_after.sh")
+    env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    env["PATH"] = os.path.dirname(PY) + os.pathsep + env.get("PATH", "")
+    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode:
+        pytest.skip("not a git checkout")
+    rev = head.stdout.strip()
+
+    def go(*args, timeout=600):
+        p = subprocess.run([sh, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+        return p.returncode, p.stdout + p.stderr
+    try:
+        rc, out = go(rev, "1", "--", "--steps", "2", "--eval-interval", "0", "--eval-batches", "1",
+                     *TINY_GPT)
+        check(rc, out, rf"^this tree / {rev}: [\d.]+x the training time", "train_before_after.sh")
+        losses = re.findall(r"final held-out loss ([\d.]+)", out)
+        assert len(losses) == 2 and losses[0] == losses[1], out
+    finally:
+        subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", str(tmp_path / f"ringzero-{rev}")],
+                       capture_output=True)
+    for bad, msg in ((["no-such-rev"], "is not a commit"), ([rev, "x"], "ROUNDS must be an integer")):
+        rc, out = go(*bad, timeout=60)
+        lines = [ln for ln in out.splitlines() if ln.strip()]
+        assert rc == 2 and len(lines) == 1 and msg in lines[0], out
