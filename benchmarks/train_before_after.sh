@@ -47,5 +47,6 @@ shift_args=("$@")
     done
 } | tee "$LOGS/table" | awk '{printf "%-8s round %s: %8.1f s of training, final held-out loss %s (load %s -> %s)\n", $1, $2, $3, $4, $5, $6}'
 awk -v rev="$REV" '$1 == "this" {a += $3; la = $4} $1 != "this" {b += $3; lb = $4}
-    END {printf "this tree / %s: %.3fx the training time (%.1f s against %.1f s); final loss %s against %s (%+.2f%%)\n",
-               rev, a / b, a, b, la, lb, 100 * (la - lb) / lb}' "$LOGS/table"
+    END {r = b > 0 ? sprintf("%.3fx", a / b) : "no ratio (0 s)";
+         printf "this tree / %s: %s the training time (%.1f s against %.1f s); final loss %s against %s (%+.2f%%)\n",
+               rev, r, a, b, la, lb, 100 * (la - lb) / lb}' "$LOGS/table"

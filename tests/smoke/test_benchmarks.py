@@ -89,7 +89,7 @@ def test_bad_cluster_is_one_line_exit_2(script, bad):
 
 
 def test_train_before_after_sh(tmp_path):
-    """benchmarks/train_before_after.sh: HEAD against itself (a worktree of HEAD), 2 tiny steps each;
+    """benchmarks/train_before_after.sh: HEAD against itself (a worktree of HEAD), 30 tiny steps each;
     the same loss from both trees, a ratio line; a bad commit or round count is one line and exit 2."""
     import subprocess
     sh = os.path.join(ROOT, "benchmarks", "train_before_after.sh")
@@ -104,7 +104,8 @@ def test_train_before_after_sh(tmp_path):
         p = subprocess.run([sh, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
         return p.returncode, p.stdout + p.stderr
     try:
-        rc, out = go(rev, "1", "--", "--steps", "2", "--eval-interval", "0", "--eval-batches", "1",
+        # 30 tiny steps: enough that each tree's "N steps in S s" is not 0.0 s
+        rc, out = go(rev, "1", "--", "--steps", "30", "--eval-interval", "0", "--eval-batches", "1",
                      *TINY_GPT)
         check(rc, out, rf"^this tree / {rev}: [\d.]+x the training time", "train_before_after.sh")
         losses = re.findall(r"final held-out loss ([\d.]+)", out)
