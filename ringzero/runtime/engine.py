@@ -131,9 +131,9 @@ class Zero:
                                land_in_slot=self.compute_dtype == self.storage_dtype)
         # buckets (stages 0-2): consecutive units' gradients reduced by one call (plan.reduce_buckets).
         # None: without overlap, up to the ring's tree_bytes (16 MiB), where the Ring sums a bucket in
-        # the order it sums each unit, so the stages stay bitwise equal; every blocking reduction is a
-        # wait for the slowest rank, and fewer of them cost a step less. With overlap, each unit alone,
-        # started as its backward ends (as FSDP's are)
+        # the order it sums each unit, so the stages stay bitwise equal; one call, and one wait for the
+        # slowest rank, per bucket instead of per unit (on one host that measured neutral: docs/runtime.md).
+        # With overlap, each unit alone, started as its backward ends (as FSDP's are)
         if reduce_bucket is not None and (isinstance(reduce_bucket, bool) or int(reduce_bucket) != reduce_bucket
                                           or reduce_bucket < 0):
             raise ValueError(f"reduce_bucket must be an int >= 0 (bytes), got {reduce_bucket!r}")

@@ -168,9 +168,16 @@ class Workspaces:
                 self._goff[u] = L.shard_offset[u] - L.shard_offset[g[0]]   # the unit's piece in a block
         self._open = {}              # bucket -> [its buffer, units still to close] this step
         self._rb = 0                 # the reduce_bucket buffer the next bucket fills
+        self._blocks, self._unbuckets = {}, {}
         if self.buckets:
             n = max(self._gsize.values()) * L.shards
             self.bufs["reduce_bucket"] = [xp.empty(n, storage) for _ in range(2 if self.overlap else 1)]
+            # per (bucket, buffer), made once: its (n, P) blocks view, and (stages 0-1) the copy back
+            for g in self.buckets:
+                for b, buf in enumerate(self.bufs["reduce_bucket"]):
+                    blocks = buf[:L.shards * self._gsize[g]].reshape(L.shards, self._gsize[g])
+                    self._blocks[g, b] = blocks
+                    self._unbuckets[g, b] = functools.partial(self._unbucket, g, blocks)
 
     def nbytes(self) -> dict:
         """{workspace: bytes} (not model state)."""
@@ -295,7 +302,7 @@ class Workspaces:
             self.inflight.wait(("rbucket", b))   # the bucket reduced before the last one reads it
             self._open[g] = [b, len(g)]
         b = self._open[g][0]
-        blocks = self.bufs["reduce_bucket"][b][:n * self._gsize[g]].reshape(n, self._gsize[g])
+        blocks = self._blocks[g, b]
         off, m = self._goff[w], L.piece_numel[w]
         pieces = src[:L.unit_padded[w]].reshape(n, m)
         self._touch(blocks)
@@ -304,12 +311,13 @@ class Workspaces:
         self._open[g][1] -= 1
         if not self._open[g][1]:
             del self._open[g]
-            self._reduce_bucket(g, blocks, ("rbucket", b))
+            self._reduce_bucket(g, b)
 
-    def _reduce_bucket(self, g, blocks, key):
-        """Reduce bucket g, laid out as ``blocks`` (n, P): stage 2 into the grads shard, stages 0-1 in
+    def _reduce_bucket(self, g, b):
+        """Reduce bucket g, in buffer b as (n, P) blocks: stage 2 into the grads shard, stages 0-1 in
         its own block (stage 0: and all-gathered), then back into the full grads."""
         L, state, ring = self.layout, self.state, self.topology.ring
+        blocks, key = self._blocks[g, b], ("rbucket", b)
         flat = blocks.reshape(-1)
         t0 = time.perf_counter()
         if not self.policy.full_grads:           # stage 2: the units' pieces are one run of the shard
@@ -321,7 +329,7 @@ class Workspaces:
             ring.reduce_scatter(flat, out)
         else:
             own = blocks[state.shard_rank]
-            after = functools.partial(self._unbucket, g, blocks)
+            after = self._unbuckets[g, b]
             if self.overlap:
                 ps = [ring.reduce_scatter_start(flat, own)]
                 if self.policy.all_reduce_grads:
