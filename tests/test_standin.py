@@ -286,12 +286,17 @@ def _run(comm, stage, device, steps=3, precision="fp32", **kw):
 @pytest.fixture
 def same_embed_sum(monkeypatch):
     """The CPU reference uses the device's embedding-gradient sum (NumPy's
-    default np.add.at differs from it in the last bits; see test_layers), and
-    the device's elementwise formulas (the host's C kernels round differently;
-    see tests/test_fused.py)."""
+    default np.add.at differs from it in the last bits; see test_layers). The
+    elementwise passes are the host's C kernels against the device's CuPy
+    kernels (the same order of operations: tests/test_fused_cuda.py); where
+    either cannot be built, both sides take the xp formulas."""
+    from cupy_standin import _kernel
+
     from ringzero.nn import fused, layers
     monkeypatch.setattr(layers.Embedding, "grad_sum", "segmented")
-    monkeypatch.setattr(fused, "_c", None)
+    if not (fused.HAVE_C and fused._cuda is not None and _kernel.have_compiler()):
+        monkeypatch.setattr(fused, "_c", None)
+        monkeypatch.setattr(fused, "_cuda", None)
 
 
 @pytest.mark.mpi
@@ -307,6 +312,9 @@ def test_engine_cuda_bitwise_equals_cpu(comm, cp, same_embed_sum, stage, overlap
     l_cpu, m_cpu, _ = _run(comm, stage, "cpu", **kw)
     same = l_gpu == l_cpu and np.array_equal(m_gpu.view(np.uint32), m_cpu.view(np.uint32))
     assert_all(comm, same, f"stage {stage}: cuda {l_gpu[-1]} vs cpu {l_cpu[-1]}")
+    from ringzero.nn import fused, fused_cuda
+    assert_all(comm, fused._cuda is None or len(fused_cuda._KERNELS) >= 8,
+               f"the device run used only these kernels: {sorted(fused_cuda._KERNELS)}")
     assert_all(comm, eng.ring.scratch_growths + eng.ring.staging.growths > 0 or comm.size == 1,
                "the device run never touched the ring")
 

@@ -12,11 +12,14 @@ What it is
     On NumPy float32/float64 arrays that are C-contiguous, the work is done by
     the optional C extension ``ringzero.nn._fused`` (ringzero/nn/csrc/fused.c):
     one pass over each row, reductions in a fixed order, single-threaded, so a
-    run gives the same bits at every ZeRO stage and on every rank. Everything
-    else (CuPy, float16, strided views, no compiler at install time, or
-    ``RINGZERO_NO_C=1``) takes the ``xp`` formulas below, which keep their
-    statistics in float32 under float16. The two paths agree to float32
-    rounding, not bitwise: a run uses one of them throughout.
+    run gives the same bits at every ZeRO stage and on every rank. On CuPy
+    float16/32/64 arrays that are C-contiguous, the same kernels written as
+    CuPy ElementwiseKernels do it (fused_cuda.py: for float32 the host's bits
+    wherever no libm call differs). Everything else (float16 on the host,
+    strided views, no compiler at install time, or ``RINGZERO_NO_C=1``) takes
+    the ``xp`` formulas below, which keep their statistics in float32 under
+    float16. The kernels and the formulas agree to float32 rounding, not
+    bitwise: a run uses one of them throughout.
 
 What it is not
     Layers (no caches, no parameter dicts: those are layers.py, norm.py and
@@ -29,6 +32,7 @@ import os
 
 import numpy as np
 
+from ringzero.nn import fused_cuda
 from ringzero.nn.ops import _take, acc_dtype, array_module
 
 try:  # the optional C extension (setup.py, optional=True)
@@ -36,9 +40,11 @@ try:  # the optional C extension (setup.py, optional=True)
 except ImportError:  # no compiler at install time: the xp formulas do the work
     _c = None
 
-# RINGZERO_NO_C=1 forces the xp path (to compare, or to rule the C out).
+_cuda = fused_cuda      # the device kernels (CuPy imported only when a CuPy array comes)
+
+# RINGZERO_NO_C=1 forces the xp path on host and device (to compare, or to rule the kernels out).
 if os.environ.get("RINGZERO_NO_C", "0") == "1":
-    _c = None
+    _c = _cuda = None
 
 HAVE_C = _c is not None
 GELU_K = math.sqrt(2.0 / math.pi)
@@ -64,6 +70,11 @@ def use_c(*arrays, outs=0) -> bool:
     return not any(np.may_share_memory(o, a) for i, o in enumerate(ws) for a in ins + ws[i + 1:])
 
 
+def use_gpu(*arrays, outs=0, free=()) -> bool:
+    """True when the CuPy kernels take these arrays (fused_cuda.takes)."""
+    return _cuda is not None and _cuda.takes(*arrays, outs=outs, free=free)
+
+
 def _dbl(a) -> bool:
     return a.dtype == np.float64
 
@@ -86,6 +97,9 @@ def gelu_forward(x, y, s, b=None):
     N, M = x.shape
     if use_c(x, b, y, s, outs=2):
         _c.gelu_fwd(x, b, y, s, N, M, _dbl(x))
+        return False
+    if use_gpu(x, b, y, s, outs=2):
+        _cuda.gelu_fwd(x, b, y, s)
         return False
     xp = array_module(x)
     if b is not None:
@@ -115,6 +129,9 @@ def gelu_backward(dy, x, s, dx, b=None, colsum=None, ws=None):
     if use_c(dy, x, b, s, dx, colsum, outs=2):
         _c.gelu_bwd(dy, x, b, s, dx, colsum, N, M, _dbl(x))
         return dx
+    if use_gpu(dy, x, b, s, dx, free=(colsum,), outs=2):
+        _cuda.gelu_bwd(dy, x, b, s, dx, colsum)
+        return dx
     xp = array_module(x)
     v = x
     if b is not None:
@@ -142,6 +159,9 @@ def bias_residual(y, b, x):
     if use_c(y, b, x):
         _c.bias_residual(y, b, x, N, M, _dbl(y))
         return y
+    if use_gpu(y, b, x):                                        # y in place, x may be y
+        _cuda.bias_residual(y, b, x)
+        return y
     array_module(y).add(y, b, out=y)
     y += x
     return y
@@ -154,6 +174,9 @@ def layernorm_forward(x, w, b, y, xhat, rstd, eps, ws=None):
     N, C = x.shape
     if use_c(x, w, b, y, xhat, rstd, outs=3):
         _c.ln_fwd(x, w, b, y, xhat, rstd, N, C, _dbl(x), eps)
+        return y
+    if use_gpu(x, w, b, y, xhat, free=(rstd,), outs=3):
+        _cuda.ln_fwd(x, w, b, y, xhat, rstd, eps)
         return y
     xp = array_module(x)
     ad = acc_dtype(x.dtype)
@@ -177,6 +200,9 @@ def layernorm_backward(dy, xhat, rstd, w, dx, dw, db, ws=None):
     N, C = dy.shape
     if use_c(dy, xhat, rstd, w, dx, dw, db, outs=3):
         _c.ln_bwd(dy, xhat, rstd, w, dx, dw, db, _scratch(ws, "tmp", (C,), dy.dtype, np), N, C, _dbl(dy))
+        return dx
+    if dw.dtype == db.dtype and use_gpu(dy, xhat, w, dx, free=(rstd, dw, db), outs=3):
+        _cuda.ln_bwd(dy, xhat, rstd, w, dx, dw, db)
         return dx
     xp = array_module(dy)
     ad = acc_dtype(dy.dtype)
@@ -220,6 +246,9 @@ def softmax_causal_(att, scale, ws=None):
     if use_c(att):
         _c.softmax_causal(att, R, T, _dbl(att), scale)
         return att
+    if use_gpu(att):
+        _cuda.softmax_causal(att, scale)
+        return att
     xp, dtype = array_module(att), att.dtype
     att *= scale
     att += _mask(T, dtype, xp)
@@ -243,6 +272,9 @@ def softmax_causal_backward_(datt, att, scale, ws=None):
     R, T, _ = att.shape
     if use_c(att, datt, outs=1):
         _c.softmax_causal_bwd(datt, att, _scratch(ws, "tmp", (T,), att.dtype, np), R, T, _dbl(att), scale)
+        return datt
+    if use_gpu(att, datt, outs=1):
+        _cuda.softmax_causal_bwd(datt, att, scale)
         return datt
     xp, dtype = array_module(att), att.dtype
     prod = _scratch(ws, "prod", att.shape, dtype, xp)
@@ -286,6 +318,10 @@ def cross_entropy_forward(logits, targets, at, probs, nll, ws=None):
         tg = _scratch(ws, "tg", (N,), np.int64, np)
         np.copyto(tg, targets, casting="unsafe")
         _c.ce_fwd(logits, tg, probs, nll, N, V, _dbl(logits))
+        return nll
+    if (probs.dtype == nll.dtype and targets.dtype.kind in "iu" and targets.flags.c_contiguous
+            and use_gpu(logits, free=(probs, nll), outs=2)):
+        _cuda.ce_fwd(logits, targets, probs, nll)
         return nll
     xp, ad = array_module(logits), probs.dtype
     xp.copyto(probs, logits)

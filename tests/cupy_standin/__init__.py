@@ -34,15 +34,19 @@ What it is
       temporary and is copied into ``out``), counted in ``stats()``;
     - ``cupy.cuda.cublas.gemmStridedBatchedEx`` is emulated on raw pointers
       with cuBLAS's column-major rules; pointers must lie inside live
-      stand-in allocations.
+      stand-in allocations;
+    - ``cupy.ElementwiseKernel`` compiles the kernel's own CUDA C++ operation
+      string with the host C++ compiler (_kernel.py), parameters bound as CuPy
+      binds them, so a kernel's source and arithmetic are checked on the host.
 
     The memory pool is modelled as a perfect caching allocator: used bytes
     are the live arrays, total bytes the high-water mark.
 
 What it is not
     A GPU. It proves that ringzero uses CuPy's API as CuPy allows (types,
-    contiguity, synchronization before MPI, no implicit host copies); it says
-    nothing about GPU numerics, kernels or speed. Device memory is host
+    contiguity, synchronization before MPI, no implicit host copies), and runs
+    ElementwiseKernel sources with host arithmetic; it says nothing about
+    CUDA's libm, thread layout or speed. Device memory is host
     memory, so "device-direct" MPI here is host MPI on the same pointers.
 """
 from __future__ import annotations
@@ -81,7 +85,8 @@ from ._cuda import (
     scatter_add,
     zeros_pinned,
 )
-from ._routines import _SIMPLE, _UFUNCS, _creator, _ElementwiseKernel, _ewise, _reduction, _simple
+from ._kernel import ElementwiseKernel
+from ._routines import _SIMPLE, _UFUNCS, _creator, _ewise, _reduction, _simple
 
 __all__ = ["install", "run_script", "reset", "stats", "ndarray"]
 
@@ -109,7 +114,7 @@ def _build():
                  "asnumpy", "get_array_module", "copyto", "take", "matmul", "dot", "concatenate", "where"):
         setattr(cp, name, getattr(_routines, name))
     cp.ndarray = ndarray
-    cp.ElementwiseKernel = _ElementwiseKernel
+    cp.ElementwiseKernel = ElementwiseKernel
     cp.get_default_memory_pool = lambda: _POOL
     cp.get_default_pinned_memory_pool = lambda: _POOL
 
@@ -161,6 +166,8 @@ def install(monkeypatch):
     monkeypatch.setattr(backend, "_cupy", None)
     monkeypatch.setattr(backend, "_cupy_err", None)
     monkeypatch.setattr(kernels, "_cupy_add", None)
+    from ringzero.nn import fused_cuda
+    monkeypatch.setattr(fused_cuda, "_KERNELS", {})
     return cp
 
 

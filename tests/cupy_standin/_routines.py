@@ -1,5 +1,5 @@
 """The stand-in's kernels and module-level routines: ufuncs, reductions, creation,
-copies, matmul (with CuPy's copies counted), ElementwiseKernel (see __init__)."""
+copies, matmul (with CuPy's copies counted). ElementwiseKernel is _kernel.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -259,31 +259,3 @@ def _simple(name):
 _SIMPLE = ("cumsum", "sort", "argsort", "triu", "tril", "searchsorted", "diff", "nonzero", "flatnonzero",
            "unique", "bincount", "repeat", "clip", "isclose", "allclose", "array_equal", "count_nonzero",
            "flip", "linalg_norm", "sign", "round", "floor", "ceil")
-
-
-class _ElementwiseKernel:
-    """Only the kernels ringzero defines, interpreted by name: a CUDA source
-    cannot run here. Arguments are checked against the declared types."""
-    KNOWN = {"ringzero_add_f16": lambda a, b: (a.astype(np.float32) + b.astype(np.float32)).astype(np.float16)}
-
-    def __init__(self, in_params, out_params, operation, name="kernel", **kw):
-        if name not in self.KNOWN:
-            raise NotImplementedError(f"cupy stand-in: no host rendering of ElementwiseKernel {name!r}")
-        self.ins = [p.split() for p in in_params.split(",")]
-        self.outs = [p.split() for p in out_params.split(",")]
-        self.name, self.fn = name, self.KNOWN[name]
-
-    def __call__(self, *args):
-        if len(args) not in (len(self.ins), len(self.ins) + len(self.outs)):
-            raise TypeError(f"Wrong number of arguments for {self.name!r}")
-        for (t, n), a in zip(self.ins + self.outs, args):
-            if not isinstance(a, ndarray):
-                raise TypeError(f"Unsupported type {type(a)}")
-            if a.dtype != np.dtype(t):
-                raise TypeError(f"{self.name}: argument {n} expected {t}, got {a.dtype}")
-        _launch(*args[len(self.ins):])
-        r = self.fn(*[a._a for a in args[:len(self.ins)]])
-        if len(args) > len(self.ins):
-            args[-1]._a[...] = r
-            return args[-1]
-        return _wrap(r, fresh=True)
