@@ -12,9 +12,11 @@ What it is
     - ``T x`` given a scalar: ``const T x``, the value cast to T;
     - ``raw T x``: ``CArray<T> x``, indexed by flat element (``x[j]``, ``x.size()``);
     - ``i`` and ``_ind.size()``: the element index and the launch size
-      (``size=`` when every array is raw).
+      (``size=`` when every array is raw);
+    - an input that overlaps an output (and is not that output) is copied
+      first, as CuPy does.
 
-    Type placeholders (any name that is not a dtype) are taken from the arrays
+    Type placeholders (one-letter type names) are taken from the arrays
     bound to them and must agree. The source is built with ``c++ -O2
     -ffp-contract=off`` (CUDA kernels in ringzero pass ``--fmad=false`` to
     NVRTC for the same reason: no contraction into FMA) and cached on disk by
@@ -134,6 +136,10 @@ def _parse(params):
         words = words[1:] if raw else words
         if len(words) != 2 or not re.fullmatch(r"[A-Za-z_]\w*", words[1]):
             raise ValueError(f"cupy stand-in: cannot read kernel parameter {p!r}")
+        if len(words[0]) > 1 and words[0] not in _DTYPES:       # CuPy: one letter is a placeholder
+            raise TypeError(f"data type {words[0]!r} not understood")
+        if words[1] == "i":
+            raise ValueError("Can not use 'i' as a parameter name")
         out.append((raw, words[0], words[1]))
     return out
 
@@ -205,6 +211,10 @@ class ElementwiseKernel:
         for (raw, t, n), a in zip(self.params, args):
             if raw and not a._a.flags.c_contiguous:
                 raise NotImplementedError(f"cupy stand-in: raw argument {n} must be C-contiguous")
+        for k in range(n_in):                       # CuPy copies an input that overlaps an output first
+            a = args[k]
+            if isinstance(a, ndarray) and any(a is not o and np.may_share_memory(a._a, o._a) for o in args[n_in:]):
+                args[k] = _wrap(a._a.copy(), fresh=True)
 
         nd = max(len(shape), 1)
         dims = np.array(shape if shape else (1,), np.intp)
