@@ -47,6 +47,7 @@ if os.environ.get("RINGZERO_NO_C", "0") == "1":
     _c = _cuda = None
 
 HAVE_C = _c is not None
+ROWLANES = 64       # column sums: row i into partial i % 64, then the partials in order (fused.c)
 GELU_K = math.sqrt(2.0 / math.pi)
 GELU_A = 0.044715
 _C_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -81,6 +82,12 @@ def _dbl(a) -> bool:
 
 def _scratch(ws, name, shape, dtype, xp):
     return ws(name, shape, dtype) if ws is not None else xp.empty(shape, dtype)
+
+
+def _gws(ws, a):
+    """The device kernels' scratch (lane and column partials) from the caller's pool."""
+    xp = array_module(a)
+    return lambda name, shape, dtype: _scratch(ws, name, shape, dtype, xp)
 
 
 # ---- GELU ----------------------------------------------------------------------
@@ -127,10 +134,11 @@ def gelu_backward(dy, x, s, dx, b=None, colsum=None, ws=None):
     """
     N, M = x.shape
     if use_c(dy, x, b, s, dx, colsum, outs=2):
-        _c.gelu_bwd(dy, x, b, s, dx, colsum, N, M, _dbl(x))
+        cols = None if colsum is None else _scratch(ws, "cols", (ROWLANES, M), x.dtype, np)
+        _c.gelu_bwd(dy, x, b, s, dx, colsum, cols, N, M, _dbl(x))
         return dx
     if use_gpu(dy, x, b, s, dx, free=(colsum,), outs=2):
-        _cuda.gelu_bwd(dy, x, b, s, dx, colsum)
+        _cuda.gelu_bwd(dy, x, b, s, dx, colsum, _gws(ws, x))
         return dx
     xp = array_module(x)
     v = x
@@ -176,7 +184,7 @@ def layernorm_forward(x, w, b, y, xhat, rstd, eps, ws=None):
         _c.ln_fwd(x, w, b, y, xhat, rstd, N, C, _dbl(x), eps)
         return y
     if use_gpu(x, w, b, y, xhat, free=(rstd,), outs=3):
-        _cuda.ln_fwd(x, w, b, y, xhat, rstd, eps)
+        _cuda.ln_fwd(x, w, b, y, xhat, rstd, eps, _gws(ws, x))
         return y
     xp = array_module(x)
     ad = acc_dtype(x.dtype)
@@ -199,10 +207,11 @@ def layernorm_backward(dy, xhat, rstd, w, dx, dw, db, ws=None):
     """dx (N, C) of a layernorm; dw, db (C,) are SET to this call's weight and bias gradients."""
     N, C = dy.shape
     if use_c(dy, xhat, rstd, w, dx, dw, db, outs=3):
-        _c.ln_bwd(dy, xhat, rstd, w, dx, dw, db, _scratch(ws, "tmp", (C,), dy.dtype, np), N, C, _dbl(dy))
+        _c.ln_bwd(dy, xhat, rstd, w, dx, dw, db, _scratch(ws, "tmp", (C,), dy.dtype, np),
+                  _scratch(ws, "cols", (2 * ROWLANES, C), dy.dtype, np), N, C, _dbl(dy))
         return dx
     if dw.dtype == db.dtype and use_gpu(dy, xhat, w, dx, free=(rstd, dw, db), outs=3):
-        _cuda.ln_bwd(dy, xhat, rstd, w, dx, dw, db)
+        _cuda.ln_bwd(dy, xhat, rstd, w, dx, dw, db, _gws(ws, dy))
         return dx
     xp = array_module(dy)
     ad = acc_dtype(dy.dtype)
@@ -247,7 +256,7 @@ def softmax_causal_(att, scale, ws=None):
         _c.softmax_causal(att, R, T, _dbl(att), scale)
         return att
     if use_gpu(att):
-        _cuda.softmax_causal(att, scale)
+        _cuda.softmax_causal(att, scale, _gws(ws, att))
         return att
     xp, dtype = array_module(att), att.dtype
     att *= scale
@@ -274,7 +283,7 @@ def softmax_causal_backward_(datt, att, scale, ws=None):
         _c.softmax_causal_bwd(datt, att, _scratch(ws, "tmp", (T,), att.dtype, np), R, T, _dbl(att), scale)
         return datt
     if use_gpu(att, datt, outs=1):
-        _cuda.softmax_causal_bwd(datt, att, scale)
+        _cuda.softmax_causal_bwd(datt, att, scale, _gws(ws, att))
         return datt
     xp, dtype = array_module(att), att.dtype
     prod = _scratch(ws, "prod", att.shape, dtype, xp)
@@ -321,7 +330,7 @@ def cross_entropy_forward(logits, targets, at, probs, nll, ws=None):
         return nll
     if (probs.dtype == nll.dtype and targets.dtype.kind in "iu" and targets.flags.c_contiguous
             and use_gpu(logits, free=(probs, nll), outs=2)):
-        _cuda.ce_fwd(logits, targets, probs, nll)
+        _cuda.ce_fwd(logits, targets, probs, nll, _gws(ws, logits))
         return nll
     xp, ad = array_module(logits), probs.dtype
     xp.copyto(probs, logits)

@@ -11,31 +11,43 @@ What it is
     formulas.
 
     Each kernel is written in fused.c's order of operations: the same Cephes
-    ``expf`` polynomial, the same 8-lane row sums combined in the same tree,
-    column sums over rows in row order, and ``--fmad=false`` (NVRTC contracts
-    ``a * b + c`` into one FMA by default; fused.c is built with
-    ``-ffp-contract=off``). So for float32 a kernel computes what the host's C
-    kernel computes, bit for bit, wherever both use only + - * / and sqrt (IEEE
-    on both). ``logf`` (the cross-entropy) and float64's ``exp``/``log`` come
-    from each side's libm, which may differ in the last bit.
+    ``expf`` polynomial, the same roundings, and ``--fmad=false`` (NVRTC
+    contracts ``a * b + c`` into one FMA by default; fused.c is built with
+    ``-ffp-contract=off``). The sums are laid out on threads in fused.c's own
+    order, so a device sums what the host sums:
 
-    Layout: elementwise passes (GELU, bias + residual) run one thread per
-    element. Row passes (LayerNorm, softmax, cross-entropy) run one thread per
-    row over the whole row, and column sums one thread per column, so the
-    reduction order is the host's. float16 arrays compute in float32 and round
-    once per stored value.
+    - a row sum (LayerNorm's mean and variance, the softmax's max and sum)
+      runs on 8 threads per row, thread l taking elements l, l + 8, ... in
+      order (fused.c's 8 lanes), the 8 partials then added in fused.c's tree
+      by the next kernel. Adjacent threads read adjacent elements: a warp
+      reads 4 rows x 32 contiguous bytes per step;
+    - a column sum (the bias and LayerNorm weight gradients) runs on 64
+      threads per column, thread g taking rows g, g + 64, ... in order
+      (fused.c's 64 row lanes), the 64 partials then added in order;
+    - the elementwise passes (GELU, bias + residual, LayerNorm's affine and
+      dx) run one thread per element.
+
+    So for float32 a kernel computes the host C kernel's bits wherever both
+    use only + - * / and sqrt (IEEE on both). ``logf`` (the cross-entropy)
+    and float64's ``exp``/``log`` come from each side's libm, which may differ
+    in the last bit. float16 arrays compute in float32 and round once per
+    stored value. A pass is 2-4 launches (a partials kernel, then the one
+    that uses them) against the ``xp`` formulas' 5-12 ufuncs and full-size
+    temporaries; the partials live in the caller's pool.
 
 What it is not
-    Warp-per-row kernels with shuffle reductions (faster on long rows, but in
-    another summation order), or anything measured on a device yet. The CuPy
-    stand-in (tests/cupy_standin) compiles these same sources with the host's
-    C++ compiler, which checks their source and arithmetic, not their speed.
+    Block-per-row kernels with shared-memory trees (fewer launches, but
+    another summation order than the host's), or anything measured on a
+    device yet. The CuPy stand-in (tests/cupy_standin) compiles these same
+    sources with the host's C++ compiler, which checks their source and
+    arithmetic, not their speed; the gpu-api group compiles them with NVRTC.
 """
 from __future__ import annotations
 
 import numpy as np
 
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+LANES, ROWLANES = 8, 64     # fused.c's lanes per row sum, and row lanes per column sum
 
 # Shared device code. Template parameters are not named T: CuPy puts its
 # placeholder typedefs (typedef float T;) above the preamble.
@@ -69,36 +81,25 @@ __device__ __forceinline__ double rz_log(double x) { return log(x); }
 __device__ __forceinline__ float rz_sqrt(float x) { return sqrtf(x); }
 __device__ __forceinline__ double rz_sqrt(double x) { return sqrt(x); }
 
-/* sum of (Acc) u[j] * v[j] (or of u[j] when v is null), j < n: element j to lane j % 8, fixed tree */
-template <class Acc, class E, class F>
-__device__ Acc rz_sum8(const E *u, const F *v, long long n) {
-    Acc a[8];
-    for (int l = 0; l < 8; l++) a[l] = (Acc)0;
-    long long j = 0;
-    for (; j + 8 <= n; j += 8)
-        for (int l = 0; l < 8; l++) a[l] += v ? (Acc)u[j + l] * (Acc)v[j + l] : (Acc)u[j + l];
-    for (int l = 0; j < n; j++, l++) a[l] += v ? (Acc)u[j] * (Acc)v[j] : (Acc)u[j];
-    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+/* fused.c's tree over one row's 8 lane partials p[0..7] */
+template <class Acc>
+__device__ __forceinline__ Acc rz_tree8(const Acc *p) {
+    return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
 }
 
-/* max of u[j], j < n (n >= 1), in 8 lanes like the host (max is exact in any order) */
-template <class Acc, class E>
-__device__ Acc rz_max8(const E *u, long long n) {
-    Acc a[8];
-    for (int l = 0; l < 8; l++) a[l] = (Acc)u[0];
-    long long j = 0;
-    for (; j + 8 <= n; j += 8)
-        for (int l = 0; l < 8; l++) a[l] = (Acc)u[j + l] > a[l] ? (Acc)u[j + l] : a[l];
-    for (int l = 0; j < n; j++, l++) a[l] = (Acc)u[j] > a[l] ? (Acc)u[j] : a[l];
-    Acc mx = a[0];
-    for (int l = 1; l < 8; l++) mx = a[l] > mx ? a[l] : mx;
+/* the largest of the lane maxima of lanes 0..min(8, k)-1 (the others saw no element) */
+template <class Acc>
+__device__ __forceinline__ Acc rz_max8(const Acc *p, long long k) {
+    Acc mx = p[0];
+    for (int q = 1; q < 8 && q < k; q++) mx = p[q] > mx ? p[q] : mx;
     return mx;
 }
 """
 
-_NOV = "(const float *)0"        # rz_sum8's v when it is a plain sum
-
-# name: (in_params, out_params, operation). T: the arrays' dtype; A: what they compute in.
+# name: (in_params, out_params, operation). T: the arrays' dtype; Q, R, W, P: float32 under float16,
+# else T (partials, statistics, gradients); A: what T computes in. A "lane kernel" runs 8 threads
+# per row, i = row * 8 + lane, lane l taking the elements j = l, l + 8, ... in order (fused.c's
+# lane_sum); a "column kernel" 64 threads per column, i = g * m + j, taking rows g, g + 64, ...
 _SOURCES = {
     # y = v s, s = sigmoid(2u), v = x + b, u = k (v + a v^3)        (element i of (N, M); b broadcast (M,))
     "rz_gelu_fwd_bias": ("T x, T b", "T y, T s", """
@@ -128,84 +129,158 @@ _SOURCES = {
         A d = (((v * v) * (A)(3.0 * RZ_GELU_A) + (A)1) * v) * (A)(2.0 * RZ_GELU_K);
         d = ((d * sv) * ((A)1 - sv)) + sv;
         dx = (T)(d * (A)dy)"""),
-    # colsum[i] = sum over rows r (in order) of d[r, i]; one thread per column     (d (rows, M), colsum (M,))
-    "rz_colsum": ("raw T d, int64 rows", "S colsum", """
-        typedef rz_acc<S>::type A;
-        long long M = _ind.size();
-        A acc = (A)0;
-        for (long long r = 0; r < rows; r++) acc += (A)d[r * M + i];
-        colsum = (S)acc"""),
+    # column kernel: cols[g, j] = sum of d[r, j] over rows r = g, g + 64, ...      (d (rows, m), cols (64, m))
+    "rz_colsum_part": ("raw T d, int64 rows, int64 m", "raw Q cols", """
+        long long g = i / m, j = i % m;
+        Q acc = (Q)0;
+        for (long long r = g; r < rows; r += 64) acc += (Q)d[r * m + j];
+        cols[i] = acc"""),
+    # out[j] = the 64 partials of column j added in order                          (cols (64, m), out (m,))
+    "rz_fold_rows": ("raw Q cols", "W out", """
+        long long m = _ind.size();
+        Q acc = (Q)0;
+        for (int g = 0; g < 64; g++) acc += cols[g * m + i];
+        out = (W)acc"""),
     # y = (y + b) + x                                                 (element i of (N, M); b broadcast (M,))
     "rz_bias_residual": ("T b, T x", "T y", """
         typedef rz_acc<T>::type A;
         y = (T)((((A)y + (A)b)) + (A)x)"""),
-    # row i of x (N, m): xhat = (x - mean) rstd, rstd = 1/sqrt(var + eps); y = xhat w + b
-    "rz_ln_fwd": ("raw T x, raw T w, raw T b, int64 m, float64 eps", "raw T y, raw T xhat, raw R rstd", """
-        typedef rz_acc<T>::type A;
-        const T *xr = &x[i * m];
-        T *hr = &xhat[i * m], *yr = &y[i * m];
-        A mean = rz_sum8<A>(xr, """ + _NOV + """, m) / (A)m;
-        for (long long j = 0; j < m; j++) hr[j] = (T)((A)xr[j] - mean);
-        A var = rz_sum8<A>(hr, hr, m) / (A)m;
-        A rs = (A)1 / rz_sqrt(var + (A)eps);
-        rstd[i] = (R)rs;
-        for (long long j = 0; j < m; j++) {
-            A h = (A)hr[j] * rs;
-            hr[j] = (T)h;
-            yr[j] = (T)(h * (A)w[j] + (A)b[j]);
-        }"""),
-    # row i: dx = rstd ((dy w - xhat mean(dy w xhat)) - mean(dy w))
-    "rz_ln_bwd": ("raw T dy, raw T xhat, raw R rstd, raw T w, int64 m", "raw T dx", """
-        typedef rz_acc<T>::type A;
-        const T *gr = &dy[i * m], *hr = &xhat[i * m];
-        T *dr = &dx[i * m];
-        for (long long j = 0; j < m; j++) dr[j] = (T)((A)gr[j] * (A)w[j]);
-        A m1 = rz_sum8<A>(dr, """ + _NOV + """, m) / (A)m, m2 = rz_sum8<A>(dr, hr, m) / (A)m, rs = (A)rstd[i];
-        for (long long j = 0; j < m; j++) dr[j] = (T)((((A)dr[j] - (A)hr[j] * m2) - m1) * rs);"""),
-    # column i: db = sum dy, dw = sum dy xhat over rows in order
-    "rz_ln_wgrad": ("raw T dy, raw T xhat, int64 rows", "W dw, W db", """
-        typedef rz_acc<W>::type A;
-        long long M = _ind.size();
-        A sw = (A)0, sb = (A)0;
-        for (long long r = 0; r < rows; r++) {
-            A g = (A)dy[r * M + i];
-            sb += g;
-            sw += g * (A)xhat[r * M + i];
+    # LayerNorm forward, x (N, m): lane sums of x -> part (N*8,)
+    "rz_ln_fwd_sum": ("raw T x, int64 m", "raw Q part", """
+        long long r = i / 8, l = i % 8;
+        const T *xr = &x[r * m];
+        Q acc = (Q)0;
+        for (long long j = l; j < m; j += 8) acc += (Q)xr[j];
+        part[i] = acc"""),
+    # lanes: xhat = x - mean (stored), lane sums of its squares -> part2
+    "rz_ln_fwd_center": ("raw T x, raw Q part, int64 m", "raw T xhat, raw Q part2", """
+        long long r = i / 8, l = i % 8;
+        const T *xr = &x[r * m];
+        T *hr = &xhat[r * m];
+        Q mean = rz_tree8<Q>(&part[r * 8]) / (Q)m, acc = (Q)0;
+        for (long long j = l; j < m; j += 8) {
+            T h = (T)((Q)xr[j] - mean);
+            hr[j] = h;
+            acc += (Q)h * (Q)h;
         }
-        dw = (W)sw;
-        db = (W)sb"""),
-    # row i of att (R*tn, tn), t = i % tn: j <= t softmax(att * scale), j > t: 0
-    "rz_softmax_causal": ("int64 tn, float64 scale", "raw T att", """
+        part2[i] = acc"""),
+    # per row: rstd = 1 / sqrt(var + eps)
+    "rz_ln_fwd_rstd": ("raw Q part2, int64 m, float64 eps", "raw R rstd", """
+        Q var = rz_tree8<Q>(&part2[i * 8]) / (Q)m;
+        rstd[i] = (R)((Q)1 / rz_sqrt(var + (Q)eps))"""),
+    # per element of (N, m): xhat *= rstd, y = xhat w + b
+    "rz_ln_fwd_affine": ("T w, T b, raw R rstd, int64 m", "T xhat, T y", """
         typedef rz_acc<T>::type A;
-        T *a = &att[i * tn];
-        long long k = i % tn + 1;
-        A sc = (A)scale;
-        for (long long j = 0; j < k; j++) a[j] = (T)((A)a[j] * sc);
-        A mx = rz_max8<A>(a, k);
-        for (long long j = 0; j < k; j++) a[j] = (T)rz_exp((A)a[j] - mx);
-        A s = rz_sum8<A>(a, """ + _NOV + """, k);
-        for (long long j = 0; j < k; j++) a[j] = (T)((A)a[j] / s);
-        for (long long j = k; j < tn; j++) a[j] = (T)(A)0;"""),
-    # row i: datt = ((datt - sum(datt att)) att) scale on j <= t, 0 above
-    "rz_softmax_causal_bwd": ("raw T att, int64 tn, float64 scale", "raw T datt", """
-        typedef rz_acc<T>::type A;
-        T *d = &datt[i * tn];
-        const T *a = &att[i * tn];
-        long long k = i % tn + 1;
-        A sc = (A)scale;
-        A s = rz_sum8<A>(d, a, k);
-        for (long long j = 0; j < k; j++) d[j] = (T)((((A)d[j] - s) * (A)a[j]) * sc);
-        for (long long j = k; j < tn; j++) d[j] = (T)(A)0;"""),
-    # row i of logits (N, V): probs = softmax, nll = log(sum exp(l - max)) - (l[tgt] - max)
-    "rz_ce_fwd": ("raw T logits, raw I tgt, int64 V", "raw P probs, raw P nll", """
-        const T *l = &logits[i * V];
-        P *p = &probs[i * V];
-        P mx = rz_max8<P>(l, V);
-        P picked = (P)l[(long long)tgt[i]] - mx;
-        for (long long j = 0; j < V; j++) p[j] = rz_exp((P)l[j] - mx);
-        P s = rz_sum8<P>(p, """ + _NOV + """, V);
-        nll[i] = rz_log(s) - picked;
-        for (long long j = 0; j < V; j++) p[j] = p[j] / s;"""),
+        A h = (A)xhat * (A)rstd[i / m];
+        xhat = (T)h;
+        y = (T)(h * (A)w + (A)b)"""),
+    # LayerNorm backward, lanes: dx = dy w (stored), lane sums of dx and of dx xhat -> part, part2
+    "rz_ln_bwd_sums": ("raw T dy, raw T xhat, raw T w, int64 m", "raw T dx, raw Q part, raw Q part2", """
+        long long r = i / 8, l = i % 8;
+        const T *gr = &dy[r * m], *hr = &xhat[r * m];
+        T *dr = &dx[r * m];
+        Q s1 = (Q)0, s2 = (Q)0;
+        for (long long j = l; j < m; j += 8) {
+            T d = (T)((Q)gr[j] * (Q)w[j]);
+            dr[j] = d;
+            s1 += (Q)d;
+            s2 += (Q)d * (Q)hr[j];
+        }
+        part[i] = s1;
+        part2[i] = s2"""),
+    # per element: dx = ((dx - xhat m2) - m1) rstd, m1 = mean(dx), m2 = mean(dx xhat) of its row
+    "rz_ln_bwd_dx": ("T xhat, raw R rstd, raw Q part, raw Q part2, int64 m", "T dx", """
+        long long r = i / m;
+        Q m1 = rz_tree8<Q>(&part[r * 8]) / (Q)m, m2 = rz_tree8<Q>(&part2[r * 8]) / (Q)m;
+        dx = (T)((((Q)dx - (Q)xhat * m2) - m1) * (Q)rstd[r])"""),
+    # column kernel: the weight and bias gradients' partials, cw = sum dy xhat, cb = sum dy
+    "rz_ln_wgrad_part": ("raw T dy, raw T xhat, int64 rows, int64 m", "raw Q cw, raw Q cb", """
+        long long g = i / m, j = i % m;
+        Q sw = (Q)0, sb = (Q)0;
+        for (long long r = g; r < rows; r += 64) {
+            Q d = (Q)dy[r * m + j];
+            sb += d;
+            sw += d * (Q)xhat[r * m + j];
+        }
+        cw[i] = sw;
+        cb[i] = sb"""),
+    # causal softmax, att (R*tn, tn), row t = r % tn keeps j <= t. Lanes: max of (att * scale)
+    "rz_softmax_max": ("raw T att, int64 tn, float64 scale", "raw Q part", """
+        long long r = i / 8, l = i % 8, k = r % tn + 1;
+        const T *a = &att[r * tn];
+        Q sc = (Q)scale, mx = (Q)0;
+        for (long long j = l; j < k; j += 8) {
+            Q v = (Q)(T)((Q)a[j] * sc);
+            mx = (j == l || v > mx) ? v : mx;
+        }
+        part[i] = mx"""),
+    # lanes: att = exp(att * scale - max) on j <= t (stored), 0 above; lane sums -> part2
+    "rz_softmax_exp": ("raw Q part, int64 tn, float64 scale", "raw T att, raw Q part2", """
+        long long r = i / 8, l = i % 8, k = r % tn + 1;
+        T *a = &att[r * tn];
+        Q sc = (Q)scale, mx = rz_max8<Q>(&part[r * 8], k), acc = (Q)0;
+        for (long long j = l; j < tn; j += 8) {
+            if (j < k) {
+                T e = (T)rz_exp((Q)(T)((Q)a[j] * sc) - mx);
+                a[j] = e;
+                acc += (Q)e;
+            } else {
+                a[j] = (T)(Q)0;
+            }
+        }
+        part2[i] = acc"""),
+    # lanes: att /= the row's sum on j <= t
+    "rz_softmax_div": ("raw Q part2, int64 tn", "raw T att", """
+        long long r = i / 8, l = i % 8, k = r % tn + 1;
+        T *a = &att[r * tn];
+        Q s = rz_tree8<Q>(&part2[r * 8]);
+        for (long long j = l; j < k; j += 8) a[j] = (T)((Q)a[j] / s)"""),
+    # softmax backward, lanes: sums of datt att on j <= t -> part
+    "rz_softmax_bwd_sum": ("raw T att, raw T datt, int64 tn", "raw Q part", """
+        long long r = i / 8, l = i % 8, k = r % tn + 1;
+        const T *a = &att[r * tn], *d = &datt[r * tn];
+        Q acc = (Q)0;
+        for (long long j = l; j < k; j += 8) acc += (Q)d[j] * (Q)a[j];
+        part[i] = acc"""),
+    # lanes: datt = ((datt - sum) att) scale on j <= t, 0 above
+    "rz_softmax_bwd": ("raw T att, raw Q part, int64 tn, float64 scale", "raw T datt", """
+        long long r = i / 8, l = i % 8, k = r % tn + 1;
+        const T *a = &att[r * tn];
+        T *d = &datt[r * tn];
+        Q s = rz_tree8<Q>(&part[r * 8]), sc = (Q)scale;
+        for (long long j = l; j < tn; j += 8) d[j] = j < k ? (T)((((Q)d[j] - s) * (Q)a[j]) * sc) : (T)(Q)0"""),
+    # softmax + cross-entropy, logits (N, V). Lanes: max of the logits
+    "rz_ce_max": ("raw T logits, int64 V", "raw P part", """
+        long long r = i / 8, l = i % 8;
+        const T *lr = &logits[r * V];
+        P mx = (P)0;
+        for (long long j = l; j < V; j += 8) {
+            P v = (P)lr[j];
+            mx = (j == l || v > mx) ? v : mx;
+        }
+        part[i] = mx"""),
+    # lanes: probs = exp(l - max) (stored), lane sums -> part2
+    "rz_ce_exp": ("raw T logits, raw P part, int64 V", "raw P probs, raw P part2", """
+        long long r = i / 8, l = i % 8;
+        const T *lr = &logits[r * V];
+        P *pr = &probs[r * V];
+        P mx = rz_max8<P>(&part[r * 8], V), acc = (P)0;
+        for (long long j = l; j < V; j += 8) {
+            P e = rz_exp((P)lr[j] - mx);
+            pr[j] = e;
+            acc += e;
+        }
+        part2[i] = acc"""),
+    # lanes: probs /= sum; lane 0: nll = log(sum) - (l[target] - max)
+    "rz_ce_norm": ("raw T logits, raw I tgt, raw P part, raw P part2, int64 V", "raw P probs, raw P nll", """
+        long long r = i / 8, l = i % 8;
+        P *pr = &probs[r * V];
+        P s = rz_tree8<P>(&part2[r * 8]);
+        for (long long j = l; j < V; j += 8) pr[j] = pr[j] / s;
+        if (l == 0) {
+            P mx = rz_max8<P>(&part[r * 8], V);
+            nll[r] = rz_log(s) - ((P)logits[r * V + (long long)tgt[r]] - mx);
+        }"""),
 }
 
 _KERNELS = {}
@@ -251,7 +326,11 @@ def takes(*arrays, outs=0, free=()) -> bool:
     return True
 
 
-# ---- the calls fused.py makes (same arguments as its C path) ----------------------------
+# ---- the calls fused.py makes (the C path's arguments; ws(name, shape, dtype): scratch buffers) ------
+
+def _acc(dtype):
+    return np.float64 if dtype == np.float64 else np.float32
+
 
 def gelu_fwd(x, b, y, s):
     if b is None:
@@ -260,40 +339,63 @@ def gelu_fwd(x, b, y, s):
         _k("rz_gelu_fwd_bias")(x, b, y, s)
 
 
-def gelu_bwd(dy, x, b, s, dx, colsum):
+def gelu_bwd(dy, x, b, s, dx, colsum, ws):
     if b is None:
         _k("rz_gelu_bwd")(dy, x, s, dx)
     else:
         _k("rz_gelu_bwd_bias")(dy, x, b, s, dx)
     if colsum is not None:
-        _k("rz_colsum")(dx, dx.shape[0], colsum)
+        N, M = dx.shape
+        cols = ws("g_cols", (ROWLANES, M), _acc(dx.dtype))
+        _k("rz_colsum_part")(dx, N, M, cols, size=ROWLANES * M)
+        _k("rz_fold_rows")(cols, colsum)
 
 
 def bias_residual(y, b, x):
     _k("rz_bias_residual")(b, x, y)
 
 
-def ln_fwd(x, w, b, y, xhat, rstd, eps):
+def ln_fwd(x, w, b, y, xhat, rstd, eps, ws):
     N, C = x.shape
-    _k("rz_ln_fwd")(x, w, b, C, float(eps), y, xhat, rstd, size=N)
+    q = _acc(x.dtype)
+    part, part2 = ws("g_part", (N * LANES,), q), ws("g_part2", (N * LANES,), q)
+    _k("rz_ln_fwd_sum")(x, C, part, size=N * LANES)
+    _k("rz_ln_fwd_center")(x, part, C, xhat, part2, size=N * LANES)
+    _k("rz_ln_fwd_rstd")(part2, C, float(eps), rstd, size=N)
+    _k("rz_ln_fwd_affine")(w, b, rstd, C, xhat, y)
 
 
-def ln_bwd(dy, xhat, rstd, w, dx, dw, db):
+def ln_bwd(dy, xhat, rstd, w, dx, dw, db, ws):
     N, C = dy.shape
-    _k("rz_ln_bwd")(dy, xhat, rstd, w, C, dx, size=N)
-    _k("rz_ln_wgrad")(dy, xhat, N, dw, db)
+    q = _acc(dy.dtype)
+    part, part2 = ws("g_part", (N * LANES,), q), ws("g_part2", (N * LANES,), q)
+    _k("rz_ln_bwd_sums")(dy, xhat, w, C, dx, part, part2, size=N * LANES)
+    _k("rz_ln_bwd_dx")(xhat, rstd, part, part2, C, dx)
+    cw, cb = ws("g_cw", (ROWLANES, C), q), ws("g_cb", (ROWLANES, C), q)
+    _k("rz_ln_wgrad_part")(dy, xhat, N, C, cw, cb, size=ROWLANES * C)
+    _k("rz_fold_rows")(cw, dw)
+    _k("rz_fold_rows")(cb, db)
 
 
-def softmax_causal(att, scale):
+def softmax_causal(att, scale, ws):
     R, T, _ = att.shape
-    _k("rz_softmax_causal")(T, float(scale), att, size=R * T)
+    q = _acc(att.dtype)
+    part, part2 = ws("g_part", (R * T * LANES,), q), ws("g_part2", (R * T * LANES,), q)
+    _k("rz_softmax_max")(att, T, float(scale), part, size=R * T * LANES)
+    _k("rz_softmax_exp")(part, T, float(scale), att, part2, size=R * T * LANES)
+    _k("rz_softmax_div")(part2, T, att, size=R * T * LANES)
 
 
-def softmax_causal_bwd(datt, att, scale):
+def softmax_causal_bwd(datt, att, scale, ws):
     R, T, _ = att.shape
-    _k("rz_softmax_causal_bwd")(att, T, float(scale), datt, size=R * T)
+    part = ws("g_part", (R * T * LANES,), _acc(att.dtype))
+    _k("rz_softmax_bwd_sum")(att, datt, T, part, size=R * T * LANES)
+    _k("rz_softmax_bwd")(att, part, T, float(scale), datt, size=R * T * LANES)
 
 
-def ce_fwd(logits, targets, probs, nll):
+def ce_fwd(logits, targets, probs, nll, ws):
     N, V = logits.shape
-    _k("rz_ce_fwd")(logits, targets, V, probs, nll, size=N)
+    part, part2 = ws("g_part", (N * LANES,), probs.dtype), ws("g_part2", (N * LANES,), probs.dtype)
+    _k("rz_ce_max")(logits, V, part, size=N * LANES)
+    _k("rz_ce_exp")(logits, part, V, probs, part2, size=N * LANES)
+    _k("rz_ce_norm")(logits, targets, part, part2, V, probs, nll, size=N * LANES)

@@ -10,8 +10,11 @@
  * formulas used when this extension is absent.
  *
  * Determinism: one thread, and every reduction has a fixed order: row sums
- * go to 8 lanes (element j to lane j % 8) combined in a fixed tree, column
- * sums run over rows in order. The file is built with -ffp-contract=off and
+ * go to 8 lanes (element j to lane j % 8) combined in a fixed tree; column
+ * sums go to 64 row lanes (row i to partial i % 64, in row order), then the
+ * 64 partials are added in order. The CuPy twins of these kernels
+ * (ringzero/nn/fused_cuda.py) spread a row over 8 threads and a column over
+ * 64 in exactly these orders, so a device computes the same sums. The file is built with -ffp-contract=off and
  * no fast-math, so the compiler may vectorize the loops but never reorders
  * or fuses a rounding; the AVX2 and the baseline clones of each kernel
  * (target_clones, chosen at load time) give the same bits. float32 uses the
@@ -40,6 +43,7 @@
 #define GELU_K 0.7978845608028654   /* sqrt(2/pi) */
 #define GELU_A 0.044715
 #define LANES 8
+#define ROWLANES 64
 /* -2u of GELU's tanh argument u = k (v + a v^3), in this order of roundings */
 #define GELU_M2U(T, v) (((((v) * (v)) * (T)GELU_A + (T)1) * (v)) * (T)(-2.0 * GELU_K))
 
@@ -125,12 +129,21 @@ RZ_CLONES static void gelu_fwd_##S(const T *restrict x, const T *restrict b, T *
     }                                                                                           \
 }                                                                                               \
                                                                                                 \
-/* dx = dy (s + s (1 - s) 2k v (1 + 3a v^2)), v = x + b, s from forward;                        \
- * colsum (m,) = dx summed over rows in order, if given */                                      \
-RZ_CLONES static void gelu_bwd_##S(const T *restrict dy, const T *restrict x, const T *restrict b, \
-                                   const T *restrict sg, T *restrict dx, T *restrict colsum, ix n, ix m) \
+/* column sums of the (ROWLANES, m) partials, in partial order */                               \
+static inline void fold_rows_##S(const T *restrict cols, T *restrict out, ix m)                 \
 {                                                                                               \
-    if (colsum) for (ix j = 0; j < m; j++) colsum[j] = 0;                                       \
+    for (ix j = 0; j < m; j++) out[j] = 0;                                                      \
+    for (int g = 0; g < ROWLANES; g++)                                                          \
+        for (ix j = 0; j < m; j++) out[j] += cols[g * m + j];                                   \
+}                                                                                               \
+                                                                                                \
+/* dx = dy (s + s (1 - s) 2k v (1 + 3a v^2)), v = x + b, s from forward;                        \
+ * colsum (m,) = dx summed over rows (row lanes; cols: (ROWLANES, m) scratch), if given */     \
+RZ_CLONES static void gelu_bwd_##S(const T *restrict dy, const T *restrict x, const T *restrict b, \
+                                   const T *restrict sg, T *restrict dx, T *restrict colsum,    \
+                                   T *restrict cols, ix n, ix m)                                \
+{                                                                                               \
+    if (colsum) for (ix k = 0; k < ROWLANES * m; k++) cols[k] = 0;                              \
     for (ix i = 0; i < n; i++) {                                                                \
         const T *xr = x + i * m, *gr = dy + i * m, *sr = sg + i * m;                            \
         T *dr = dx + i * m;                                                                     \
@@ -142,8 +155,12 @@ RZ_CLONES static void gelu_bwd_##S(const T *restrict dy, const T *restrict x, co
             d = ((d * sv) * ((T)1 - sv)) + sv;                                                  \
             dr[j] = d * gr[j];                                                                  \
         }                                                                                       \
-        if (colsum) for (ix j = 0; j < m; j++) colsum[j] += dr[j];                              \
+        if (colsum) {                                                                           \
+            T *c = cols + (i % ROWLANES) * m;                                                   \
+            for (ix j = 0; j < m; j++) c[j] += dr[j];                                           \
+        }                                                                                       \
     }                                                                                           \
+    if (colsum) fold_rows_##S(cols, colsum, m);                                                 \
 }                                                                                               \
                                                                                                 \
 /* y (n, m) = (y + b) + x */                                                                    \
@@ -177,24 +194,28 @@ RZ_CLONES static void ln_fwd_##S(const T *restrict x, const T *restrict w, const
     }                                                                                           \
 }                                                                                               \
                                                                                                 \
-/* dx = rstd ((dy w - xhat mean(dy w xhat)) - mean(dy w)); dw = sum dy xhat, db = sum dy */     \
+/* dx = rstd ((dy w - xhat mean(dy w xhat)) - mean(dy w)); dw = sum dy xhat, db = sum dy        \
+ * (row lanes; cols: (2 ROWLANES, m) scratch) */                                                \
 RZ_CLONES static void ln_bwd_##S(const T *restrict dy, const T *restrict xhat, const T *restrict rstd, \
                                  const T *restrict w, T *restrict dx, T *restrict dw, T *restrict db, \
-                                 T *restrict tmp, ix n, ix m)                                   \
+                                 T *restrict tmp, T *restrict cols, ix n, ix m)                 \
 {                                                                                               \
-    for (ix j = 0; j < m; j++) { dw[j] = 0; db[j] = 0; }                                        \
+    for (ix k = 0; k < 2 * ROWLANES * m; k++) cols[k] = 0;                                      \
     for (ix i = 0; i < n; i++) {                                                                \
         const T *gr = dy + i * m, *hr = xhat + i * m;                                           \
         T *dr = dx + i * m;                                                                     \
+        T *cw = cols + (i % ROWLANES) * m, *cb = cols + (ROWLANES + i % ROWLANES) * m;          \
         for (ix j = 0; j < m; j++) {                                                            \
-            db[j] += gr[j];                                                                     \
-            dw[j] += gr[j] * hr[j];                                                             \
+            cb[j] += gr[j];                                                                     \
+            cw[j] += gr[j] * hr[j];                                                             \
             dr[j] = gr[j] * w[j];                                                               \
             tmp[j] = dr[j] * hr[j];                                                             \
         }                                                                                       \
         T m1 = lane_sum_##S(dr, m) / (T)m, m2 = lane_sum_##S(tmp, m) / (T)m, rs = rstd[i];      \
         for (ix j = 0; j < m; j++) dr[j] = ((dr[j] - hr[j] * m2) - m1) * rs;                    \
     }                                                                                           \
+    fold_rows_##S(cols, dw, m);                                                                 \
+    fold_rows_##S(cols + ROWLANES * m, db, m);                                                  \
 }                                                                                               \
                                                                                                 \
 /* att (R*T, T) rows: row t of each (T, T) block, j <= t: softmax(att * scale); j > t: 0 */     \
@@ -279,7 +300,7 @@ static int get(PyObject *o, Py_buffer *v, int writable, ix nbytes, int optional,
     return 0;
 }
 
-#define MAXB 8
+#define MAXB 10
 typedef struct { Py_buffer v[MAXB]; int k; } Bufs;
 
 static void release(Bufs *b) { for (int i = 0; i < b->k; i++) if (b->v[i].obj) PyBuffer_Release(&b->v[i]); }
@@ -310,16 +331,17 @@ static PyObject *py_gelu_fwd(PyObject *self, PyObject *args)
 
 static PyObject *py_gelu_bwd(PyObject *self, PyObject *args)
 {
-    PyObject *dy, *x, *b, *sg, *dx, *cs; ix n, m; int dbl; Bufs B = {.k = 0};
-    void *pg, *px, *pb, *ps, *pd, *pc;
-    if (!PyArg_ParseTuple(args, "OOOOOOnnp", &dy, &x, &b, &sg, &dx, &cs, &n, &m, &dbl)) return NULL;
+    PyObject *dy, *x, *b, *sg, *dx, *cs, *cl; ix n, m; int dbl; Bufs B = {.k = 0};
+    void *pg, *px, *pb, *ps, *pd, *pc, *pl;
+    if (!PyArg_ParseTuple(args, "OOOOOOOnnp", &dy, &x, &b, &sg, &dx, &cs, &cl, &n, &m, &dbl)) return NULL;
     ix e = SZ(dbl);
     if (take(&B, dy, 0, n * m * e, 0, "gelu dy", &pg) || take(&B, x, 0, n * m * e, 0, "gelu x", &px)
         || take(&B, b, 0, m * e, 1, "gelu b", &pb) || take(&B, sg, 0, n * m * e, 0, "gelu s", &ps)
-        || take(&B, dx, 1, n * m * e, 0, "gelu dx", &pd) || take(&B, cs, 1, m * e, 1, "gelu colsum", &pc))
+        || take(&B, dx, 1, n * m * e, 0, "gelu dx", &pd) || take(&B, cs, 1, m * e, 1, "gelu colsum", &pc)
+        || take(&B, cl, 1, ROWLANES * m * e, cs == Py_None, "gelu column partials", &pl))
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-    if (dbl) gelu_bwd_d(pg, px, pb, ps, pd, pc, n, m); else gelu_bwd_f(pg, px, pb, ps, pd, pc, n, m);
+    if (dbl) gelu_bwd_d(pg, px, pb, ps, pd, pc, pl, n, m); else gelu_bwd_f(pg, px, pb, ps, pd, pc, pl, n, m);
     Py_END_ALLOW_THREADS
     release(&B);
     Py_RETURN_NONE;
@@ -358,17 +380,20 @@ static PyObject *py_ln_fwd(PyObject *self, PyObject *args)
 
 static PyObject *py_ln_bwd(PyObject *self, PyObject *args)
 {
-    PyObject *dy, *h, *r, *w, *dx, *dw, *db, *tmp; ix n, m; int dbl; Bufs B = {.k = 0};
-    void *pg, *ph, *pr, *pw, *pd, *pdw, *pdb, *pt;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOnnp", &dy, &h, &r, &w, &dx, &dw, &db, &tmp, &n, &m, &dbl)) return NULL;
+    PyObject *dy, *h, *r, *w, *dx, *dw, *db, *tmp, *cl; ix n, m; int dbl; Bufs B = {.k = 0};
+    void *pg, *ph, *pr, *pw, *pd, *pdw, *pdb, *pt, *pl;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOnnp", &dy, &h, &r, &w, &dx, &dw, &db, &tmp, &cl, &n, &m, &dbl))
+        return NULL;
     ix e = SZ(dbl);
     if (take(&B, dy, 0, n * m * e, 0, "layernorm dy", &pg) || take(&B, h, 0, n * m * e, 0, "layernorm xhat", &ph)
         || take(&B, r, 0, n * e, 0, "layernorm rstd", &pr) || take(&B, w, 0, m * e, 0, "layernorm w", &pw)
         || take(&B, dx, 1, n * m * e, 0, "layernorm dx", &pd) || take(&B, dw, 1, m * e, 0, "layernorm dw", &pdw)
-        || take(&B, db, 1, m * e, 0, "layernorm db", &pdb) || take(&B, tmp, 1, m * e, 0, "layernorm tmp", &pt))
+        || take(&B, db, 1, m * e, 0, "layernorm db", &pdb) || take(&B, tmp, 1, m * e, 0, "layernorm tmp", &pt)
+        || take(&B, cl, 1, 2 * ROWLANES * m * e, 0, "layernorm column partials", &pl))
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-    if (dbl) ln_bwd_d(pg, ph, pr, pw, pd, pdw, pdb, pt, n, m); else ln_bwd_f(pg, ph, pr, pw, pd, pdw, pdb, pt, n, m);
+    if (dbl) ln_bwd_d(pg, ph, pr, pw, pd, pdw, pdb, pt, pl, n, m);
+    else ln_bwd_f(pg, ph, pr, pw, pd, pdw, pdb, pt, pl, n, m);
     Py_END_ALLOW_THREADS
     release(&B);
     Py_RETURN_NONE;
@@ -432,10 +457,10 @@ static PyObject *py_rows_add_at(PyObject *self, PyObject *args)
 static PyMethodDef methods[] = {
     {"rows_add_at", py_rows_add_at, METH_VARARGS, "rows_add_at(g, ids int64, d, n, V, m, dbl): g[ids[i]] += d[i]"},
     {"gelu_fwd", py_gelu_fwd, METH_VARARGS, "gelu_fwd(x, b|None, y, s, n, m, dbl): y = gelu(x + b)"},
-    {"gelu_bwd", py_gelu_bwd, METH_VARARGS, "gelu_bwd(dy, x, b|None, s, dx, colsum|None, n, m, dbl)"},
+    {"gelu_bwd", py_gelu_bwd, METH_VARARGS, "gelu_bwd(dy, x, b|None, s, dx, colsum|None, cols|None, n, m, dbl)"},
     {"bias_residual", py_bias_residual, METH_VARARGS, "bias_residual(y, b, x, n, m, dbl): y = (y + b) + x"},
     {"ln_fwd", py_ln_fwd, METH_VARARGS, "ln_fwd(x, w, b, y, xhat, rstd, n, m, dbl, eps)"},
-    {"ln_bwd", py_ln_bwd, METH_VARARGS, "ln_bwd(dy, xhat, rstd, w, dx, dw, db, tmp, n, m, dbl)"},
+    {"ln_bwd", py_ln_bwd, METH_VARARGS, "ln_bwd(dy, xhat, rstd, w, dx, dw, db, tmp, cols, n, m, dbl)"},
     {"softmax_causal", py_softmax_causal, METH_VARARGS, "softmax_causal(att, R, T, dbl, scale)"},
     {"softmax_causal_bwd", py_softmax_causal_bwd, METH_VARARGS, "softmax_causal_bwd(datt, att, tmp, R, T, dbl, scale)"},
     {"ce_fwd", py_ce_fwd, METH_VARARGS, "ce_fwd(logits, targets int64, probs, nll, n, V, dbl)"},
