@@ -93,15 +93,45 @@ def test_no_overlap_is_the_sum_of_every_operation():
 def test_overlap_timeline_worked_by_hand():
     """Two units, stage 0, n = 2, every collective α = 0.5 s, forward 1 s, backward 2 s.
 
-    no overlap: F0 F1 B1 rs1 ag1 B0 rs0 ag0 = 1+1+2+.5+.5+2+.5+.5 = 8 s.
-    overlap: B1 ends at 4; rs1 4-4.5, ag1 4.5-5 behind B0 (4-6); rs0 6-6.5, ag0 6.5-7 -> 7 s.
+    per unit, no overlap: F0 F1 B1 rs1 ag1 B0 rs0 ag0 = 1+1+2+.5+.5+2+.5+.5 = 8 s.
+    one bucket (the default without overlap): F0 F1 B1 B0 rs ag = 1+1+2+2+.5+.5 = 7 s.
+    overlap (per unit, its default): B1 ends at 4; rs1 4-4.5, ag1 4.5-5 behind B0 (4-6);
+    rs0 6-6.5, ag0 6.5-7 -> 7 s.
     """
     L = Layout((Unit("a", (ParamSpec("a.w", (8,)),)), Unit("b", (ParamSpec("b.w", (8,)),))))
     comp = sm.Compute([1.0, 1.0], [2.0, 2.0], 0.0, 0.0)
     lk = sm.Links.given(0.5, math.inf)
-    assert sm.step_time(L, "0", 2, comp, lk)["step_s"] == pytest.approx(8.0)
+    assert sm.step_time(L, "0", 2, comp, lk, reduce_bucket=0)["step_s"] == pytest.approx(8.0)
+    assert sm.step_time(L, "0", 2, comp, lk)["step_s"] == pytest.approx(7.0)
     ov = sm.step_time(L, "0", 2, comp, lk, overlap=True)
     assert ov["step_s"] == pytest.approx(7.0) and ov["exposed_comm_s"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("stage", ["0", "1", "2"])
+def test_buckets_are_the_engines_and_keep_the_bytes(stage):
+    """The model's buckets are plan.reduce_buckets of the engine's own close order (Zero.plan), and a
+    step with buckets sends the same bytes in fewer calls: α = 1 s, β = 0 counts the calls."""
+    from mpi4py import MPI
+
+    from ringzero.nn.gpt import GPT
+    from ringzero.runtime import plan as pl
+    from ringzero.runtime.zero import Zero
+    cfg = GPTConfig(3, 2, 32, 16, 64)
+    eng = Zero(GPT(cfg), MPI.COMM_SELF, stage, device="cpu")
+    L2 = Layout(gpt_units(cfg), shards=2)
+    for cap in (1 << 40, 2 * max(L2.unit_padded) * 2):
+        want = tuple(g for g in pl.reduce_buckets(pl.close_order(eng.plan), [n * 2 for n in L2.unit_padded], cap)
+                     if len(g) > 1)
+        assert sm.reduce_buckets(L2, stage, reduce_bucket=cap) == want and want
+    assert sm.reduce_buckets(L2, stage, overlap=True) == () and sm.reduce_buckets(L2, "3") == ()
+    L1, zero = Layout(gpt_units(cfg)), sm.Compute([0.0] * len(L2.units), [0.0] * len(L2.units), 0.0, 0.0)
+    bytes_ = [sm.step_time(L1, stage, 2, zero, sm.Links.given(0.0, 1.0), reduce_bucket=b)["comm"] for b in (0, None)]
+    assert bytes_[0] == pytest.approx(bytes_[1])
+    calls = [sm.step_time(L1, stage, 2, zero, sm.Links.given(1.0, math.inf), reduce_bucket=b)["comm"]
+             for b in (0, None)]
+    U = len(L2.units)
+    per_unit = {"0": 2 * U, "1": 2 * U, "2": 2 * U}[stage]    # rs (+ ag at 0) per unit; 1-2: the update's ag
+    assert calls[0] == per_unit and calls[1] == per_unit - (U - 1) * (2 if stage == "0" else 1)
 
 
 def test_contention_scales_compute_past_the_cores():

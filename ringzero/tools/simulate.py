@@ -7,6 +7,8 @@ What it is
         forward   for u = 0..U-1:  [gather u (stage 3)]  cast u  F(u)
         backward  for u = U-1..0:  [gather u again]  cast u  B(u)  cast grad  RS u  [AG u (stage 0)]
                                    [all-reduce the shard across nodes (hybrid)]
+                  (stages 0-2, reduction buckets: one RS [and AG] per bucket, after its last
+                  unit's grad cast, of the bucket's bytes: the engine's plan.reduce_buckets)
         update    AdamW on the rank's elements (Ψ at stage 0, Ψ/Nd otherwise)  [AG every unit (1, 2)]
 
     A unit is gathered once per run of consecutive positions that
@@ -55,7 +57,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ringzero.comm.schedule import internode_bytes, steps_wire  # the Ring's own rule (no MPI in it)
+from ringzero.comm.schedule import TREE_BYTES, internode_bytes, steps_wire  # the Ring's own rule (no MPI)
 from ringzero.runtime import accounting as acc
 from ringzero.runtime.flat import Layout
 from ringzero.tools.links import LINKS, Links, Nodes  # noqa: F401 (importable from here)
@@ -164,7 +166,34 @@ def _units(cfg):
 
 
 # ---- the step's operations ----------------------------------------------------------
-def step_ops(layout: Layout, stage: str, bwd_reads=lambda u: u != 0, overlap: bool = False) -> list:
+def _closes(layout: Layout):
+    """(visits, reads, writes, close): the step's positions and where each unit's gradient closes."""
+    U = len(layout.units)
+    visits = [("F", u) for u in range(U)] + [("B", u) for u in reversed(range(U))]
+    writes = [set(layout.needs(u)) if ph == "B" else set() for ph, u in visits]
+    close = {w: max(i for i, s in enumerate(writes) if w in s) for w in range(U)}
+    return visits, writes, close
+
+
+def reduce_buckets(layout: Layout, stage: str, overlap: bool = False, reduce_bucket: int | None = None,
+                   elem_bytes: int = 2) -> tuple:
+    """The engine's reduction buckets of several units ((units ascending), ...), as Zero picks them:
+    stages 0-2 on more than one shard; ``reduce_bucket`` None: the Ring's tree_bytes (16 MiB) without
+    overlap, none with it; 0: none."""
+    from ringzero.runtime.plan import reduce_buckets as group
+    st = acc.parse_stage(stage)
+    if reduce_bucket is None:
+        reduce_bucket = 0 if overlap or st in ("3", "hybrid") else TREE_BYTES
+    if not reduce_bucket or st in ("3", "hybrid") or layout.shards < 2:
+        return ()
+    _, _, close = _closes(layout)
+    order = sorted(close, key=lambda w: (close[w], w))
+    return tuple(g for g in group(order, [n * elem_bytes for n in layout.unit_padded], reduce_bucket)
+                 if len(g) > 1)
+
+
+def step_ops(layout: Layout, stage: str, bwd_reads=lambda u: u != 0, overlap: bool = False,
+             buckets: tuple = ()) -> list:
     """[(kind, unit)] in program order for one step of the engine at ``stage``.
 
     kinds: gather, cast, F, B, gcast, rs, ag, ar (compute kinds: cast, F, B, gcast).
@@ -172,13 +201,15 @@ def step_ops(layout: Layout, stage: str, bwd_reads=lambda u: u != 0, overlap: bo
     overlap=True: stage 1-2's all-gather of the updated parameters is taken in
     the steady state, as a gather in front of each unit's first forward (it
     feeds the next step's forward, and can hide behind it), not after the update.
+    ``buckets`` (``reduce_buckets``): a bucket's units are reduced by one ``rs``
+    (and stage 0's ``ag``), named by the unit that closes last, after its grad cast.
     """
     st = acc.parse_stage(stage)
     U = len(layout.units)
-    visits = [("F", u) for u in range(U)] + [("B", u) for u in reversed(range(U))]
+    visits, writes, close = _closes(layout)
     reads = [set(layout.needs(u)) if (ph == "F" or bwd_reads(u)) else set() for ph, u in visits]
-    writes = [set(layout.needs(u)) if ph == "B" else set() for ph, u in visits]
-    close = {w: max(i for i, s in enumerate(writes) if w in s) for w in range(U)}
+    last = {max(g, key=lambda w: (close[w], w)): g for g in buckets}
+    inside = {w for g in buckets for w in g}
     ops = []
     for i, (ph, u) in enumerate(visits):
         for w in sorted(reads[i]):
@@ -191,6 +222,8 @@ def step_ops(layout: Layout, stage: str, bwd_reads=lambda u: u != 0, overlap: bo
         for w in range(U):
             if close[w] == i:
                 ops.append(("gcast", w))
+                if w in inside and w not in last:
+                    continue                             # its bucket is reduced when its last unit closes
                 ops.append(("rs", w))
                 if st == "0":
                     ops.append(("ag", w))
@@ -229,26 +262,34 @@ def _group(stage: str, nd: int, ranks_per_node, nodes) -> int:
 
 
 def comm_ops(layout_full: Layout, stage, nd: int, ranks_per_node=None, nodes: Nodes | None = None,
-             elem_bytes: int = 2, overlap: bool = False):
+             elem_bytes: int = 2, overlap: bool = False, reduce_bucket: int | None = None):
     """Yield (kind, unit, op, ranks, S bytes) of every operation of one step (op None: compute)."""
     st = acc.parse_stage(stage)
     group = _group(st, nd, ranks_per_node, nodes)
     L = Layout(layout_full.units, shards=group)
-    for kind, u in step_ops(L, st, overlap=overlap):
+    buckets = reduce_buckets(L, st, overlap, reduce_bucket, elem_bytes)
+    _, _, close = _closes(L)
+    span = {max(g, key=lambda w: (close[w], w)): g for g in buckets}
+    reduced = False                                    # stages 1-2: the update's all-gathers are per unit
+    for kind, u in step_ops(L, st, overlap=overlap, buckets=buckets):
+        reduced = reduced or kind == "update"
         if kind not in COMM_KINDS:
             yield kind, u, None, 0, 0
         elif kind == "ar":                             # the shard, among the Nn = Nd/Ng replicas
             yield kind, u, "all_reduce", nd // group, L.unit_padded[u] * elem_bytes // group
         else:
-            yield kind, u, "reduce_scatter" if kind == "rs" else "all_gather", group, L.unit_padded[u] * elem_bytes
+            units = span.get(u, (u,)) if kind == "rs" or (kind == "ag" and not reduced) else (u,)
+            S = sum(L.unit_padded[w] for w in units) * elem_bytes
+            yield kind, u, "reduce_scatter" if kind == "rs" else "all_gather", group, S
 
 
 def internode_per_step(layout_full: Layout, stage, nd: int, nodes: int, ranks_per_node=None,
-                       elem_bytes: int = 2) -> float:
+                       elem_bytes: int = 2, reduce_bucket: int | None = None) -> float:
     """Bytes one rank sends to other nodes in one step: comm/schedule.py's ``internode_bytes`` of
     every collective of the step (hybrid's all-reduce: among one rank per node, all of it)."""
     out = 0.0
-    for kind, u, op, n, S in comm_ops(layout_full, stage, nd, ranks_per_node, Nodes(nodes, 0.0, 1.0), elem_bytes):
+    for kind, u, op, n, S in comm_ops(layout_full, stage, nd, ranks_per_node, Nodes(nodes, 0.0, 1.0), elem_bytes,
+                                      reduce_bucket=reduce_bucket):
         if op is None or nodes < 2:
             continue
         if kind == "ar":                 # among one rank per node: every byte crosses
@@ -260,7 +301,8 @@ def internode_per_step(layout_full: Layout, stage, nd: int, nodes: int, ranks_pe
 
 def durations(layout_full: Layout, stage, nd: int, comp: Compute, links: Links,
               ranks_per_node: int | None = None, inter: Links | None = None,
-              elem_bytes: int = 2, overlap: bool = False, nodes: Nodes | None = None) -> list:
+              elem_bytes: int = 2, overlap: bool = False, nodes: Nodes | None = None,
+              reduce_bucket: int | None = None) -> list:
     """[(kind, unit, seconds)] of one step in program order, for one rank.
 
     nodes None (or one node): every collective on ``links`` (hybrid's all-reduce on ``inter``
@@ -271,7 +313,8 @@ def durations(layout_full: Layout, stage, nd: int, comp: Compute, links: Links,
     two = nodes is not None and nodes.count > 1
     slow = comp.slow(nd)
     out = []
-    for kind, u, op, n, S in comm_ops(layout_full, st, nd, ranks_per_node, nodes, elem_bytes, overlap):
+    for kind, u, op, n, S in comm_ops(layout_full, st, nd, ranks_per_node, nodes, elem_bytes, overlap,
+                                      reduce_bucket):
         if op is not None:
             if kind == "ar":
                 d = nodes.across(op, n, S, group) if two else (inter or links).time(op, n, S)
@@ -291,7 +334,7 @@ def durations(layout_full: Layout, stage, nd: int, comp: Compute, links: Links,
 
 def step_time(layout_full: Layout, stage, nd: int, comp: Compute, links: Links, overlap=False,
               ranks_per_node: int | None = None, inter: Links | None = None,
-              elem_bytes: int = 2, nodes: Nodes | None = None) -> dict:
+              elem_bytes: int = 2, nodes: Nodes | None = None, reduce_bucket: int | None = None) -> dict:
     """Predicted seconds of one step per rank, and its parts (compute, comm, update).
 
     No overlap: the sum of every operation. Overlap: two streams; a gather
@@ -299,10 +342,12 @@ def step_time(layout_full: Layout, stage, nd: int, comp: Compute, links: Links, 
     unit's reduce-scatter waits for its gradient cast; a materializing cast
     waits for its gather; the update waits for every collective; stage 1-2's
     all-gathers wait for the update. ``nodes`` (several): the two links (Nodes), and the
-    result's ``internode_bytes``, what one rank sends across nodes per step.
+    result's ``internode_bytes``, what one rank sends across nodes per step. ``reduce_bucket``:
+    bytes per reduction bucket at stages 0-2, as ``Zero(reduce_bucket=)`` (None: its default).
     """
     st = acc.parse_stage(stage)
-    ops = durations(layout_full, st, nd, comp, links, ranks_per_node, inter, elem_bytes, overlap, nodes)
+    ops = durations(layout_full, st, nd, comp, links, ranks_per_node, inter, elem_bytes, overlap, nodes,
+                    reduce_bucket)
     parts = {"compute": 0.0, "comm": 0.0, "update": 0.0}
     for kind, _, d in ops:
         parts["comm" if kind in COMM_KINDS else "update" if kind == "update" else "compute"] += d
@@ -332,6 +377,7 @@ def step_time(layout_full: Layout, stage, nd: int, comp: Compute, links: Links, 
            "exposed_comm_s": total - parts["compute"] - parts["update"]}
     if nodes is not None and nodes.count > 1:
         out["nodes"] = nodes.count
-        out["internode_bytes"] = internode_per_step(layout_full, st, nd, nodes.count, ranks_per_node, elem_bytes)
+        out["internode_bytes"] = internode_per_step(layout_full, st, nd, nodes.count, ranks_per_node, elem_bytes,
+                                                    reduce_bucket)
     return out
 
