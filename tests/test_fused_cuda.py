@@ -244,3 +244,17 @@ def test_no_c_switch_turns_the_device_kernels_off(monkeypatch, cp, rng):
     y, s = cp.empty((4, 8), np.float32), cp.empty((4, 8), np.float32)
     fused.gelu_forward(x, y, s)
     assert not ran("rz_gelu_fwd")
+
+
+def test_elementwise_kernel_refuses_what_cupy_refuses(cp):
+    """The stand-in binds parameters as CuPy does: writing a raw input does not compile, placeholders
+    must agree, ``size=`` only when every array is raw (CuPy's own messages)."""
+    x, y = cp.zeros(4, cp.float32), cp.zeros(4, cp.float32)
+    with pytest.raises(Exception, match="rz_writes_input|error"):
+        cp.ElementwiseKernel("raw T x", "T y", "x[i] = 1; y = 0", "rz_writes_input")(x, y)
+    add = cp.ElementwiseKernel("T a, T b", "T c", "c = a + b", "rz_add")
+    with pytest.raises(TypeError, match="Type is mismatched"):
+        add(x, cp.zeros(4, cp.float64), y)
+    with pytest.raises(ValueError, match="'size' can be used only"):
+        add(x, x, y, size=4)
+    assert np.array_equal(add(cp.ones(4, cp.float32), cp.ones(4, cp.float32), y).get(), np.full(4, 2.0))

@@ -6,9 +6,7 @@ What it is
     add, LayerNorm forward/backward (with its weight and bias gradients), the
     attention softmax with its scale and causal mask and its backward, and
     softmax + cross-entropy. ``ringzero.nn.fused`` calls these for CuPy arrays
-    (``takes``), as it calls the C kernels for NumPy ones; one call per pass
-    instead of the 5-12 ufunc launches and full-size temporaries of the ``xp``
-    formulas.
+    (``takes``), as it calls the C kernels for NumPy ones.
 
     Each kernel is written in fused.c's order of operations: the same Cephes
     ``expf`` polynomial, the same roundings, and ``--fmad=false`` (NVRTC
@@ -31,8 +29,8 @@ What it is
     use only + - * / and sqrt (IEEE on both). ``logf`` (the cross-entropy)
     and float64's ``exp``/``log`` come from each side's libm, which may differ
     in the last bit. float16 arrays compute in float32 and round once per
-    stored value. A pass is 2-4 launches (a partials kernel, then the one
-    that uses them) against the ``xp`` formulas' 5-12 ufuncs and full-size
+    stored value. A pass is 1-5 launches (a partials kernel, then the ones
+    that use them) against the ``xp`` formulas' 5-12 ufuncs and full-size
     temporaries; the partials live in the caller's pool.
 
 What it is not

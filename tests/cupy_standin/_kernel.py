@@ -10,7 +10,8 @@ What it is
     - ``T x`` (an array, broadcast with the other non-raw arrays): ``const T &x``
       for an input, ``T &x`` for an output, at element i of the broadcast shape;
     - ``T x`` given a scalar: ``const T x``, the value cast to T;
-    - ``raw T x``: ``CArray<T> x``, indexed by flat element (``x[j]``, ``x.size()``);
+    - ``raw T x``: ``CArray<T> x`` (``const`` for an input, so writing it does not
+      compile, as in CuPy), indexed by flat element (``x[j]``, ``x.size()``);
     - ``i`` and ``_ind.size()``: the element index and the launch size
       (``size=`` when every array is raw);
     - an input that overlaps an output (and is not that output) is copied
@@ -66,9 +67,10 @@ typedef uint8_t uint8; typedef uint16_t uint16; typedef uint32_t uint32; typedef
 #define __forceinline__ inline
 static inline float __int_as_float(int x) { float f; memcpy(&f, &x, 4); return f; }
 static inline int __float_as_int(float f) { int x; memcpy(&x, &f, 4); return x; }
-template <class T> struct CArray {
+template <class T> struct CArray {          /* inputs are const CArray: their elements read-only, as in CuPy */
     T *p; ptrdiff_t n;
-    T &operator[](ptrdiff_t j) const { return p[j]; }
+    T &operator[](ptrdiff_t j) { return p[j]; }
+    const T &operator[](ptrdiff_t j) const { return p[j]; }
     ptrdiff_t size() const { return n; }
 };
 struct CIndexer { ptrdiff_t n; ptrdiff_t size() const { return n; } };
@@ -257,7 +259,8 @@ class ElementwiseKernel:
         lines.append("    CIndexer _ind{n};")
         for k, ((raw, t, name), dt, arr) in enumerate(zip(self.params, dts, is_array)):
             if raw:
-                lines.append(f"    CArray<{_CTYPE[dt]}> {name}{{({_CTYPE[dt]} *)ptrs[{k}], sizes[{k}]}};")
+                const = "const " if k < len(self.ins) else ""
+                lines.append(f"    {const}CArray<{_CTYPE[dt]}> {name}{{({_CTYPE[dt]} *)ptrs[{k}], sizes[{k}]}};")
         lines.append(f"    {self.loop_prep}")
         lines.append("    for (ptrdiff_t i = 0; i < n; i++) {")
         for k, ((raw, t, name), dt, arr) in enumerate(zip(self.params, dts, is_array)):
