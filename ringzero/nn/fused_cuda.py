@@ -94,39 +94,32 @@ __device__ __forceinline__ Acc rz_max8(const Acc *p, long long k) {
 }
 """
 
+# GELU's bodies, written once; %s is v, the input with or without the bias
+_GELU_FWD = """
+        typedef rz_acc<T>::type A;
+        A v = %s;
+        A m2u = ((((v * v) * (A)RZ_GELU_A + (A)1) * v) * (A)(-2.0 * RZ_GELU_K));
+        A sg = (A)1 / ((A)1 + rz_exp(m2u));
+        s = (T)sg;
+        y = (T)(v * sg)"""
+_GELU_BWD = """
+        typedef rz_acc<T>::type A;
+        A v = %s, sv = (A)s;
+        A d = (((v * v) * (A)(3.0 * RZ_GELU_A) + (A)1) * v) * (A)(2.0 * RZ_GELU_K);
+        d = ((d * sv) * ((A)1 - sv)) + sv;
+        dx = (T)(d * (A)dy)"""
+
 # name: (in_params, out_params, operation). T: the arrays' dtype; Q, R, W, P: float32 under float16,
 # else T (partials, statistics, gradients); A: what T computes in. A "lane kernel" runs 8 threads
 # per row, i = row * 8 + lane, lane l taking the elements j = l, l + 8, ... in order (fused.c's
 # lane_sum); a "column kernel" 64 threads per column, i = g * m + j, taking rows g, g + 64, ...
 _SOURCES = {
     # y = v s, s = sigmoid(2u), v = x + b, u = k (v + a v^3)        (element i of (N, M); b broadcast (M,))
-    "rz_gelu_fwd_bias": ("T x, T b", "T y, T s", """
-        typedef rz_acc<T>::type A;
-        A v = (A)x + (A)b;
-        A m2u = ((((v * v) * (A)RZ_GELU_A + (A)1) * v) * (A)(-2.0 * RZ_GELU_K));
-        A sg = (A)1 / ((A)1 + rz_exp(m2u));
-        s = (T)sg;
-        y = (T)(v * sg)"""),
-    "rz_gelu_fwd": ("T x", "T y, T s", """
-        typedef rz_acc<T>::type A;
-        A v = (A)x;
-        A m2u = ((((v * v) * (A)RZ_GELU_A + (A)1) * v) * (A)(-2.0 * RZ_GELU_K));
-        A sg = (A)1 / ((A)1 + rz_exp(m2u));
-        s = (T)sg;
-        y = (T)(v * sg)"""),
+    "rz_gelu_fwd_bias": ("T x, T b", "T y, T s", _GELU_FWD % "(A)x + (A)b"),
+    "rz_gelu_fwd": ("T x", "T y, T s", _GELU_FWD % "(A)x"),
     # dx = dy (s + s (1 - s) 2k v (1 + 3a v^2))
-    "rz_gelu_bwd_bias": ("T dy, T x, T b, T s", "T dx", """
-        typedef rz_acc<T>::type A;
-        A v = (A)x + (A)b, sv = (A)s;
-        A d = (((v * v) * (A)(3.0 * RZ_GELU_A) + (A)1) * v) * (A)(2.0 * RZ_GELU_K);
-        d = ((d * sv) * ((A)1 - sv)) + sv;
-        dx = (T)(d * (A)dy)"""),
-    "rz_gelu_bwd": ("T dy, T x, T s", "T dx", """
-        typedef rz_acc<T>::type A;
-        A v = (A)x, sv = (A)s;
-        A d = (((v * v) * (A)(3.0 * RZ_GELU_A) + (A)1) * v) * (A)(2.0 * RZ_GELU_K);
-        d = ((d * sv) * ((A)1 - sv)) + sv;
-        dx = (T)(d * (A)dy)"""),
+    "rz_gelu_bwd_bias": ("T dy, T x, T b, T s", "T dx", _GELU_BWD % "(A)x + (A)b"),
+    "rz_gelu_bwd": ("T dy, T x, T s", "T dx", _GELU_BWD % "(A)x"),
     # column kernel: cols[g, j] = sum of d[r, j] over rows r = g, g + 64, ...      (d (rows, m), cols (64, m))
     "rz_colsum_part": ("raw T d, int64 rows, int64 m", "raw Q cols", """
         long long g = i / m, j = i % m;
