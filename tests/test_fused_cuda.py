@@ -227,7 +227,13 @@ def test_dispatch_falls_back_where_the_kernels_do_not_apply(cp, rng):
     assert not fused.use_gpu(x[:, ::2], cp.empty((8, 8), np.float32), outs=1)     # strided
     assert not fused.use_gpu(x, x, outs=1)                                           # output overlaps input
     assert not fused.use_gpu(x, cp.empty((8, 16), np.float64), outs=1)              # mixed T
-    assert fused.use_gpu(x, free=(cp.empty(8, np.float64),), outs=1)                # a free statistic
+    f64 = cp.empty(8, np.float64)
+    assert fused.use_gpu(x, f64, outs=1, free=(f64,))                               # a free statistic
+    assert not fused.use_gpu(x, f64, outs=1)                                         # ... only when named
+    rs, dw, db, w = cp.empty((8, 1), np.float32), cp.empty(16, np.float32), cp.empty(16, np.float32), x[0].copy()
+    ln = dict(outs=3, free=(rs, dw, db))                       # layernorm_backward's call: dx, dw, db written
+    assert fused.use_gpu(x, x.copy(), rs, w, cp.empty_like(x), dw, db, **ln)
+    assert not fused.use_gpu(x, x.copy(), rs, w, x, dw, db, **ln)                    # dx is dy
     assert not fused.use_gpu(np.zeros(4, np.float32))                               # host arrays: fused.c's
     y, s = cp.empty((8, 8), np.float32), cp.empty((8, 8), np.float32)
     fused.gelu_forward(x[:, ::2], y, s)                          # strided: the xp formulas, same function

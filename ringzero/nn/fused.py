@@ -137,7 +137,7 @@ def gelu_backward(dy, x, s, dx, b=None, colsum=None, ws=None):
         cols = None if colsum is None else _scratch(ws, "cols", (ROWLANES, M), x.dtype, np)
         _c.gelu_bwd(dy, x, b, s, dx, colsum, cols, N, M, _dbl(x))
         return dx
-    if use_gpu(dy, x, b, s, dx, free=(colsum,), outs=2):
+    if use_gpu(dy, x, b, s, dx, colsum, outs=2, free=(colsum,)):
         _cuda.gelu_bwd(dy, x, b, s, dx, colsum, _gws(ws, x))
         return dx
     xp = array_module(x)
@@ -183,7 +183,7 @@ def layernorm_forward(x, w, b, y, xhat, rstd, eps, ws=None):
     if use_c(x, w, b, y, xhat, rstd, outs=3):
         _c.ln_fwd(x, w, b, y, xhat, rstd, N, C, _dbl(x), eps)
         return y
-    if use_gpu(x, w, b, y, xhat, free=(rstd,), outs=3):
+    if use_gpu(x, w, b, y, xhat, rstd, outs=3, free=(rstd,)):
         _cuda.ln_fwd(x, w, b, y, xhat, rstd, eps, _gws(ws, x))
         return y
     xp = array_module(x)
@@ -210,7 +210,7 @@ def layernorm_backward(dy, xhat, rstd, w, dx, dw, db, ws=None):
         _c.ln_bwd(dy, xhat, rstd, w, dx, dw, db, _scratch(ws, "tmp", (C,), dy.dtype, np),
                   _scratch(ws, "cols", (2 * ROWLANES, C), dy.dtype, np), N, C, _dbl(dy))
         return dx
-    if dw.dtype == db.dtype and use_gpu(dy, xhat, w, dx, free=(rstd, dw, db), outs=3):
+    if dw.dtype == db.dtype and use_gpu(dy, xhat, rstd, w, dx, dw, db, outs=3, free=(rstd, dw, db)):
         _cuda.ln_bwd(dy, xhat, rstd, w, dx, dw, db, _gws(ws, dy))
         return dx
     xp = array_module(dy)
@@ -329,7 +329,7 @@ def cross_entropy_forward(logits, targets, at, probs, nll, ws=None):
         _c.ce_fwd(logits, tg, probs, nll, N, V, _dbl(logits))
         return nll
     if (probs.dtype == nll.dtype and targets.dtype.kind in "iu" and targets.flags.c_contiguous
-            and use_gpu(logits, free=(probs, nll), outs=2)):
+            and use_gpu(logits, probs, nll, outs=2, free=(probs, nll))):
         _cuda.ce_fwd(logits, targets, probs, nll, _gws(ws, logits))
         return nll
     xp, ad = array_module(logits), probs.dtype

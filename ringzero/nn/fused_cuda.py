@@ -295,21 +295,20 @@ def _span(a):
 def takes(*arrays, outs=0, free=()) -> bool:
     """True when these kernels take the arrays: CuPy, float16/32/64, C-contiguous, outputs overlapping nothing.
 
-    ``arrays`` share one dtype (the kernels' T); ``free`` arrays (float
-    statistics and gradients: rstd, dw, probs) may have another. None entries
-    (optional arguments) are skipped; the last ``outs`` of ``arrays + free``
-    are written.
+    The arrays share one dtype (the kernels' T), except those also listed in
+    ``free`` (float statistics and gradients: rstd, dw, probs). None entries
+    (optional arguments) are skipped; the last ``outs`` arrays are written.
     """
-    allv = arrays + tuple(free)
-    given = [(k >= len(allv) - outs, a) for k, a in enumerate(allv) if a is not None]
+    given = [(k >= len(arrays) - outs, a) for k, a in enumerate(arrays) if a is not None]
     if not given or type(given[0][1]).__module__.split(".")[0] != "cupy":
         return False
-    dt = next((a.dtype for a in arrays if a is not None), None)
+    loose = {id(a) for a in free}
+    dt = next((a.dtype for _, a in given if id(a) not in loose), None)
     for _, a in given:
         if type(a).__module__.split(".")[0] != "cupy" or a.dtype not in _FLOATS or not a.flags.c_contiguous:
             return False
-    if any(a is not None and a.dtype != dt for a in arrays):
-        return False
+        if id(a) not in loose and a.dtype != dt:
+            return False
     spans = [(w, _span(a)) for w, a in given]
     for k, (w, (lo, hi)) in enumerate(spans):
         if w and any(lo < h2 and lo2 < hi for j, (_, (lo2, h2)) in enumerate(spans) if j != k):
