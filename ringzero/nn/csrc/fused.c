@@ -14,9 +14,10 @@
  * sums go to 64 row lanes (row i to partial i % 64, in row order), then the
  * 64 partials are added in order. The CuPy twins of these kernels
  * (ringzero/nn/fused_cuda.py) spread a row over 8 threads and a column over
- * 64 in exactly these orders, so a device computes the same sums. The file is built with -ffp-contract=off and
- * no fast-math, so the compiler may vectorize the loops but never reorders
- * or fuses a rounding; the AVX2 and the baseline clones of each kernel
+ * 64 in exactly these orders, so a device computes the same sums. The file
+ * is built with -ffp-contract=off and no fast-math, so the compiler may
+ * vectorize the loops but never reorders or fuses a rounding; the AVX2 and
+ * the baseline clones of each kernel
  * (target_clones, chosen at load time) give the same bits. float32 uses the
  * exp below (Cephes' polynomial, a few ulp, vectorizable); float64 uses
  * libm's exp/log. GELU's tanh is taken as a logistic sigmoid,
