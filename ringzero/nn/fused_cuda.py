@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ringzero.nn.ops import acc_dtype
+
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 LANES, ROWLANES = 8, 64     # fused.c's lanes per row sum, and row lanes per column sum
 
@@ -318,10 +320,6 @@ def takes(*arrays, outs=0, free=()) -> bool:
 
 # ---- the calls fused.py makes (the C path's arguments; ws(name, shape, dtype): scratch buffers) ------
 
-def _acc(dtype):
-    return np.float64 if dtype == np.float64 else np.float32
-
-
 def gelu_fwd(x, b, y, s):
     if b is None:
         _k("rz_gelu_fwd")(x, y, s)
@@ -336,7 +334,7 @@ def gelu_bwd(dy, x, b, s, dx, colsum, ws):
         _k("rz_gelu_bwd_bias")(dy, x, b, s, dx)
     if colsum is not None:
         N, M = dx.shape
-        cols = ws("g_cols", (ROWLANES, M), _acc(dx.dtype))
+        cols = ws("g_cols", (ROWLANES, M), acc_dtype(dx.dtype))
         _k("rz_colsum_part")(dx, N, M, cols, size=ROWLANES * M)
         _k("rz_fold_rows")(cols, colsum)
 
@@ -347,7 +345,7 @@ def bias_residual(y, b, x):
 
 def ln_fwd(x, w, b, y, xhat, rstd, eps, ws):
     N, C = x.shape
-    q = _acc(x.dtype)
+    q = acc_dtype(x.dtype)
     part, part2 = ws("g_part", (N * LANES,), q), ws("g_part2", (N * LANES,), q)
     _k("rz_ln_fwd_sum")(x, C, part, size=N * LANES)
     _k("rz_ln_fwd_center")(x, part, C, xhat, part2, size=N * LANES)
@@ -357,7 +355,7 @@ def ln_fwd(x, w, b, y, xhat, rstd, eps, ws):
 
 def ln_bwd(dy, xhat, rstd, w, dx, dw, db, ws):
     N, C = dy.shape
-    q = _acc(dy.dtype)
+    q = acc_dtype(dy.dtype)
     part, part2 = ws("g_part", (N * LANES,), q), ws("g_part2", (N * LANES,), q)
     _k("rz_ln_bwd_sums")(dy, xhat, w, C, dx, part, part2, size=N * LANES)
     _k("rz_ln_bwd_dx")(xhat, rstd, part, part2, C, dx)
@@ -369,7 +367,7 @@ def ln_bwd(dy, xhat, rstd, w, dx, dw, db, ws):
 
 def softmax_causal(att, scale, ws):
     R, T, _ = att.shape
-    q = _acc(att.dtype)
+    q = acc_dtype(att.dtype)
     part, part2 = ws("g_part", (R * T * LANES,), q), ws("g_part2", (R * T * LANES,), q)
     _k("rz_softmax_max")(att, T, float(scale), part, size=R * T * LANES)
     _k("rz_softmax_exp")(part, T, float(scale), att, part2, size=R * T * LANES)
@@ -378,7 +376,7 @@ def softmax_causal(att, scale, ws):
 
 def softmax_causal_bwd(datt, att, scale, ws):
     R, T, _ = att.shape
-    part = ws("g_part", (R * T * LANES,), _acc(att.dtype))
+    part = ws("g_part", (R * T * LANES,), acc_dtype(att.dtype))
     _k("rz_softmax_bwd_sum")(att, datt, T, part, size=R * T * LANES)
     _k("rz_softmax_bwd")(att, part, T, float(scale), datt, size=R * T * LANES)
 
