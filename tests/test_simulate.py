@@ -4,6 +4,7 @@ References: T = steps·α + wire·β with the ring's step counts worked by hand,
 the stage traffic of ringzero.runtime.accounting (Ψ(n-1)/n per pass), and a
 two-unit timeline with and without overlap worked out on paper.
 """
+import json
 import math
 
 import pytest
@@ -269,3 +270,27 @@ def test_cli_nodes_prints_the_bytes_across(capsys):
                      "--nodes", "2", "--inter-bandwidth", "125MB/s"]) == 0
     out = capsys.readouterr().out
     assert "nodes: 2" in out and "across nodes" in out and "0.125 GB/s leaving each node" in out
+
+
+def test_cli_reduce_bucket_mb_reaches_the_model(tmp_path, capsys):
+    """--reduce-bucket-mb is the trainer's flag: 0 reduces each unit alone, as step_time(reduce_bucket=0)."""
+    base = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--block-size", "32", "--vocab", "100",
+            "--nd", "8", "--flops", "1T", "--alpha", "1ms", "--bandwidth", "1TB/s", "--stages", "2"]
+    comm = {}
+    for mb in (None, "0", "16"):
+        out = tmp_path / f"b{mb}.json"
+        assert cli.main(base + ["--json", str(out)] + ([] if mb is None else ["--reduce-bucket-mb", mb])) == 0
+        rows = json.loads(out.read_text())["rows"]
+        comm[mb] = rows[0]["comm"]                       # stage 2, no overlap
+        L = Layout(gpt_units(GPTConfig(2, 2, 64, 32, 100)))
+        comp = sm.flops_compute(GPTConfig(2, 2, 64, 32, 100), 8, 32, 1e12)
+        want = sm.step_time(L, "2", 8, comp, sm.Links.given(1e-3, 1e12), False,
+                            reduce_bucket=None if mb is None else int(mb) << 20)["comm"]
+        assert comm[mb] == pytest.approx(want)
+    # one 1 ms latency per reduce call at least: four units alone cost more than one bucket
+    assert comm["0"] >= comm["16"] + 3e-3 and comm[None] == pytest.approx(comm["16"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        cli.main(base + ["--reduce-bucket-mb", "-1"])
+    assert e.value.code == 2
+    assert "--reduce-bucket-mb must be >= 0" in capsys.readouterr().err.strip().splitlines()[-1]

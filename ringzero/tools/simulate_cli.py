@@ -86,6 +86,9 @@ def build_parser():
     nk.add_argument("--inter-bandwidth", help="with --nodes: bytes/s leaving one node, shared by its ranks, "
                                               "e.g. 125MB/s (1 Gbit/s) or 25GB/s")
     nk.add_argument("--inter-alpha", default="5us", help="with --nodes: latency per round across nodes (default 5us)")
+    ap.add_argument("--reduce-bucket-mb", type=float,
+                    help="stages 0-2: reduce consecutive units' gradients in buckets of up to this many MiB, "
+                         "as the trainer's flag (0: each unit alone; default: 16 without overlap, 0 with)")
     ap.add_argument("--plot", help="PNG: step time against link bandwidth per stage (matplotlib)")
     ap.add_argument("--json", help="write the predictions (or, for measure, the compute) here")
     return ap
@@ -213,7 +216,7 @@ def _t(s):
 
 
 def plot_bandwidth(cfg, nd, comp, alpha, out, stages=("0", "1", "2", "3"), title=None,
-                   bws=None) -> dict:
+                   bws=None, reduce_bucket=None) -> dict:
     """Step time against link bandwidth per stage, with and without overlap (left),
     and each stage's step over stage 2's (right); PNG at ``out``.
 
@@ -227,8 +230,10 @@ def plot_bandwidth(cfg, nd, comp, alpha, out, stages=("0", "1", "2", "3"), title
     curves, knee = {}, {}
     for st in stages:
         for ov in (False, True):
-            c = [step_time(L, st, nd, comp, Links.given(alpha, bw), ov)["step_s"] for bw in bws]
-            floor = step_time(L, st, nd, comp, Links.given(alpha, math.inf), ov)["step_s"]
+            c = [step_time(L, st, nd, comp, Links.given(alpha, bw), ov, reduce_bucket=reduce_bucket)["step_s"]
+                 for bw in bws]
+            floor = step_time(L, st, nd, comp, Links.given(alpha, math.inf), ov,
+                              reduce_bucket=reduce_bucket)["step_s"]
             curves[(st, ov)] = c
             ok = [bw for bw, t in zip(bws, c) if t <= 1.05 * floor]
             knee[(st, ov)] = min(ok) if ok else None
@@ -286,6 +291,8 @@ def main(argv=None):
             raise ValueError("stage hybrid needs --ranks-per-node (Ng), or --nodes (Ng = Nd/N)")
         if any(n < 1 or (a.ranks_per_node and n % a.ranks_per_node) for n in a.nd):
             raise ValueError(f"--nd must be >= 1 and a multiple of --ranks-per-node, got {a.nd}")
+        if a.reduce_bucket_mb is not None and not a.reduce_bucket_mb >= 0:
+            raise ValueError(f"--reduce-bucket-mb must be >= 0, got {a.reduce_bucket_mb}")
         comp, links = _compute(a, cfg, seq), _links(a)
         inter = Links.given(*LINKS[a.inter_link], name=a.inter_link) if a.inter_link else None
         nodes = _nodes(a, stages)
@@ -294,13 +301,16 @@ def main(argv=None):
     from ringzero.nn.gpt import gpt_units
     L = Layout(gpt_units(cfg))
     rpn = lambda n: n // nodes.count if nodes else a.ranks_per_node  # noqa: E731 (hybrid's Ng)
-    rows = [tuple(step_time(L, st, n, comp, links, ov, rpn(n), inter, nodes=nodes) for ov in (False, True))
+    bucket = None if a.reduce_bucket_mb is None else int(a.reduce_bucket_mb * 2 ** 20)
+    rows = [tuple(step_time(L, st, n, comp, links, ov, rpn(n), inter, nodes=nodes, reduce_bucket=bucket)
+                  for ov in (False, True))
             for n in a.nd for st in stages]
     print_predictions(rows, cfg, comp, links, L.numel, nodes=nodes)
     out = {"psi": L.numel, "rows": [r for pair in rows for r in pair]}
     if a.plot:
         alpha = links.fixed[0] if links.fixed else links.ab("all_gather", a.nd[0])[0]
-        pr = plot_bandwidth(cfg, a.nd[0], comp, alpha, a.plot, [s for s in stages if s != "hybrid"])
+        pr = plot_bandwidth(cfg, a.nd[0], comp, alpha, a.plot, [s for s in stages if s != "hybrid"],
+                            reduce_bucket=bucket)
         print(f"\nwrote {a.plot}: step time against bandwidth at Nd = {a.nd[0]}, α = {alpha * 1e6:g} us")
         kn = pr["knee_Bps"]
         for st in [s for s in stages if s != "hybrid"]:
