@@ -44,9 +44,10 @@ def _run(comm, stage, bucket, steps=4, **kw):
         x, y = data.get(s)
         if K > 1:
             x, y = np.concatenate([x, x]), np.concatenate([y, y])
-        before = eng.ring.ledger["reduce_scatter"]["calls"]
+        before = [eng.ring.ledger[op]["calls"] for op in ("reduce_scatter", "all_gather")]
         r = eng.step(x, y, 3e-3)
-        calls.append(eng.ring.ledger["reduce_scatter"]["calls"] - before)
+        calls.append(tuple(eng.ring.ledger[op]["calls"] - b for op, b in zip(("reduce_scatter", "all_gather"),
+                                                                              before)) + (r.skipped,))
         losses.append(r.loss)
         norms.append(r.grad_norm)
     # every state buffer, but stage 1's grads only where they are read: this rank's pieces (the other
@@ -80,14 +81,17 @@ def test_buckets_are_bitwise_the_per_unit_reductions(comm, stage, precision, gra
     eng = got[4]
     n_buckets = len(eng.workspaces.buckets) + sum(1 for u in range(len(units))
                                                    if u not in eng.workspaces._group)
-    # the ring's own count of reduce-scatters: one per bucket per step; per unit without buckets
-    # (stage 3 is not here: each of its calls is a unit's); the scalar collectives are all-gathers
-    want_calls = [n_buckets] * len(got[3])
-    ok = (got[0] == ref[0] and got[1] == ref[1] and got[2] == ref[2] and got[3] == want_calls
-          and ref[3] == [len(units)] * len(ref[3]) and (split == "pairs") == (n_buckets > 1))
+    # the shard ring's own count of reduce-scatters and all-gathers, one of each per bucket per step
+    # (stage 0: the gradients' all-gather; 1-2: the update's of the params, none in a step an fp16
+    # overflow skipped), per unit without buckets (stage 3 is not here: each of its calls is a unit's);
+    # the scalars go through the control ring
+    def want(n):
+        return [(n, n if stage == "0" or not skipped else 0, skipped) for _, _, skipped in ref[3]]
+    ok = (got[0] == ref[0] and got[1] == ref[1] and got[2] == ref[2] and got[3] == want(n_buckets)
+          and ref[3] == want(len(units)) and (split == "pairs") == (n_buckets > 1))
     assert_all(comm, ok, f"stage {stage} {precision} K={grad_accum} {split}: losses {got[0]} vs {ref[0]}, "
-                         f"buffers equal {got[2] == ref[2]}, reduce-scatters per step {got[3]} "
-                         f"(want {want_calls}; per unit {ref[3]}), buckets {eng.workspaces.buckets}")
+                         f"buffers equal {got[2] == ref[2]}, (reduce-scatters, all-gathers) per step {got[3]} "
+                         f"(want {want(n_buckets)}; per unit {ref[3]}), buckets {eng.workspaces.buckets}")
 
 
 @pytest.mark.mpi

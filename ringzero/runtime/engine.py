@@ -248,7 +248,8 @@ class Zero:
             # with overlap (stages 1-2) the params' all-gathers run while the next forward computes;
             # whoever reads params before it waits for them (wait_params)
             t1 = time.perf_counter()
-            self.update_gathers.started(self.state.publish(self.ring, start=self.overlap))
+            self.update_gathers.started(self.state.publish(self.ring, start=self.overlap,
+                                                           buckets=self.workspaces.gather_buckets()))
             if not self.overlap and self.policy.full_params and not self.policy.full_optimizer:
                 dt = time.perf_counter() - t1          # stages 1-2: the blocking gathers (and casts)
                 for k in ("param_gather_s", "param_gather_exposed_s", "comm_s"):

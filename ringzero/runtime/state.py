@@ -78,15 +78,23 @@ class ShardedState:
         """The piece indices r this rank holds of buffer ``name`` (all, or its own)."""
         return range(self.layout.shards) if self.policy.is_full(name) else (self.shard_rank,)
 
-    def publish(self, ring, start: bool = False) -> dict:
+    def publish(self, ring, start: bool = False, buckets=()) -> dict:
         """params = cast(master) on the pieces this rank owns; then, where params
         are held in full but master is a shard (stages 1, 2), all-gather them.
         Collective on the shard group. start: the all-gathers are started, not
         waited for (unit u+1's cast runs while unit u's gather is on the wire);
-        returns {unit: Pending} for the caller to wait on before reading params."""
+        returns {unit: Pending} for the caller to wait on before reading params.
+        buckets: ((units, blocks), ...) of consecutive units gathered by one call
+        each (not with start), through (n, P) storage-dtype blocks (_publish_bucket)."""
         L, P = self.layout, self.policy
         started = {}
+        bucket = {} if start or P.full_optimizer or not P.full_params else {
+            u: gb for gb in buckets if gb[1].dtype == self.params.dtype for u in gb[0]}
         for u in range(len(L.units)):
+            if u in bucket:
+                if u == bucket[u][0][0]:
+                    self._publish_bucket(ring, *bucket[u])
+                continue
             if P.full_optimizer:
                 cast_into(L.unit_full(self.params, u), L.unit_full(self.master, u))
             elif not P.full_params:
@@ -100,6 +108,18 @@ class ShardedState:
                 else:
                     ring.all_gather(own, seg)
         return started
+
+    def _publish_bucket(self, ring, units, blocks):
+        """Consecutive units' params by one all-gather: their pieces are one run of the master
+        shard, cast into this rank's row of the (n, P) blocks (P: the units' piece elements);
+        after the gather row j holds rank j's pieces, copied out unit by unit (n rows each)."""
+        L, a, m = self.layout, self.layout.shard_offset[units[0]], blocks.shape[1]
+        own = blocks[self.shard_rank]
+        cast_into(own, self.master[a:a + m])
+        ring.all_gather(own, blocks.reshape(-1))
+        for u in units:
+            off, k = L.shard_offset[u] - a, L.piece_numel[u]
+            L.unit_full(self.params, u).reshape(L.shards, k)[...] = blocks[:, off:off + k]
 
     def gather(self, name: str, ring, dtype=np.float32):
         """Buffer ``name`` in full, as a host array of ``layout.padded`` elements.

@@ -54,6 +54,10 @@ What it is
     reduce-scatter would use (the Ring's order depends on the rank count,
     and on the size only above ``tree_bytes``, which a bucket of several
     units stays under: engine.py), so stages 0-3 stay bitwise equal.
+    Without overlap, stages 1-2 gather the updated params by the same
+    buckets (``gather_buckets``, ModelState.publish): one all-gather per
+    bucket in its blocks, then each unit's pieces copied out, so a step
+    enters the ring twice per bucket instead of twice per unit.
 
     Overlap (``overlap=True``, the engine's default): a closed gradient's
     reduction is *started* on the ring's progress thread (comm/progress.py)
@@ -341,6 +345,13 @@ class Workspaces:
                 ring.all_gather(own, flat)
             after()
         self.inflight.blocking("reduce", time.perf_counter() - t0)
+
+    def gather_buckets(self) -> tuple:
+        """((units, blocks), ...): the update's all-gathers of stages 1-2 by bucket (ModelState.publish),
+        in the reduction buckets' blocks, which nothing holds between a drained backward and the next."""
+        if self.overlap:
+            return ()
+        return tuple((g, self._blocks[g, 0]) for g in self.buckets)
 
     def _unbucket(self, g, blocks):
         """Stages 0-1: a reduced bucket back into the full grads, every block (as a reduce-scatter in

@@ -202,7 +202,8 @@ def step_ops(layout: Layout, stage: str, bwd_reads=lambda u: u != 0, overlap: bo
     the steady state, as a gather in front of each unit's first forward (it
     feeds the next step's forward, and can hide behind it), not after the update.
     ``buckets`` (``reduce_buckets``): a bucket's units are reduced by one ``rs``
-    (and stage 0's ``ag``), named by the unit that closes last, after its grad cast.
+    (and stage 0's ``ag``), named by the unit that closes last, after its grad cast;
+    without overlap, stage 1-2's update gathers them by one ``ag``, named by its first unit.
     """
     st = acc.parse_stage(stage)
     U = len(layout.units)
@@ -239,8 +240,8 @@ def step_ops(layout: Layout, stage: str, bwd_reads=lambda u: u != 0, overlap: bo
                 out.append(op)
         ops = out
     ops.append(("update", -1))
-    if st in ("1", "2") and not overlap:
-        ops += [("ag", w) for w in range(U)]
+    if st in ("1", "2") and not overlap:     # by bucket (named by its first unit), as ModelState.publish
+        ops += [("ag", w) for w in range(U) if w not in inside or any(g[0] == w for g in buckets)]
     return ops
 
 
@@ -270,7 +271,8 @@ def comm_ops(layout_full: Layout, stage, nd: int, ranks_per_node=None, nodes: No
     buckets = reduce_buckets(L, st, overlap, reduce_bucket, elem_bytes)
     _, _, close = _closes(L)
     span = {max(g, key=lambda w: (close[w], w)): g for g in buckets}
-    reduced = False                                    # stages 1-2: the update's all-gathers are per unit
+    first = {g[0]: g for g in buckets}                 # stages 1-2: the update's all-gathers, by bucket
+    reduced = False
     for kind, u in step_ops(L, st, overlap=overlap, buckets=buckets):
         reduced = reduced or kind == "update"
         if kind not in COMM_KINDS:
@@ -278,7 +280,8 @@ def comm_ops(layout_full: Layout, stage, nd: int, ranks_per_node=None, nodes: No
         elif kind == "ar":                             # the shard, among the Nn = Nd/Ng replicas
             yield kind, u, "all_reduce", nd // group, L.unit_padded[u] * elem_bytes // group
         else:
-            units = span.get(u, (u,)) if kind == "rs" or (kind == "ag" and not reduced) else (u,)
+            units = (span.get(u, (u,)) if kind == "rs" or (kind == "ag" and not reduced)
+                     else first.get(u, (u,)) if kind == "ag" else (u,))
             S = sum(L.unit_padded[w] for w in units) * elem_bytes
             yield kind, u, "reduce_scatter" if kind == "rs" else "all_gather", group, S
 
