@@ -55,7 +55,7 @@ What it is
     and on the size only above ``tree_bytes``, which a bucket of several
     units stays under: engine.py), so stages 0-3 stay bitwise equal.
     Without overlap, stages 1-2 gather the updated params by the same
-    buckets (``gather_buckets``, ModelState.publish): one all-gather per
+    buckets (``gather_buckets``, ShardedState.publish): one all-gather per
     bucket in its blocks, then each unit's pieces copied out, so a step
     enters the ring twice per bucket instead of twice per unit.
 
@@ -182,6 +182,8 @@ class Workspaces:
                     blocks = buf[:L.shards * self._gsize[g]].reshape(L.shards, self._gsize[g])
                     self._blocks[g, b] = blocks
                     self._unbuckets[g, b] = functools.partial(self._unbucket, g, blocks)
+        # stages 1-2 without overlap: the update's all-gathers go by bucket, in its first buffer
+        self._gathers = () if self.overlap else tuple((g, self._blocks[g, 0]) for g in self.buckets)
 
     def nbytes(self) -> dict:
         """{workspace: bytes} (not model state)."""
@@ -347,11 +349,9 @@ class Workspaces:
         self.inflight.blocking("reduce", time.perf_counter() - t0)
 
     def gather_buckets(self) -> tuple:
-        """((units, blocks), ...): the update's all-gathers of stages 1-2 by bucket (ModelState.publish),
+        """((units, blocks), ...): the update's all-gathers of stages 1-2 by bucket (ShardedState.publish),
         in the reduction buckets' blocks, which nothing holds between a drained backward and the next."""
-        if self.overlap:
-            return ()
-        return tuple((g, self._blocks[g, 0]) for g in self.buckets)
+        return self._gathers
 
     def _unbucket(self, g, blocks):
         """Stages 0-1: a reduced bucket back into the full grads, every block (as a reduce-scatter in

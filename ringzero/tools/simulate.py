@@ -240,7 +240,7 @@ def step_ops(layout: Layout, stage: str, bwd_reads=lambda u: u != 0, overlap: bo
                 out.append(op)
         ops = out
     ops.append(("update", -1))
-    if st in ("1", "2") and not overlap:     # by bucket (named by its first unit), as ModelState.publish
+    if st in ("1", "2") and not overlap:     # by bucket (named by its first unit), as ShardedState.publish
         ops += [("ag", w) for w in range(U) if w not in inside or any(g[0] == w for g in buckets)]
     return ops
 
