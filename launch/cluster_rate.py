@@ -2,11 +2,19 @@
 
     python launch/cluster_rate.py serve ADDR PORT           # on the receiving node
     python launch/cluster_rate.py send ADDR PORT SECONDS RATE SRC DST
+    python launch/cluster_rate.py listen ADDR COUNT SECONDS  # the head: prints its port
+    python launch/cluster_rate.py reach ADDR PORT SECONDS    # on a node: connect, retrying
 
 The sender streams 1 MiB writes for SECONDS; the receiver times the bytes from
 the first to the last and sends back "bytes seconds"; the sender prints one
 line: the rate (TCP payload; headers are about 4 % of a 1500-byte frame) and
 how it compares with RATE, the rate tc was given ("none": unshaped).
+
+listen and reach are the build's readiness check: a node's veth and the
+bridge port come up asynchronously, and an Open MPI daemon started on a node
+that cannot reach the head yet exits before it reports back. The head accepts
+COUNT connections (one per node) within SECONDS; each node retries until its
+connection is accepted.
 """
 import re
 import socket
@@ -72,11 +80,41 @@ def send(addr, port, seconds, asked, src, dst):
           f"of TCP), {verdict}")
 
 
+def listen(addr, count, seconds):
+    s = socket.socket()
+    s.bind((addr, 0))
+    s.listen(count)
+    print(s.getsockname()[1], flush=True)
+    deadline = time.monotonic() + seconds
+    for _ in range(count):
+        s.settimeout(max(deadline - time.monotonic(), 0.01))
+        try:
+            s.accept()[0].close()
+        except OSError:
+            sys.exit(1)
+
+
+def reach(addr, port, seconds):
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                sys.exit(1)
+            time.sleep(0.05)
+
+
 if __name__ == "__main__":
     a = sys.argv[1:]
     if a[:1] == ["serve"] and len(a) == 3:
         serve(a[1], int(a[2]))
     elif a[:1] == ["send"] and len(a) == 7:
         send(a[1], int(a[2]), float(a[3]), a[4], a[5], a[6])
+    elif a[:1] == ["listen"] and len(a) == 4:
+        listen(a[1], int(a[2]), float(a[3]))
+    elif a[:1] == ["reach"] and len(a) == 4:
+        reach(a[1], int(a[2]), float(a[3]))
     else:
         sys.exit(__doc__)
