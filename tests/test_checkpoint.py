@@ -436,3 +436,29 @@ def test_reads_format_version_1(tmp_path):
     json.dump(m, open(mf, "w"))
     with pytest.raises(ck.CheckpointError, match="format version 3, this reader reads versions 1, 2"):
         ck.load(b, path)
+
+
+def test_start_up_leaves_ml_dtypes_unimported_until_a_manifest_names_bfloat16():
+    """The trainer's and the checkpoint tools' modules import without ml_dtypes (its import
+    costs every rank about 0.7 s of CPU); a manifest's "bfloat16" class still reads, by
+    importing it then. Run in a fresh interpreter: this one may hold ml_dtypes already."""
+    code = (
+        "import sys, numpy as np\n"
+        "import ringzero.app.train, ringzero.runtime.zero, ringzero.runtime.checkpoint, ringzero.runtime.export\n"
+        "from ringzero.runtime.manifest import class_dtype\n"
+        "print('ml_dtypes' in sys.modules)\n"
+        "print(class_dtype('float16') == np.float16, class_dtype('float32') == np.float32)\n"
+        "try:\n"
+        "    import ml_dtypes\n"
+        "except ImportError:\n"
+        "    print('no-ml_dtypes')\n"
+        "else:\n"
+        "    print(class_dtype('bfloat16') == np.dtype(ml_dtypes.bfloat16))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=60, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.split("\n")
+    assert lines[0] == "False", "ml_dtypes was imported at start-up"
+    assert lines[1] == "True True"
+    assert lines[2] in ("True", "no-ml_dtypes")

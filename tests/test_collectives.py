@@ -16,6 +16,11 @@ from ringzero.comm.ring import DTYPES, Ring, blocks
 
 FLOATS = ("float16", "float32", "float64")
 ALL_DT = [d.name for d in DTYPES]
+try:
+    import ml_dtypes  # noqa: F401  (registers "bfloat16" with NumPy; the Ring takes it too)
+    ALL_DT.append("bfloat16")
+except ImportError:
+    pass
 
 
 def data(rank, L, dtype, seed=0, ints=True):

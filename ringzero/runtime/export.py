@@ -25,6 +25,7 @@ from ringzero.runtime.manifest import (
     FORMAT,
     CheckpointError,
     check_layout,
+    class_dtype,
     error_line,
     fsync_dir,
     read_manifest,
@@ -63,11 +64,11 @@ def export(path: str, out: str, dtype: str = "fp32") -> dict:
     old = check_layout(m, p)
     out_dt, tag = _out_dtype(dtype)
     # fp16 (bf16) straight from the params files when the run stored that dtype, else from master
-    cls = "params" if dtype != "fp32" and np.dtype(m["classes"]["params"]) == out_dt else "master"
+    cls = "params" if dtype != "fp32" and class_dtype(m["classes"]["params"]) == out_dt else "master"
     err = verify(p, m, [shard_file(cls, k) for k in range(old.shards)])
     if err:
         raise CheckpointError(err)
-    src_dt = np.dtype(m["classes"][cls])
+    src_dt = class_dtype(m["classes"][cls])
     header, off = {}, 0
     for name, s in old.slots.items():
         n = s.spec.numel * out_dt.itemsize
