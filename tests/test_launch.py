@@ -261,3 +261,32 @@ def test_mca_file_written_once():
         export RINGZERO_VENV={VENV}; source {ROOT}/launch/_env.sh; mca_defaults""")], check=True)
     conf2 = open(os.path.join(VENV, "etc", "prte-mca-params.conf")).read()
     assert conf2 == conf
+
+
+def _rate(*args):
+    return [sys.executable, os.path.join(ROOT, "launch", "cluster_rate.py"), *map(str, args)]
+
+
+def test_cluster_readiness_check_listen_and_reach():
+    """launch/cluster's build waits on these: the head accepts one connection per node, each
+    node retries until accepted; a node that never connects fails the listener, and a reach
+    to nothing fails within its limit (exit 1 both)."""
+    import socket
+    import time
+    head = subprocess.Popen(_rate("listen", "127.0.0.1", 2, 20), stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(head.stdout.readline())
+        for _ in range(2):
+            assert subprocess.run(_rate("reach", "127.0.0.1", port, 10), timeout=30).returncode == 0
+        assert head.wait(timeout=30) == 0
+    finally:
+        head.kill()
+    lonely = subprocess.Popen(_rate("listen", "127.0.0.1", 1, 0.5), stdout=subprocess.PIPE, text=True)
+    assert int(lonely.stdout.readline()) > 0
+    assert lonely.wait(timeout=30) == 1                  # nobody came within 0.5 s
+    with socket.socket() as s:                           # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    t0 = time.monotonic()
+    assert subprocess.run(_rate("reach", "127.0.0.1", closed, 0.5), timeout=30).returncode == 1
+    assert time.monotonic() - t0 < 10
