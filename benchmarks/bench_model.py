@@ -13,7 +13,8 @@ What it is
     The GEMM floor (NumPy backend): every matrix product of the step (the
     Linears' forward and both backward products, the attention's six batched
     products over strided head views, the tied head's three) with the same
-    shapes and operand layouts, on preallocated arrays, timed as one more
+    shapes and operand layouts, on preallocated arrays, in the library the
+    model runs each in (ringzero.nn.gemm for the 2-D ones), timed as one more
     interleaved variant. The attention products are counted dense (T x T),
     as the issue's 21 GFLOP are; the model's host path skips the tiles above
     the causal diagonal (about 0.4 GFLOP fewer at the default shapes). Its median is the time the step would take if
@@ -151,9 +152,16 @@ def gemm_floor(cfg, B, T, dtype=np.float32):
     mm(dl.T, x, r(V, C))                                                  # dwte = dl^T x
     mm(dl, w, r(N, C))                                                    # dx = dl wte
 
+    try:                        # the 2-D products in the model's library (ringzero.nn.gemm), as the model
+        from ringzero.nn.gemm import matmul as mm2
+    except ImportError:         # a ringzero from before it: numpy.matmul
+        mm2 = lambda a, b, out: np.matmul(a, b, out=out)                 # noqa: E731
+    calls = [(mm2 if out.ndim == 2 else lambda a, b, out: np.matmul(a, b, out=out), a, b, out)
+             for a, b, out in calls]
+
     def run():
-        for a, b, out in calls:
-            np.matmul(a, b, out=out)
+        for f, a, b, out in calls:
+            f(a, b, out)
     return run, flops
 
 
@@ -266,7 +274,13 @@ def main(argv=None):
         from ringzero.nn.fused import HAVE_C
     except ImportError:     # a ringzero from before the fused kernels
         HAVE_C = False
-    print(f"numpy BLAS: {blas_info()}; elementwise: {'C kernels' if HAVE_C else 'NumPy (no C)'}; "
+    try:
+        from ringzero.nn.gemm import library as gemm_library
+        gemms = gemm_library()
+    except ImportError:     # a ringzero from before ringzero.nn.gemm
+        gemms = "numpy"
+    print(f"numpy BLAS: {blas_info()}; the Linears' and head's GEMMs: {gemms}; "
+          f"elementwise: {'C kernels' if HAVE_C else 'NumPy (no C)'}; "
           f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     for _ in range(a.warmup):
         for f in steps.values():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ringzero.nn import gemm
 from ringzero.nn.ops import _same_module, acc_dtype, array_module
 
 
@@ -110,7 +111,7 @@ class Linear(Layer):
         lead = x.shape[:-1]
         y = out if out is not None else self.buf("y", lead + (w.shape[1],), w.dtype, xp)
         y2 = y.reshape(-1, w.shape[1])                          # (N, out)
-        xp.matmul(x.reshape(-1, w.shape[0]), w, out=y2)
+        gemm.matmul(x.reshape(-1, w.shape[0]), w, y2)
         if bias:
             y2 += b
         return y, (p, x)
@@ -122,12 +123,12 @@ class Linear(Layer):
         n_in, n_out = w.shape
         x2, dy2 = x.reshape(-1, n_in), dy.reshape(-1, n_out)    # (N, in), (N, out)
         dw = self.bbuf("dw", w.shape, w.dtype, xp)
-        xp.matmul(x2.T, dy2, out=dw)
+        gemm.matmul(x2.T, dy2, dw)
         g["w"] += dw
         if db is None:
             ad = acc_dtype(dy.dtype)
             db = dy2.sum(axis=0, dtype=ad, out=self.bbuf("db", (n_out,), ad, xp))
         g["b"] += db
         dx = self.bbuf("dx", x.shape, x.dtype, xp)
-        xp.matmul(dy2, w.T, out=dx.reshape(-1, n_in))
+        gemm.matmul(dy2, w.T, dx.reshape(-1, n_in))
         return dx

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ringzero.nn import fused
+from ringzero.nn import fused, gemm
 from ringzero.nn.attention import CausalSelfAttention
 from ringzero.nn.base import Layer, Linear, Pool, cache_nbytes
 from ringzero.nn.ops import _same_module, _take, acc_dtype, array_module, bmm, check_ids, segment_sum_rows  # noqa: F401
@@ -113,7 +113,7 @@ class Unembed(Layer):
         if x.shape[-1] != w.shape[1]:
             raise ValueError(f"unembed expects input width {w.shape[1]}, got x of shape {tuple(x.shape)}")
         y = self.buf("y", x.shape[:-1] + (w.shape[0],), w.dtype, xp)
-        xp.matmul(x.reshape(-1, w.shape[1]), w.T, out=y.reshape(-1, w.shape[0]))
+        gemm.matmul(x.reshape(-1, w.shape[1]), w.T, y.reshape(-1, w.shape[0]))
         return y, (p, x)
 
     def backward(self, dy, cache, g):                           # dy (N, V)
@@ -123,10 +123,10 @@ class Unembed(Layer):
         V, C = w.shape
         x2, dy2 = x.reshape(-1, C), dy.reshape(-1, V)
         dw = self.bbuf("dw", w.shape, w.dtype, xp)
-        xp.matmul(dy2.T, x2, out=dw)                            # (V, C)
+        gemm.matmul(dy2.T, x2, dw)                            # (V, C)
         g["w"] += dw
         dx = self.bbuf("dx", x.shape, x.dtype, xp)
-        xp.matmul(dy2, w, out=dx.reshape(-1, C))
+        gemm.matmul(dy2, w, dx.reshape(-1, C))
         return dx
 
 
