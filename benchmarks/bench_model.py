@@ -152,16 +152,14 @@ def gemm_floor(cfg, B, T, dtype=np.float32):
     mm(dl.T, x, r(V, C))                                                  # dwte = dl^T x
     mm(dl, w, r(N, C))                                                    # dx = dl wte
 
-    try:                        # the 2-D products in the model's library (ringzero.nn.gemm), as the model
-        from ringzero.nn.gemm import matmul as mm2
-    except ImportError:         # a ringzero from before it: numpy.matmul
-        mm2 = lambda a, b, out: np.matmul(a, b, out=out)                 # noqa: E731
-    calls = [(mm2 if out.ndim == 2 else lambda a, b, out: np.matmul(a, b, out=out), a, b, out)
-             for a, b, out in calls]
+    try:                        # as the model: 2-D products in ringzero.nn.gemm's library, the rest numpy.matmul
+        from ringzero.nn.gemm import matmul
+    except ImportError:         # a ringzero from before it: numpy.matmul for all
+        matmul = lambda a, b, out: np.matmul(a, b, out=out)              # noqa: E731
 
     def run():
-        for f, a, b, out in calls:
-            f(a, b, out)
+        for a, b, out in calls:
+            matmul(a, b, out)
     return run, flops
 
 

@@ -86,3 +86,25 @@ def test_mkl_bits_do_not_depend_on_where_the_buffers_sit():
             assert np.array_equal(o, outs[0])
     finally:
         gemm._state.clear()
+
+
+def test_check_setting_names_a_bad_or_unmet_setting_without_loading(monkeypatch):
+    gemm.check_setting("numpy")
+    gemm.check_setting("auto")
+    with pytest.raises(gemm.BlasError, match=r"^RINGZERO_BLAS must be one of auto, numpy, mkl, got 'openblas'$"):
+        gemm.check_setting("openblas")
+    monkeypatch.setattr(gemm, "_mkl_paths", lambda: [])
+    with pytest.raises(gemm.BlasError, match=r"^RINGZERO_BLAS=mkl: MKL cannot be loaded: no libmkl_rt"):
+        gemm.check_setting("mkl")
+
+
+def test_trainer_check_gives_one_line_for_a_bad_blas_setting():
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "RINGZERO_BLAS": "openblas"}
+    r = subprocess.run([sys.executable, "-m", "ringzero.train", "--check", "2", "--steps", "1"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip() == ("ringzero.train: error: RINGZERO_BLAS must be one of auto, numpy, mkl, "
+                                "got 'openblas'")

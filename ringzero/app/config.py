@@ -178,6 +178,11 @@ def validate(cfg: Config):
     for k in ("n_layer", "n_head", "n_embd", "seq_len", "batch", "steps", "grad_accum"):
         v = getattr(cfg, k)
         need(v is None or v >= 1, f"--{k.replace('_', '-')} must be >= 1, got {v}")
+    from ringzero.nn.gemm import BlasError, check_setting
+    try:
+        check_setting()                # the environment's RINGZERO_BLAS, before any product
+    except BlasError as e:
+        raise ConfigError(str(e)) from None
     need(cfg.prefetch is None or cfg.prefetch >= 0, f"--prefetch must be >= 0, got {cfg.prefetch}")
     need(not cfg.prefetch or cfg.overlap is not False,
          f"--prefetch {cfg.prefetch} needs overlap (a gather runs beside compute only then): drop --no-overlap "

@@ -98,6 +98,16 @@ def _load_mkl():
     return lib, version
 
 
+def check_setting(setting: str | None = None) -> None:
+    """Raise BlasError for a RINGZERO_BLAS this machine cannot honour, without loading any library
+    (the trainer's input checks, before mpirun)."""
+    setting = (os.environ.get(ENV, "auto") if setting is None else setting).strip().lower() or "auto"
+    if setting not in CHOICES:
+        raise BlasError(f"{ENV} must be one of {', '.join(CHOICES)}, got {setting!r}")
+    if setting == "mkl" and not _mkl_paths():
+        raise BlasError(f"{ENV}=mkl: MKL cannot be loaded: no libmkl_rt under {sys.prefix}/lib (pip install mkl)")
+
+
 def choose(setting: str | None = None, vendor: str | None = None):
     """(CDLL or None, name) for a RINGZERO_BLAS setting; raises BlasError for a bad or unmet one."""
     setting = (os.environ.get(ENV, "auto") if setting is None else setting).strip().lower() or "auto"
