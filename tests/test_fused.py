@@ -169,6 +169,19 @@ def test_softmax_causal_forward_backward(path, rng, dtype, T):
     close(d, p * (g - (g * p).sum(-1, keepdims=True)) * scale, dtype)
 
 
+@pytest.mark.parametrize("T", [8, 24, 128])
+def test_softmax_causal_vector_rows_are_the_scalar_rows_bits(rng, T):
+    """float32, T % 8 == 0 takes fused.c's whole-vector rows, T + 1 its scalar loops; row t reads
+    only j <= t, so the first T rows of a (T+1)-wide problem are the T-wide problem's, bit for bit."""
+    if not fused.HAVE_C:
+        pytest.skip("ringzero.nn._fused was not built")
+    s = (rng.standard_normal((2, T + 1, T + 1)) * 4).astype(np.float32)
+    wide, narrow = s.copy(), np.ascontiguousarray(s[:, :T, :T])
+    fused.softmax_causal_(wide, 0.37)
+    fused.softmax_causal_(narrow, 0.37)
+    np.testing.assert_array_equal(narrow.view(np.uint32), wide[:, :T, :T].view(np.uint32))
+
+
 def test_softmax_causal_gradient_by_finite_differences(path, rng):
     s, scale = rng.standard_normal((2, 6, 6)), 0.8
     R = rng.standard_normal(s.shape)
