@@ -283,7 +283,8 @@ DEFINE_KERNELS(double, d, rz_exp, rz_log, rz_sqrt)
  *
  * softmax_causal_f above, with each row's loops over whole 8-float vectors (GCC vector
  * extensions; the compiler leaves the scalar version's lane max and its short rows' tails
- * scalar): 0.47 -> 0.35 ms for (32, 128, 128), one thread, AMD EPYC (Zen 4). Same bits: vector lane l holds the elements
+ * scalar): 0.47 -> 0.35 ms for (32, 128, 128), one thread, AMD EPYC (Zen 4). Same bits
+ * (tests/test_fused.py checks them against the scalar rows): vector lane l holds the elements
  * j = l (mod 8) that lane_max_f / lane_sum_f give to lane l, in the same order; the row's tail
  * past t is masked to -inf for the max and to 0 for the sum (x + 0 = x); rz_expf8 is rz_expf's
  * operations in its order. Used when T is a multiple of 8 (otherwise softmax_causal_f). */
