@@ -524,7 +524,11 @@ static PyObject *py_attn_fwd(PyObject *self, PyObject *args)
     if (take(&B, x, 0, Bn * Tn * 3 * C * e, 0, "attn qkv", &px) || take(&B, a, 1, Bn * H * Tn * Tn * e, 0, "attn att", &pa)
         || take(&B, y, 1, Bn * Tn * C * e, 0, "attn y", &py) || take(&B, kt, 1, D * Tn * e, 0, "attn kt", &pk)) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    if (dbl) attn_fwd_d(px, pa, py, pk, Bn, Tn, H, D, sc); else attn_fwd_f(px, pa, py, pk, Bn, Tn, H, D, (float)sc);
+    if (dbl) attn_fwd_d(px, pa, py, pk, Bn, Tn, H, D, sc);
+#ifdef RZ_AVX512
+    else if (rz_wide(Tn, D)) attn_fwd_f16(px, pa, py, pk, Bn, Tn, H, D, (float)sc);
+#endif
+    else attn_fwd_f(px, pa, py, pk, Bn, Tn, H, D, (float)sc);
     Py_END_ALLOW_THREADS
     release(&B);
     Py_RETURN_NONE;
@@ -544,6 +548,9 @@ static PyObject *py_attn_bwd(PyObject *self, PyObject *args)
         || take(&B, tmp, 1, Tn * e, 0, "attn tmp", &pt)) return NULL;
     Py_BEGIN_ALLOW_THREADS
     if (dbl) attn_bwd_d(px, pa, pdy, pdx, pds, pk, pt, Bn, Tn, H, D, sc);
+#ifdef RZ_AVX512
+    else if (rz_wide(Tn, D)) attn_bwd_f16(px, pa, pdy, pdx, pds, pk, pt, Bn, Tn, H, D, (float)sc);
+#endif
     else attn_bwd_f(px, pa, pdy, pdx, pds, pk, pt, Bn, Tn, H, D, (float)sc);
     Py_END_ALLOW_THREADS
     release(&B);
