@@ -3,9 +3,8 @@
 - ringzero.comm._f16 (ringzero/comm/csrc/f16.c): the float16 kernels of the
   ring; without it ringzero.comm.kernels uses NumPy, with bitwise the same results.
 - ringzero.nn._fused (ringzero/nn/csrc/fused.c): the model's single-pass
-  elementwise kernels (GELU, LayerNorm, softmax, cross-entropy) and the host
-  attention (csrc/attention.h); without it ringzero.nn.fused uses NumPy
-  formulas and attention.py numpy.matmul (the same math, other rounding).
+  elementwise kernels (GELU, LayerNorm, softmax, cross-entropy); without it
+  ringzero.nn.fused uses NumPy formulas (the same math, other rounding).
 
 Both are optional: without a compiler the install still succeeds.
 """
@@ -22,7 +21,6 @@ setup(
         Extension(
             "ringzero.nn._fused",
             sources=["ringzero/nn/csrc/fused.c"],
-            depends=["ringzero/nn/csrc/attention.h"],      # included by fused.c: an edit rebuilds it
             # no fused multiply-add contraction, no fast-math (so the AVX2 and
             # the baseline clones of each kernel round exactly alike); no traps
             # or errno, so the branch-free exp/tanh can be vectorized

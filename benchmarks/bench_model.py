@@ -21,21 +21,17 @@ What it is
     everything but the BLAS calls were free; the step's GEMM FLOPs over it is
     the sgemm rate of this run. The header prints which elementwise path ran
     (the C kernels of ringzero.nn._fused, or NumPy) and the load average.
-    --attn-numpy adds the same model with its attention products in
-    numpy.matmul (the C attention kernel declined), interleaved, to measure
-    that kernel against the path it replaces.
 
 What it is not
     A training benchmark (no optimizer, no communication): that is
     ringzero's bench/train. Torch is only a peer here, never a dependency.
 
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 .venv/bin/python benchmarks/bench_model.py \
-        [--checkpoint] [--attn-numpy] [--allocs] [--profile] [--backend cupy --dtype float16]
+        [--checkpoint] [--allocs] [--profile] [--backend cupy --dtype float16]
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
@@ -117,22 +113,6 @@ def layer_profile(model, P, G, gbuf, idx, tgt, steps=3) -> dict:
     out = {k: v / steps * 1e3 for k, v in spent.items()}
     out["(model glue)"] = total / steps * 1e3 - sum(out.values())
     return out
-
-
-@contextlib.contextmanager
-def attention_products_in_numpy(on: bool):
-    """While on: the C attention kernel declines, so attention.py takes its numpy.matmul products."""
-    from ringzero.nn import fused
-    saved = {n: getattr(fused, n, None) for n in ("attention_forward", "attention_backward")}
-    if on and None not in saved.values():
-        for n in saved:
-            setattr(fused, n, lambda *args, **kw: False)
-    try:
-        yield
-    finally:
-        for n, f in saved.items():
-            if f is not None:
-                setattr(fused, n, f)
 
 
 def gemm_floor(cfg, B, T, dtype=np.float32):
@@ -233,9 +213,6 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--checkpoint", action="store_true",
                     help="also time the model with activation checkpointing (interleaved)")
-    ap.add_argument("--attn-numpy", action="store_true",
-                    help="also time the model with attention's host products in numpy.matmul instead of the C "
-                         "attention kernel (interleaved)")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--allocs", action="store_true", help="also measure transient NumPy bytes (tracemalloc)")
     ap.add_argument("--profile", action="store_true", help="also print time per layer class")
@@ -270,20 +247,14 @@ def main(argv=None):
     tgt_h = rng.integers(0, cfg.vocab, (a.batch, a.seq))
     idx, tgt = xp.asarray(idx_h), xp.asarray(tgt_h)
 
-    if a.attn_numpy:
-        models["ringzero-attn-numpy"] = GPT(cfg)
-
-    def step_of(model, name):
-        numpy_attn = name == "ringzero-attn-numpy"
-
+    def step_of(model):
         def ours():
             gbuf[...] = 0
-            with attention_products_in_numpy(numpy_attn):
-                loss = model.loss_and_grad(P, G, idx, tgt)
+            loss = model.loss_and_grad(P, G, idx, tgt)
             sync()
             return loss
         return ours
-    steps = {name: step_of(m, name) for name, m in models.items()}
+    steps = {name: step_of(m) for name, m in models.items()}
     floor_flops = None
     if xp is np:
         steps["gemm-floor"], floor_flops = gemm_floor(cfg, a.batch, a.seq, dtype)
@@ -322,12 +293,6 @@ def main(argv=None):
             cpu[n].append(time.process_time() - c0)
     med = {n: statistics.median(t) for n, t in times.items()}
     print_medians(med, losses, models, a.batch * a.seq, floor_flops)
-    if a.attn_numpy:
-        paired = [x / y for x, y in zip(times["ringzero"], times["ringzero-attn-numpy"])]
-        r = med["ringzero"] / med["ringzero-attn-numpy"]
-        print(f"ratio ringzero/ringzero-attn-numpy: {r:.3f}x of the medians, "
-              f"{statistics.median(paired):.3f}x the median of the {a.repeats} paired steps (the C attention kernel "
-              f"against attention's numpy.matmul products)")
     if xp is np:    # CPU seconds leave out the time the process waited for a core (a loaded machine)
         mc = {n: statistics.median(t) for n, t in cpu.items()}
         print("cpu-time medians (process_time): " + ", ".join(f"{n} {v * 1e3:.1f} ms" for n, v in mc.items())

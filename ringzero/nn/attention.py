@@ -3,18 +3,14 @@
 What it is
     ``CausalSelfAttention(n_head)``: the attention block of a GPT layer, built
     on the ``Layer`` plumbing of ``ringzero.nn.base`` (its pool, its buffer
-    tags) and two ``Linear`` layers (qkv, proj). One object, three paths: on
-    the host, one C call per direction does every head (both products and the
-    softmax between them, reading q, k, v in place from the qkv buffer:
-    ``ringzero.nn.fused.attention_forward/_backward``, csrc/attention.h) where
-    T and the head width D are multiples of the vector width (8 floats, 4
-    doubles); other host shapes take batched numpy.matmul over strided head
-    views of the qkv buffer; on CuPy, contiguous head workspaces and cuBLAS
-    strided-batched GEMMs (``ringzero.nn.ops.bmm``), with float32
-    accumulation. Between the two products of each direction there is one
-    elementwise pass: the scale, the causal mask and the softmax in one
-    (``ringzero.nn.fused.softmax_causal_``), and the softmax's backward with
-    the scale in one. Their row sums stay in float32 under float16 compute.
+    tags) and two ``Linear`` layers (qkv, proj). One object, two paths: on
+    NumPy, batched matmuls over strided head views of the fused qkv buffer; on
+    CuPy, contiguous head workspaces and cuBLAS strided-batched GEMMs
+    (``ringzero.nn.ops.bmm``), with float32 accumulation. Between the two
+    products of each direction there is one elementwise pass: the scale, the
+    causal mask and the softmax in one (``ringzero.nn.fused.softmax_causal_``,
+    a C kernel on the host), and the softmax's backward with the scale in one.
+    Their row sums stay in float32 under float16 compute.
     ``from ringzero.nn.layers import CausalSelfAttention`` gives the same class.
 
 What it is not
@@ -38,12 +34,9 @@ class CausalSelfAttention(Layer):
 
     p: attn.w (C, 3C), attn.b (3C,), proj.w (C, C), proj.b (C,); x (B, T, C) -> (B, T, C).
 
-    Host C kernel (T % W == D % W == 0): att (B, H, T, T) is kept for the
-    backward, whose (T, T) softmax gradient lives one head at a time in a
-    scratch buffer. Otherwise NumPy: heads are batched matmuls over strided
-    (B, H, T, D) views of the fused qkv buffer (no per-head loop, no
-    transposing copies), taken per causal block of query rows when the C
-    softmax is in use (``_row_blocks``). CuPy: its
+    NumPy: heads are batched matmuls over strided (B, H, T, D) views of the
+    fused qkv buffer (no per-head loop, no transposing copies), taken per
+    causal block of query rows on the C path (``_row_blocks``). CuPy: its
     matmul on more than 2 dims copies float16 operands to float32 and lands
     the result in a temporary (cupy/_core/_routines_linalg.pyx), so q, k, v
     are copied once into contiguous (B*H, T, D) workspaces and every product
@@ -105,9 +98,6 @@ class CausalSelfAttention(Layer):
         att = self.buf("att", (B, H, T, T), x.dtype, xp)
         yh = self.buf("yh", (B, T, C), x.dtype, xp)             # heads side by side
         yh4 = yh.reshape(B, T, H, D).transpose(0, 2, 1, 3)     # (B, H, T, D) view
-        if fused.attention_forward(qkv, att, yh, H, 1.0 / math.sqrt(D), self._ws(xp)):   # host C: one call
-            y, _ = self.proj.forward({"w": p["proj.w"], "b": p["proj.b"]}, yh, out=out, bias=bias)
-            return y, (p, x, qkv, att, yh)
         blocks = self._row_blocks(T, att) if xp is np else None
         if xp is np:
             for r0, r1 in blocks:                               # att (B, H, T, T) = q k^T, lower tiles
@@ -136,9 +126,6 @@ class CausalSelfAttention(Layer):
         dyh4 = dyh.reshape(B, T, H, D).transpose(0, 2, 1, 3)    # (B, H, T, D)
         q, k, v = self._split(qkv, B, T, C)
         dqkv = self.bbuf("dqkv", (B, T, 3 * C), dy.dtype, xp)
-        if fused.attention_backward(qkv, att, dyh, dqkv, H, 1.0 / math.sqrt(D), self._ws(xp)):   # host C
-            return self.qkv.backward(dqkv, ({"w": p["attn.w"], "b": p["attn.b"]}, x),
-                                     {"w": g["attn.w"], "b": g["attn.b"]})
         dq, dk, dv = self._split(dqkv, B, T, C)
         datt = self.bbuf("datt", att.shape, dy.dtype, xp)
         blocks = self._row_blocks(T, att) if xp is np else None

@@ -301,47 +301,6 @@ def softmax_causal_backward_(datt, att, scale, ws=None):
     return datt
 
 
-# ---- attention, both products and the softmax between them (host) -------------------
-
-def _attn_c(qkv, T, D) -> bool:
-    """True when the C attention takes this (B, T, 3C) qkv: the vector kernels need T % W == D % W == 0."""
-    w = 4 if qkv.dtype == np.float64 else 8
-    return _c is not None and hasattr(_c, "attn_fwd") and T % w == 0 and D % w == 0
-
-
-def attention_forward(qkv, att, yh, n_head, scale, ws=None) -> bool:
-    """att (B, H, T, T) = softmax(q k^T * scale, causal), yh (B, T, C) = att v, heads side by side.
-
-    q, k, v are read in place from qkv (B, T, 3C). Returns False, writing
-    nothing, where the C kernel does not take these arrays (device arrays,
-    float16, T or D not a multiple of the vector width, no extension): the
-    caller then takes the products one by one (attention.py).
-    """
-    B, T, C3 = qkv.shape
-    D = C3 // 3 // n_head
-    if not (use_c(qkv, att, yh, outs=2) and _attn_c(qkv, T, D)):
-        return False
-    kt = _scratch(ws, "kt", (D, T), qkv.dtype, np)
-    _c.attn_fwd(qkv, att, yh, kt, B, T, n_head, D, _dbl(qkv), scale)
-    return True
-
-
-def attention_backward(qkv, att, dyh, dqkv, n_head, scale, ws=None) -> bool:
-    """dqkv (B, T, 3C), every element: dq = ds k, dk = ds^T q, dv = att^T dy, ds the scaled softmax backward.
-
-    ds lives one head at a time in a (T, T) scratch. False, writing nothing,
-    where the C kernel does not take these arrays (as attention_forward).
-    """
-    B, T, C3 = qkv.shape
-    D = C3 // 3 // n_head
-    if not (use_c(qkv, att, dyh, dqkv, outs=1) and _attn_c(qkv, T, D)):
-        return False
-    dt = qkv.dtype
-    ds, kt, tmp = (_scratch(ws, n, sh, dt, np) for n, sh in (("ds", (T, T)), ("kt", (D, T)), ("tmp", (T,))))
-    _c.attn_bwd(qkv, att, dyh, dqkv, ds, kt, tmp, B, T, n_head, D, _dbl(qkv), scale)
-    return True
-
-
 # ---- embedding gradient ------------------------------------------------------------
 
 def rows_add_at(g, ids, d):

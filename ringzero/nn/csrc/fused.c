@@ -357,8 +357,6 @@ RZ_CLONES static void softmax_causal_f8(float *att, ix R, ix Tn, float scale)
             for (ix j = kk; j < Tn; j++) a[j] = 0;
         }
 }
-
-#include "attention.h"
 #endif
 
 /* ---- Python glue ------------------------------------------------------------ */
@@ -513,51 +511,6 @@ static PyObject *py_softmax_causal_bwd(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-#ifdef RZ_VEC8
-/* attn_fwd(qkv, att, yh, kt, B, T, H, D, dbl, scale): shapes as in attention.h; fused.py checks
- * T % W == D % W == 0 and that no two buffers overlap */
-static PyObject *py_attn_fwd(PyObject *self, PyObject *args)
-{
-    PyObject *x, *a, *y, *kt; ix Bn, Tn, H, D; int dbl; double sc; Bufs B = {.k = 0}; void *px, *pa, *py, *pk;
-    if (!PyArg_ParseTuple(args, "OOOOnnnnpd", &x, &a, &y, &kt, &Bn, &Tn, &H, &D, &dbl, &sc)) return NULL;
-    ix e = SZ(dbl), C = H * D;
-    if (take(&B, x, 0, Bn * Tn * 3 * C * e, 0, "attn qkv", &px) || take(&B, a, 1, Bn * H * Tn * Tn * e, 0, "attn att", &pa)
-        || take(&B, y, 1, Bn * Tn * C * e, 0, "attn y", &py) || take(&B, kt, 1, D * Tn * e, 0, "attn kt", &pk)) return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    if (dbl) attn_fwd_d(px, pa, py, pk, Bn, Tn, H, D, sc);
-#ifdef RZ_AVX512
-    else if (rz_wide(Tn, D)) attn_fwd_f16(px, pa, py, pk, Bn, Tn, H, D, (float)sc);
-#endif
-    else attn_fwd_f(px, pa, py, pk, Bn, Tn, H, D, (float)sc);
-    Py_END_ALLOW_THREADS
-    release(&B);
-    Py_RETURN_NONE;
-}
-
-/* attn_bwd(qkv, att, dyh, dqkv, ds, kt, tmp, B, T, H, D, dbl, scale) */
-static PyObject *py_attn_bwd(PyObject *self, PyObject *args)
-{
-    PyObject *x, *a, *dy, *dx, *ds, *kt, *tmp; ix Bn, Tn, H, D; int dbl; double sc; Bufs B = {.k = 0};
-    void *px, *pa, *pdy, *pdx, *pds, *pk, *pt;
-    if (!PyArg_ParseTuple(args, "OOOOOOOnnnnpd", &x, &a, &dy, &dx, &ds, &kt, &tmp, &Bn, &Tn, &H, &D, &dbl, &sc))
-        return NULL;
-    ix e = SZ(dbl), C = H * D;
-    if (take(&B, x, 0, Bn * Tn * 3 * C * e, 0, "attn qkv", &px) || take(&B, a, 0, Bn * H * Tn * Tn * e, 0, "attn att", &pa)
-        || take(&B, dy, 0, Bn * Tn * C * e, 0, "attn dy", &pdy) || take(&B, dx, 1, Bn * Tn * 3 * C * e, 0, "attn dqkv", &pdx)
-        || take(&B, ds, 1, Tn * Tn * e, 0, "attn ds", &pds) || take(&B, kt, 1, D * Tn * e, 0, "attn kt", &pk)
-        || take(&B, tmp, 1, Tn * e, 0, "attn tmp", &pt)) return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    if (dbl) attn_bwd_d(px, pa, pdy, pdx, pds, pk, pt, Bn, Tn, H, D, sc);
-#ifdef RZ_AVX512
-    else if (rz_wide(Tn, D)) attn_bwd_f16(px, pa, pdy, pdx, pds, pk, pt, Bn, Tn, H, D, (float)sc);
-#endif
-    else attn_bwd_f(px, pa, pdy, pdx, pds, pk, pt, Bn, Tn, H, D, (float)sc);
-    Py_END_ALLOW_THREADS
-    release(&B);
-    Py_RETURN_NONE;
-}
-#endif
-
 static PyObject *py_ce_fwd(PyObject *self, PyObject *args)
 {
     PyObject *lg, *tg, *pr, *nl; ix n, V; int dbl; Bufs B = {.k = 0}; void *pl, *pt, *pp, *pn;
@@ -595,10 +548,6 @@ static PyMethodDef methods[] = {
     {"ln_bwd", py_ln_bwd, METH_VARARGS, "ln_bwd(dy, xhat, rstd, w, dx, dw, db, tmp, cols, n, m, dbl)"},
     {"softmax_causal", py_softmax_causal, METH_VARARGS, "softmax_causal(att, R, T, dbl, scale)"},
     {"softmax_causal_bwd", py_softmax_causal_bwd, METH_VARARGS, "softmax_causal_bwd(datt, att, tmp, R, T, dbl, scale)"},
-#ifdef RZ_VEC8
-    {"attn_fwd", py_attn_fwd, METH_VARARGS, "attn_fwd(qkv, att, yh, kt, B, T, H, D, dbl, scale): causal attention, forward"},
-    {"attn_bwd", py_attn_bwd, METH_VARARGS, "attn_bwd(qkv, att, dyh, dqkv, ds, kt, tmp, B, T, H, D, dbl, scale)"},
-#endif
     {"ce_fwd", py_ce_fwd, METH_VARARGS, "ce_fwd(logits, targets int64, probs, nll, n, V, dbl)"},
     {NULL, NULL, 0, NULL},
 };
