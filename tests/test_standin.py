@@ -284,16 +284,19 @@ def _run(comm, stage, device, steps=3, precision="fp32", **kw):
 
 
 @pytest.fixture
-def same_embed_sum(monkeypatch):
+def same_host_arithmetic(monkeypatch):
     """The CPU reference uses the device's embedding-gradient sum (NumPy's
     default np.add.at differs from it in the last bits; see test_layers). The
     elementwise passes are the host's C kernels against the device's CuPy
     kernels (the same order of operations: tests/test_fused_cuda.py); where
-    either cannot be built, both sides take the xp formulas."""
+    either cannot be built, both sides take the xp formulas. The host's 2-D
+    GEMMs run in numpy.matmul, the stand-in's library, also where
+    RINGZERO_BLAS picks MKL (a real device's cuBLAS matches neither)."""
     from cupy_standin import _kernel
 
-    from ringzero.nn import fused, layers
+    from ringzero.nn import fused, gemm, layers
     monkeypatch.setattr(layers.Embedding, "grad_sum", "segmented")
+    monkeypatch.setattr(gemm, "_state", {"lib": None, "name": "numpy"})
     if not (fused.HAVE_C and fused._cuda is not None and _kernel.have_compiler()):
         monkeypatch.setattr(fused, "_c", None)
         monkeypatch.setattr(fused, "_cuda", None)
@@ -302,7 +305,7 @@ def same_embed_sum(monkeypatch):
 @pytest.mark.mpi
 @pytest.mark.parametrize("overlap", [None, True], ids=["default", "overlap"])
 @pytest.mark.parametrize("stage", ["0", "1", "2", "3", "hybrid"])
-def test_engine_cuda_bitwise_equals_cpu(comm, cp, same_embed_sum, stage, overlap):
+def test_engine_cuda_bitwise_equals_cpu(comm, cp, same_host_arithmetic, stage, overlap):
     """fp32: the device path does the host path's arithmetic, bit for bit; with overlap its
     collectives run on the progress thread's stream (and the CPU reference stays blocking)."""
     kw = {"ranks_per_node": 1 if comm.size % 2 else 2} if stage == "hybrid" else {}
