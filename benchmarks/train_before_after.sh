@@ -10,20 +10,15 @@
 # loss the trainer reports, the load average before and after, then this tree's total
 # over the older one's.
 source "$(dirname "$0")/../launch/_env.sh"
+source "$(dirname "$0")/_rev_tree.sh"
 REV="${1:?usage: train_before_after.sh REV [ROUNDS] [-- train flags]}"
 ROUNDS="${2:-1}"
 shift $(( $# >= 2 ? 2 : 1 ))
 [ "${1:-}" = "--" ] && shift
 case "$ROUNDS" in ''|*[!0-9]*|0) echo "train_before_after: ROUNDS must be an integer >= 1, got '$ROUNDS'" >&2; exit 2 ;; esac
-git -C "$ROOT" rev-parse --verify -q "$REV^{commit}" >/dev/null \
-    || { echo "train_before_after: '$REV' is not a commit of $ROOT" >&2; exit 2; }
+rev_check "$REV" || exit 2
 ensure_venv
-OLD="${TMPDIR:-/tmp}/ringzero-$(git -C "$ROOT" rev-parse --short "$REV")"
-if [ ! -d "$OLD" ]; then
-    git -C "$ROOT" worktree add -f --detach "$OLD" "$REV" >/dev/null
-    (cd "$OLD" && "$PY" setup.py -q build_ext --inplace >/dev/null 2>&1) \
-        || echo "train_before_after: no C extensions built in $OLD (its NumPy fallbacks run)" >&2
-fi
+OLD="$(rev_tree "$REV")" || exit 2
 "$PY" -m ringzero.train --check 8 "$@" || exit $?
 LOGS="$(mktemp -d)"
 run_one() {   # tree label round [train flags]

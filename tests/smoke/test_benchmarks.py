@@ -88,11 +88,12 @@ def test_bad_cluster_is_one_line_exit_2(script, bad):
         f"benchmarks/{script} --cluster {bad}: exit {rc}, output:\n{out}"
 
 
-def test_train_before_after_sh(tmp_path):
-    """benchmarks/train_before_after.sh: HEAD against itself (a worktree of HEAD), 30 tiny steps each;
-    the same loss from both trees, a ratio line; a bad commit or round count is one line and exit 2."""
+def _before_after(name, tmp_path, first_args, table):
+    """Run benchmarks/NAME against HEAD itself (a worktree of HEAD under tmp_path) with first_args,
+    check its closing line (table, with {rev}), then that a bad commit or round count is one line
+    and exit 2. Returns the first run's output."""
     import subprocess
-    sh = os.path.join(ROOT, "benchmarks", "train_before_after.sh")
+    sh = os.path.join(ROOT, "benchmarks", name)
     env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     env["PATH"] = os.path.dirname(PY) + os.pathsep + env.get("PATH", "")
     head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
@@ -104,16 +105,31 @@ def test_train_before_after_sh(tmp_path):
         p = subprocess.run([sh, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
         return p.returncode, p.stdout + p.stderr
     try:
-        # 30 tiny steps: enough that each tree's "N steps in S s" is not 0.0 s
-        rc, out = go(rev, "1", "--", "--steps", "30", "--eval-interval", "0", "--eval-batches", "1",
-                     *TINY_GPT)
-        check(rc, out, rf"^this tree / {rev}: [\d.]+x the training time", "train_before_after.sh")
-        losses = re.findall(r"final held-out loss ([\d.]+)", out)
-        assert len(losses) == 2 and losses[0] == losses[1], out
+        rc, out = go(rev, *first_args)
+        check(rc, out, table.format(rev=rev), name)
     finally:
         subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", str(tmp_path / f"ringzero-{rev}")],
                        capture_output=True)
     for bad, msg in ((["no-such-rev"], "is not a commit"), ([rev, "x"], "ROUNDS must be an integer")):
-        rc, out = go(*bad, timeout=60)
-        lines = [ln for ln in out.splitlines() if ln.strip()]
-        assert rc == 2 and len(lines) == 1 and msg in lines[0], out
+        rc, bad_out = go(*bad, timeout=60)
+        lines = [ln for ln in bad_out.splitlines() if ln.strip()]
+        assert rc == 2 and len(lines) == 1 and msg in lines[0], bad_out
+    return out
+
+
+def test_train_before_after_sh(tmp_path):
+    """benchmarks/train_before_after.sh: 30 tiny steps in each tree; the same loss from both."""
+    # 30 tiny steps: enough that each tree's "N steps in S s" is not 0.0 s
+    out = _before_after("train_before_after.sh", tmp_path,
+                        ["1", "--", "--steps", "30", "--eval-interval", "0", "--eval-batches", "1", *TINY_GPT],
+                        r"^this tree / {rev}: [\d.]+x the training time")
+    losses = re.findall(r"final held-out loss ([\d.]+)", out)
+    assert len(losses) == 2 and losses[0] == losses[1], out
+
+
+def test_model_before_after_sh(tmp_path):
+    """benchmarks/model_before_after.sh: a tiny fwd+bwd in each tree, a row per run and the ratios."""
+    out = _before_after("model_before_after.sh", tmp_path,
+                        ["1", "--", "--batch", "1", "--seq", "16", "--repeats", "2", "--warmup", "0"],
+                        r"^this tree / {rev}: [\d.]+x the fwd\+bwd time .*; [\d.]+x and [\d.]+x their GEMM floors$")
+    assert len(re.findall(r"round 1: fwd\+bwd +[\d.]+ ms, GEMM floor +[\d.]+ ms", out)) == 2, out
