@@ -9,8 +9,9 @@
 # it reads older trees through its ImportError fallbacks) with the tree under test first on
 # PYTHONPATH, so it imports that tree's package. Prints per run the medians of fwd+bwd and of
 # the GEMM floor (the same step's GEMMs alone, in the same process), their ratio and the load
-# average before and after, then this tree's total over the older one's and each tree's mean
-# ratio to its floor.
+# average before and after, then this tree's total over the older one's, each tree's mean
+# ratio to its floor, and the quotient of those two: the host's speed drifts by 10-20 % between
+# runs and moves a run's floor with it, so the quotient of the floor ratios is the steadier figure.
 source "$(dirname "$0")/../launch/_env.sh"
 source "$(dirname "$0")/_rev_tree.sh"
 REV="${1:?usage: model_before_after.sh REV [ROUNDS] [-- bench_model.py flags]}"
@@ -46,4 +47,5 @@ FLAGS=("$@")
              $1, $2, $3, $4, $3 / $4, $5, $6 }
     $1 == "this" {a += $3; fa += $3 / $4; na++} $1 != "this" {b += $3; fb += $3 / $4; nb++}
     END {if (na && nb) printf "this tree / %s: %.3fx the fwd+bwd time (%.1f ms against %.1f ms); " \
-                              "%.2fx and %.2fx their GEMM floors\n", rev, a / b, a, b, fa / na, fb / nb}'
+                              "%.2fx and %.2fx their GEMM floors, %.3fx of each other\n",
+                              rev, a / b, a, b, fa / na, fb / nb, (fa / na) / (fb / nb)}'
