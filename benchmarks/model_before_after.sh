@@ -14,14 +14,7 @@
 # runs and moves a run's floor with it, so the quotient of the floor ratios is the steadier figure.
 source "$(dirname "$0")/../launch/_env.sh"
 source "$(dirname "$0")/_rev_tree.sh"
-REV="${1:?usage: model_before_after.sh REV [ROUNDS] [-- bench_model.py flags]}"
-ROUNDS="${2:-1}"
-shift $(( $# >= 2 ? 2 : 1 ))
-[ "${1:-}" = "--" ] && shift
-case "$ROUNDS" in ''|*[!0-9]*|0) echo "model_before_after: ROUNDS must be an integer >= 1, got '$ROUNDS'" >&2; exit 2 ;; esac
-rev_check "$REV" || exit 2
-ensure_venv
-OLD="$(rev_tree "$REV")" || exit 2
+before_after_setup "model_before_after.sh REV [ROUNDS] [-- bench_model.py flags]" "$@"
 BENCH="$ROOT/benchmarks/bench_model.py"
 run_one() {   # tree label round
     local tree="$1" label="$2" round="$3" l0 l1 out ms floor
@@ -36,7 +29,6 @@ run_one() {   # tree label round
         || { echo "model_before_after: no medians in the $label run:" >&2; echo "$out" | tail -5 >&2; exit 1; }
     echo "$label $round $ms $floor $l0 $l1"
 }
-FLAGS=("$@")
 {
     for r in $(seq 1 "$ROUNDS"); do
         run_one "$ROOT" this "$r"

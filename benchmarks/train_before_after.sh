@@ -11,15 +11,8 @@
 # over the older one's.
 source "$(dirname "$0")/../launch/_env.sh"
 source "$(dirname "$0")/_rev_tree.sh"
-REV="${1:?usage: train_before_after.sh REV [ROUNDS] [-- train flags]}"
-ROUNDS="${2:-1}"
-shift $(( $# >= 2 ? 2 : 1 ))
-[ "${1:-}" = "--" ] && shift
-case "$ROUNDS" in ''|*[!0-9]*|0) echo "train_before_after: ROUNDS must be an integer >= 1, got '$ROUNDS'" >&2; exit 2 ;; esac
-rev_check "$REV" || exit 2
-ensure_venv
-OLD="$(rev_tree "$REV")" || exit 2
-"$PY" -m ringzero.train --check 8 "$@" || exit $?
+before_after_setup "train_before_after.sh REV [ROUNDS] [-- train flags]" "$@"
+"$PY" -m ringzero.train --check 8 "${FLAGS[@]}" || exit $?
 LOGS="$(mktemp -d)"
 run_one() {   # tree label round [train flags]
     local tree="$1" label="$2" round="$3" l0 l1 secs loss
@@ -34,11 +27,10 @@ run_one() {   # tree label round [train flags]
     loss="$(grep -oE 'final held-out loss [0-9.]+' "$log" | grep -oE '[0-9.]+$')"
     echo "$label $round $secs $loss $l0 $l1"
 }
-shift_args=("$@")
 {
     for r in $(seq 1 "$ROUNDS"); do
-        run_one "$ROOT" this "$r" "${shift_args[@]}"
-        run_one "$OLD" "$REV" "$r" "${shift_args[@]}"
+        run_one "$ROOT" this "$r" "${FLAGS[@]}"
+        run_one "$OLD" "$REV" "$r" "${FLAGS[@]}"
     done
 } | tee "$LOGS/table" | awk '{printf "%-8s round %s: %8.1f s of training, final held-out loss %s (load %s -> %s)\n", $1, $2, $3, $4, $5, $6}'
 awk -v rev="$REV" '$1 == "this" {a += $3; la = $4} $1 != "this" {b += $3; lb = $4}
