@@ -131,5 +131,6 @@ def test_model_before_after_sh(tmp_path):
     """benchmarks/model_before_after.sh: a tiny fwd+bwd in each tree, a row per run and the ratios."""
     out = _before_after("model_before_after.sh", tmp_path,
                         ["1", "--", "--batch", "1", "--seq", "16", "--repeats", "2", "--warmup", "0"],
-                        r"^this tree / {rev}: [\d.]+x the fwd\+bwd time .*; [\d.]+x and [\d.]+x their GEMM floors, [\d.]+x of each other$")
+                        r"^this tree / {rev}: [\d.]+x the fwd\+bwd time .*; "
+                        r"[\d.]+x and [\d.]+x their GEMM floors, [\d.]+x of each other$")
     assert len(re.findall(r"round 1: fwd\+bwd +[\d.]+ ms, GEMM floor +[\d.]+ ms", out)) == 2, out
