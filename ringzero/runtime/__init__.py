@@ -6,7 +6,13 @@
     topology     the shard and replica communicators and their rings
     plan         StepPlan, pure: when each unit is materialized and reduced
     state        the five flat state buffers; cast_into; the memory budget
-    workspace    the plan's unit-sized slots; gather+cast and cast+reduce
+    passes       the forward and backward through the plan, position by position
+    workspace    Workspaces: the step loop's one handle on the four parts below
+    slots        the plan's unit-sized workspaces, allocated once, and their views
+    gather       gather + cast: a unit's params readable in the compute dtype
+    reduce       cast + reduce: a unit's finished gradient, and accumulation over K
+    buckets      stages 0-2: several units' gradients reduced by one call
+    inflight     the started collectives: what each holds, where it ends; the timeline
     optim        AdamW and the loss scaler
     engine       Zero: the parts put together, the step and the update
     reports      memory and traffic, measured beside the formulas

@@ -10,7 +10,8 @@ What it is
         state.py      the five flat state buffers, held in full or as a shard
         plan.py       when each unit is materialized and reduced, in which slot
         passes.py     forward and backward through the plan, position by position
-        workspace.py  the slots' buffers and views; gather+cast, cast+reduce
+        workspace.py  the slots' buffers and views (slots.py); gather+cast (gather.py),
+                      cast+reduce (reduce.py, buckets.py)
         inflight.py   the started collectives (overlap): what they hold, where they end
         optim.py      AdamW and the loss scaler, on this rank's pieces
         reports.py    memory and traffic, measured beside the formulas

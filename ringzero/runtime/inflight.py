@@ -28,12 +28,18 @@ What it is
     params, started by the update and waited for unit by unit by the next
     forward (or all at once by any other reader of the params).
 
+    ``OwnershipCheck(topology)`` is the check of the waits: with
+    RINGZERO_CHECK_OWNERSHIP=1, every buffer the workspaces are about to
+    write is first checked against the rings' started calls (``Ring.owner``),
+    and a write into one a started collective still owns raises.
+
 What it is not
     It starts nothing on its own but the replica all-reduces, and owns no
     buffers: the workspaces and the state do.
 """
 from __future__ import annotations
 
+import os
 import time
 
 
@@ -147,3 +153,20 @@ class UpdateGathers:
     def timeline(self) -> tuple:
         out, self._t = tuple(self._t), [0.0, 0.0, 0.0]
         return out
+
+
+class OwnershipCheck:
+    """RINGZERO_CHECK_OWNERSHIP=1 (read once, here): ``check(x)`` raises before buffer x is written while a
+    started collective on the shard or the replica ring still owns it. Off: a call that does nothing."""
+
+    def __init__(self, topology):
+        self.topology = topology     # read at each call: a caller may swap topology.ring
+        self.on = os.environ.get("RINGZERO_CHECK_OWNERSHIP", "0") == "1"
+
+    def __call__(self, x):
+        if self.on:
+            rr = self.topology.replica_ring
+            p = self.topology.ring.owner(x) or (rr.owner(x) if rr is not None else None)
+            if p is not None:
+                raise RuntimeError(f"workspace: a buffer is written while a started {p.name} owns it; "
+                                   "HINT: the overlap's wait is missing or in the wrong place")

@@ -65,7 +65,7 @@ What it is
 
 What it is not
     No MPI, no arrays, no dtypes: indices only. The engine turns slots into
-    workspaces and views (workspace.py); tests/test_plan.py checks the plan
+    workspaces and views (slots.py); tests/test_plan.py checks the plan
     serially.
 """
 from __future__ import annotations

@@ -175,7 +175,7 @@ def plan_buffers(cfg: GPTConfig, stage: str = "0", nd: int = 1, device: str = "c
     Mirrors zero.py: five state buffers (full or shard by stage), the unit-sized
     workspaces of its plan, the optimizer's scratch. On the GPU the compute
     dtype is the storage dtype, so no param cast workspace; gradients still
-    accumulate in fp32 workspaces wherever storage is 2 bytes (workspace.py).
+    accumulate in fp32 workspaces wherever storage is 2 bytes (runtime/slots.py).
     With overlap (the engine's default across nodes) 2-byte storage alternates two gradient
     buckets, and fp32 storage holds one more gradient slot, while a reduction runs; stage 3 and
     hybrid prefetch one unit's gather (the plan's landings, or its param slots held early).
