@@ -162,7 +162,7 @@ class Run:
         if base.sample and not self.sample:
             out.append("--sample-chars 0")
         if self.nd != base.nd:
-            out.append(f"{self.nd // self.ppn} nodes of {self.ppn} ranks (Nd = {self.nd})")
+            out.append(f"on {self.nd // self.ppn} nodes of {self.ppn} ranks (Nd = {self.nd})")
         return " ".join(out)
 
 

@@ -143,8 +143,8 @@ def print_offload(psi: int, nd: int, ppn: int, disk_bw: float, precision: str = 
       f"step each way. {ppn} ranks share the node's disk: {t_opt:.2f} s of I/O per step at {disk_bw / 1e9:g} GB/s. "
       "Params offload (stage 3) adds 2Ψ/Nd read per gather (forward and backward) and written by the update.")
     p("  Blocking, that time adds to the step. Streamed (tile i+1 read while tile i is updated and tile i-1 "
-      "written, a few fixed host buffers), the update takes max(its compute, its I/O): "
-      "python -m ringzero.simulate --disk-bw predicts both.")
+      "written, a few fixed host buffers), the update takes max(its compute, its I/O); "
+      "the simulator's --disk-bw predicts both.")
     p("\n4. Who does this, and what their users met:")
     p("  DeepSpeed ZeRO-Offload: master, m, v and the step on the CPU (its CPU Adam: AVX, OpenMP); "
       "ZeRO-Infinity: the same on NVMe, tiles through pinned buffers, pipelined reads and writes; "
