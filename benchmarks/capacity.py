@@ -92,15 +92,16 @@ def probe(mode, n, cap, dims, a) -> bool:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def largest(fits, hi_max: int) -> int:
-    """The largest k in 1..hi_max with fits(k) (fits is monotone: True up to a point), or 0."""
+def largest(fits, hi_max: int, rel: float = 0.0) -> int:
+    """The largest k in 1..hi_max with fits(k) (fits is monotone: True up to a point), or 0; with ``rel`` > 0
+    the bisection stops once the bracket is within rel·k (a lower bound within that fraction of the largest)."""
     if not fits(1):
         return 0
     lo, hi = 1, 2
     while hi <= hi_max and fits(hi):
         lo, hi = hi, hi * 2
     hi = min(hi, hi_max + 1)             # fits(lo) holds; fits(hi) does not (or hi is past the range)
-    while hi - lo > 1:
+    while hi - lo > max(1, int(rel * lo)):
         mid = (lo + hi) // 2
         if fits(mid):
             lo = mid
@@ -148,11 +149,11 @@ def what_else(mode, nd, n_layer, a, base) -> str:
     act = training_bytes(cfg, a.batch, a.seq_len, False, 4)
     cap = parse_size(a.cap)
     parts = [("model state", st["ram"]), ("workspace", ws), ("activations", act)]
-    parts += [("baseline", base)] if base else []
-    rest = cap - sum(v for _, v in parts)
-    return (", ".join(f"{k} {v / 2**20:,.0f}" for k, v in parts) + " MiB (estimates"
-            + ("" if base else "; baseline not measured") + f"); the other {rest / 2**20:,.0f} MiB of the cap: "
-            "what one more layer would not fit in, the ring's scratch, the allocator's slack")
+    rest = cap - sum(v for _, v in parts) - (base or 0)
+    return (", ".join(f"{k} {v / 2**20:,.0f}" for k, v in parts) + " MiB (estimates), "
+            + (f"baseline {base / 2**20:,.0f} MiB (measured)" if base else "baseline not measured")
+            + f"; the other {rest / 2**20:,.0f} MiB of the cap: what one more layer would not fit in, the ring's "
+            "scratch, the allocator's slack")
 
 
 def main(argv=None) -> int:
@@ -169,6 +170,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--max-layers", type=int, default=4096, help="the search's upper end")
+    ap.add_argument("--resolution", type=float, default=2.0,
+                    help="stop bisecting once the bracket is within this percent of the layers found (default 2; "
+                         "0: to the layer)")
     ap.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
                     help="measure each side's own baseline (the tiny model's smallest cap)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per probe")
@@ -204,13 +208,14 @@ def main(argv=None) -> int:
             base["torch" if side in peers else "ringzero"] = b = baseline(side, min(nds), a)
             print(f"  baseline ({'torch ' + side if side in peers else 'ringzero'}, Nd = {min(nds)}): the tiny model "
                   f"trains under {b / 2**20:,.0f} MiB of RLIMIT_DATA ({100 * b / cap:.0f} % of the cap)", flush=True)
-    print("| mode | Nd | layers | Ψ | Ψ / stage 0's | state-only prediction | what else took the cap |")
+    print("| mode | Nd | layers | Ψ | Ψ / stage 0's | the seed's ratio (model state alone, this Nd) "
+          "| what else took the cap |")
     print("|---|---|---|---|---|---|---|")
     for n in nds:
         ref = None
         for mode in modes:
             dims = {"n_embd": a.n_embd, "n_head": a.n_head}
-            k = largest(lambda j: probe(mode, n, cap, {**dims, "n_layer": j}, a), a.max_layers)
+            k = largest(lambda j: probe(mode, n, cap, {**dims, "n_layer": j}, a), a.max_layers, a.resolution / 100)
             psi = psi_of(k, a.n_embd, a.seq_len) if k else 0
             ref = psi if mode == "0" else ref
             pred = predicted_ratio(mode, n)

@@ -170,7 +170,7 @@ def data_limit_prefix(nbytes: int) -> list:
     import subprocess
     kib = int(nbytes) // 1024
     global _PRLIMIT_OK
-    if _PRLIMIT_OK is None:            # some builds of prlimit crash (SIGSEGV) before they run anything
+    if _PRLIMIT_OK is None:            # one build of prlimit crashed (SIGSEGV) on "500M", not on bytes: bytes it is
         _PRLIMIT_OK = shutil.which("prlimit") is not None and subprocess.run(
             ["prlimit", f"--data={1 << 30}", "true"], capture_output=True).returncode == 0
     if _PRLIMIT_OK:
