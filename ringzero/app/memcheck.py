@@ -79,7 +79,8 @@ def need_of(cfg: Config, model, run: budget.Run, nodes: int = 1) -> budget.Need:
     act = training_bytes(model.cfg, cfg.batch // cfg.grad_accum, cfg.seq_len, run.checkpointing, cd.itemsize)
     init = 4 * (L.padded if P.full_optimizer else L.shard_numel)     # ShardedState.init_master's fp32 host copy
     end = 4 * L.padded if run.sample else 0                           # the sample's engine.full_params()
-    return budget.Need(tiers["ram"], ws, act, tiers["disk"], init, end)
+    staging = budget.OFFLOAD_BUFFER_BYTES if tiers["disk"] else 0     # the streamed update's host buffers
+    return budget.Need(tiers["ram"] + staging, ws, act, tiers["disk"], init, end)
 
 
 def _room_on_device():
