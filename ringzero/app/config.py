@@ -59,6 +59,9 @@ class Config:
                                                "buckets of up to this many MiB (0: each unit alone; None: "
                                                "16 without overlap, 0 with)")
     mem_budget: str = opt("", 'per-rank model-state budget, e.g. 512MiB ("" = none)')
+    mem_check: bool = opt(True, "refuse at start a run whose model state + workspace + activations exceed the "
+                                "memory there is (MemAvailable, the memory cgroup, RLIMIT_DATA); "
+                                "--no-mem-check (or RINGZERO_MEM_CHECK=0) skips it")
     # ---- reporting
     eval_interval: int = opt(100, "steps between held-out evaluations (0 = only at the end)")
     eval_batches: int = opt(4, "batches per evaluation, per rank")

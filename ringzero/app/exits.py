@@ -12,6 +12,8 @@ What it is
     config, data, device, metrics file, a checkpoint that fails its checks
     on resume); 3 a checkpoint save failed, the previous one intact; 128+N
     stopped by signal N after saving (SIGINT 130, SIGUSR1 138, SIGTERM 143);
+    4 an allocation failed on a rank (one line from each rank it failed on,
+    naming the buffer, its bytes and the limits; mpirun ends the others);
     anything else is a bug and comes with its traceback.
 
 What it is not

@@ -175,6 +175,7 @@ def run(cfg: Config, comm, stop=None) -> dict:
     """Train; returns the summary dict (every rank). Raises ConfigError (bad
     input, agreed by every rank), CheckpointError (a save failed, on every
     rank) or preempt.Stopped (a stop signal, saved)."""
+    from ringzero.app import memcheck
     from ringzero.app.data import Batches, unigram_entropy
     from ringzero.runtime.optim import AdamConfig
     from ringzero.runtime.zero import Zero
@@ -184,6 +185,8 @@ def run(cfg: Config, comm, stop=None) -> dict:
     # what only this rank can find out (its copy of the data, its device),
     # agreed before the engine's first collective
     corpus, model, budget = agree(comm, lambda: _rank_checks(cfg, rank, n))
+    # will it fit? model state + workspace + activations against the memory there is (memcheck.py)
+    agree(comm, lambda: memcheck.check(cfg, model, comm))
     engine = Zero(model, comm, cfg.stage, precision=cfg.precision, device=cfg.device, seed=cfg.seed,
                   adam=AdamConfig(weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip),
                   ranks_per_node=cfg.ranks_per_node or None, mem_budget=budget, grad_accum=cfg.grad_accum,
@@ -266,7 +269,7 @@ def _sample(engine, model, corpus, cfg) -> str:
 
 def main(argv=None) -> int:
     """The command line. Exit codes (exits.py): 0 done, 2 bad input, 3 a
-    failed save, 128+N stopped by signal N after saving (preempt.py)."""
+    failed save, 4 out of memory on a rank, 128+N stopped by signal N after saving (preempt.py)."""
     from ringzero.app.preempt import Stopped, StopRequest
     from ringzero.runtime.checkpoint import CheckpointError
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -301,7 +304,24 @@ def main(argv=None) -> int:
         return leave(comm, 3, f"ringzero.train: error: {e}{keep}")
     except Stopped as e:               # the loop printed its line; every rank stopped at e.step
         return leave(comm, e.code, None)
+    except MemoryError as e:           # this rank alone, maybe inside a collective: its line, then out
+        return _out_of_memory(comm, e)
     return 0
+
+
+def _out_of_memory(comm, e: MemoryError) -> int:
+    """One line from the rank whose allocation failed (limits.AllocationError names the buffer, its bytes and
+    the limits), then exit 4 at once: the other ranks may wait in a collective for this one, and mpirun ends
+    them when it sees this rank go. No MPI_Finalize (it would wait for them too)."""
+    from ringzero.runtime.limits import AllocationError, Room, failed_bytes
+    if not isinstance(e, AllocationError):   # activations or another buffer outside the state and workspaces
+        n = failed_bytes(e)
+        e = f"out of memory{f' allocating {n / 2**20:,.1f} MiB ({n:,} B)' if n else ''}: {Room.read().describe()}"
+    print(f"ringzero.train: error: rank {comm.rank}: {e}; HINT: a higher --stage, --activation-checkpointing "
+          "or more ranks hold less per rank (the start-up check estimates it unless --no-mem-check)",
+          file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(4)
 
 
 def _raise(err):

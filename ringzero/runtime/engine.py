@@ -52,6 +52,7 @@ from ringzero.comm.ring import Ring
 from ringzero.runtime import norms, passes, reports
 from ringzero.runtime.flat import Layout
 from ringzero.runtime.inflight import UpdateGathers
+from ringzero.runtime.limits import alloc_guard
 from ringzero.runtime.optim import AdamConfig, AdamW, LossScaler, clip_coef
 from ringzero.runtime.plan import build_plan
 from ringzero.runtime.policy import StagePolicy
@@ -108,7 +109,8 @@ class Zero:
             check_budget(L, self.stage, topo.world_size, mem_budget, P.ranks_per_node(topo.shard_size),
                          precision, self.grad_accum)
         self.state = ShardedState(L, P, topo.shard_rank, self.storage_dtype, xp, self.grad_accum)
-        self.state.init_master(seed)
+        with alloc_guard("the initial weights (an fp32 host copy of the master's size)"):
+            self.state.init_master(seed)
         self.update_gathers = UpdateGathers()   # stages 1-2: the update's all-gathers of the params
         self.publish_params()
         # overlap: a closed gradient's reduction runs while the next unit's backward computes
@@ -144,8 +146,9 @@ class Zero:
         if reduce_bucket is None:
             reduce_bucket = 0 if self.overlap or P.gather_params else self.ring.tree_bytes
         self.reduce_bucket = int(reduce_bucket)
-        self.workspaces = Workspaces(L, P, self.plan, self.state, topo, self.compute_dtype, self.grad_accum,
-                                     overlap=self.overlap, reduce_bucket=self.reduce_bucket)
+        with alloc_guard("the workspaces (unit-sized slots)"):
+            self.workspaces = Workspaces(L, P, self.plan, self.state, topo, self.compute_dtype, self.grad_accum,
+                                         overlap=self.overlap, reduce_bucket=self.reduce_bucket)
         self.timeline = {}                   # the last step's seconds: compute, reduction, and what was hidden
         self.adam = AdamW(adam or AdamConfig(), max(L.piece_numel), xp)
         self.scaler = scaler or LossScaler(dynamic=(precision == "fp16"),

@@ -36,6 +36,7 @@ from ringzero.comm import kernels
 from ringzero.comm.backend import get_array_module, to_host
 from ringzero.runtime import accounting
 from ringzero.runtime.flat import Layout
+from ringzero.runtime.limits import zeros
 
 BUFFERS = ("params", "grads", "master", "adam_m", "adam_v")
 
@@ -52,8 +53,8 @@ class ShardedState:
         dtypes = {"params": storage_dtype, "grads": storage_dtype, "master": np.float32,
                   "adam_m": np.float32, "adam_v": np.float32, "grad_accum": np.float32}
         names = BUFFERS + (("grad_accum",) if grad_accum > 1 else ())
-        self.bufs = {name: xp.zeros(layout.padded if policy.is_full(name) else layout.shard_numel,
-                                    dtypes[name]) for name in names}
+        self.bufs = {name: zeros(xp, layout.padded if policy.is_full(name) else layout.shard_numel,
+                                 dtypes[name], name) for name in names}    # AllocationError names the buffer
         self.params, self.grads = self.bufs["params"], self.bufs["grads"]
         self.master, self.adam_m, self.adam_v = self.bufs["master"], self.bufs["adam_m"], self.bufs["adam_v"]
         self.accum = self.bufs.get("grad_accum")     # (padded,) or (shard_numel,) fp32; None at K = 1

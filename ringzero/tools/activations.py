@@ -49,3 +49,36 @@ ACT_FORMULAS = {
     "korthikanti_ckpt": "2·s·b·h·L + (34·s·b·h + 5·a·s²·b)",
     "logits": "2 B x b·s·V",
 }
+
+
+
+def training_bytes(cfg, batch: int, seq: int, checkpointing: bool = False, compute_bytes: int = 4) -> int:
+    """What ringzero's GPT (nn/gpt.py) keeps in its buffer pool for one micro-batch of training, per rank,
+    in the compute dtype (fp32 on a CPU run): the trainer's start-up memory check counts this (runtime/budget.py).
+
+    Counted from the model's own buffers, in elements (bsh = b·s·h, att = a·s²·b):
+
+        per block, kept      21·bsh + att   layer norms' x̂ and output (2 x 2), qkv (3), the attention
+                                            probabilities (att), the heads' output, proj (1 each), fc's
+                                            output, GELU's input and output (4 each)
+        per block, always     2·bsh         the block's output and its input gradient (pool "unit{u}")
+        one block's backward 16·bsh + att + 12·h² + 512·h   input gradients, dqkv, the attention's
+                                            gradient, three weight gradients' staging, the layer norms'
+                                            and GELU's column-sum blocks (128 and 64 rows; shared by every block)
+        the ends              5·bsh + 3·b·s·V + V·h + s·h + 192·h   embedding, final norm, the logits,
+                                            their probabilities and gradient, the head's weight gradient
+
+    With checkpointing a block keeps only the 2·bsh; one block's 21·bsh + att is recomputed into shared
+    buffers. Korthikanti's count (above) is the same tensors in fp16 with dropout masks; this one is this
+    model's. Plus one block's 21·bsh + att of temporaries outside the pool (the heap keeps what they
+    freed). tests/test_budget.py holds it against the pool's bytes after a real step.
+    """
+    b, s, h, L, a, V = batch, seq, cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.vocab
+    bsh, att = b * s * h, a * s * s * b
+    layer = 21 * bsh + att
+    kept = L * 2 * bsh + (layer if checkpointing else L * layer)
+    backward = 16 * bsh + att + 12 * h * h + 512 * h
+    ends = 5 * bsh + 3 * b * s * V + V * h + s * h + 192 * h
+    # and one block's worth of temporaries outside the pool (matmul results, softmax rows), freed after each
+    # block but kept by the C allocator's heap (measured: the data segment grows by about this much more)
+    return compute_bytes * (kept + backward + ends + layer)

@@ -12,6 +12,9 @@ What it is
     accumulator and multiplies stage 3's traffic by K (accounting's table).
     With a GPT shape, the model state is also given on the padded Ψ of
     ringzero's own layout at this Nd: the bytes its buffers take.
+    ``--ram / --disk / --device-mem`` add the memory tiers: each stage's bytes
+    per rank in RAM, device memory and on disk, with and without offload, and
+    which configurations fit (tools/tiers.py).
 
 What it is not
     A measurement. ``python -m ringzero.train`` prints measured bytes beside
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 
 from ringzero.nn.gpt import PRESETS, GPTConfig, gpt_units
@@ -328,6 +332,8 @@ def build_parser():
                     help="temporary buffer counted by --gpu-mem: the paper's flattened fp32 "
                          "all-reduce buffer of the whole model (default), fp16, or none")
     add_step_args(ap)
+    from ringzero.tools.tiers import add_tier_args
+    add_tier_args(ap)
     ap.add_argument("--json", action="store_true", help="print one JSON object instead")
     return ap
 
@@ -369,10 +375,20 @@ def main(argv=None):
         ap.error(str(e))
     r = estimate(psi, a.nd, a.ranks_per_node, cfg, a.batch, seq, gpu, a.temp_buffer,
                  a.precision, a.grad_accum)
+    from ringzero.tools.tiers import run_tiers
     if a.json:
+        try:
+            with open(os.devnull, "w") as quiet:      # the rows only, into the JSON
+                r["tiers"] = run_tiers(a, psi, cfg, seq, f=quiet)
+        except ValueError as e:
+            ap.error(str(e))
         print(json.dumps(r, indent=1))
-    else:
-        print_report(r, cfg)
+        return 0
+    print_report(r, cfg)
+    try:
+        run_tiers(a, psi, cfg, seq)           # --ram / --disk / --device-mem: what fits where
+    except ValueError as e:
+        ap.error(str(e))
     return 0
 
 

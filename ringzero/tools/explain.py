@@ -1,4 +1,4 @@
-"""``python -m ringzero.explain precision|traffic|fragmentation``: the two lessons behind ZeRO's accounting.
+"""``python -m ringzero.explain precision|traffic|fragmentation|offload``: the two lessons behind ZeRO's accounting.
 
 What it is
     precision  Why the 12 bytes of fp32 state per parameter cannot be dropped, shown
@@ -24,6 +24,8 @@ What it is
                stated with numbers: stage 3's all-gathers cross, hybrid's do not.
     fragmentation  A caching allocator's OOM with memory free, by replaying a
                training step's allocations (ringzero.tools.fragmentation).
+    offload    The memory tiers: which of the 16 bytes offload moves to disk, each stage's
+               bytes per rank per tier, the update's I/O and its time (ringzero.tools.tiers).
 
 What it is not
     No thresholds are typed in: each is searched for by experiment; the seed
@@ -263,7 +265,18 @@ def main(argv=None):
     fragmentation.add_args(sub.add_parser(
         "fragmentation", help="a caching allocator OOMs with 30 %% free; ringzero's flat plan does not",
         description=fragmentation.__doc__.split("\n\n")[0]))
+    op = sub.add_parser("offload", help="the memory tiers: what offload moves to disk, and what it costs",
+                        description="Prints, for a model, the 16 bytes per parameter by when they are used, "
+                                    "each stage's bytes per rank in RAM and on disk with and without --offload, "
+                                    "the update's disk I/O per step and its time at a disk bandwidth.")
+    add_model_args(op)
+    op.add_argument("--nd", type=int, default=8, help="data-parallel ranks (default 8)")
+    op.add_argument("--ranks-per-node", type=int, help="ranks sharing one node's disk (default: Nd)")
+    op.add_argument("--disk-bw", default="2GB/s", help="the node's disk bandwidth (default 2GB/s)")
+    op.add_argument("--precision", choices=tuple(acc.PRECISION_BYTES), default="fp16")
     a = ap.parse_args(argv)
+    if a.what == "offload":
+        return _offload(a, op)
     if a.what == "fragmentation":
         return fragmentation.run(a)
     if a.what == "precision":
@@ -297,6 +310,24 @@ def main(argv=None):
         tp.error(str(e))
     print_traffic(psi, a.nd, a.ranks_per_node, cfg, a.metrics, grad_accum=a.grad_accum,
                   precision=a.precision, nodes=a.nodes)
+    return 0
+
+
+def _offload(a, op) -> int:
+    from ringzero.sizes import parse_rate
+    from ringzero.tools.estimate import model_from_args
+    from ringzero.tools.tiers import print_offload
+    try:
+        if not (a.params or a.model or a.n_layer or a.n_embd):
+            a.model = "gpt2-xl"                      # the seed's example
+        psi, _ = model_from_args(a)
+        bw = parse_rate(a.disk_bw, "--disk-bw")
+        ppn = a.ranks_per_node or a.nd
+        if a.nd < 1 or ppn < 1 or a.nd % ppn:
+            raise ValueError(f"--nd must be >= 1 and a multiple of --ranks-per-node, got nd={a.nd}, {ppn}")
+    except ValueError as e:
+        op.error(str(e))
+    print_offload(psi, a.nd, ppn, bw, a.precision)
     return 0
 
 

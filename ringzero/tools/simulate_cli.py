@@ -6,7 +6,9 @@ What it is
     given; with ``--nodes N --inter-bandwidth R`` a second link between N
     nodes), then ringzero.tools.simulate.step_time for every stage and Nd,
     with and without overlap; ``--plot`` draws step time against link
-    bandwidth. ``measure`` (under mpirun) times the model's units on N ranks at once.
+    bandwidth; ``--disk-bw`` adds the step with offload (the update's state
+    streamed from disk: tools/tiers.py offload_time). ``measure`` (under mpirun)
+    times the model's units on N ranks at once.
 
 What it is not
     The model: every number comes from ringzero.tools.simulate.
@@ -89,6 +91,11 @@ def build_parser():
     ap.add_argument("--reduce-bucket-mb", type=float,
                     help="stages 0-2: reduce consecutive units' gradients in buckets of up to this many MiB, "
                          "as the trainer's flag (0: each unit alone; default: 16 without overlap, 0 with)")
+    ok = ap.add_argument_group("offload (the update's state streamed from disk)")
+    ok.add_argument("--disk-bw", help="the disk's bandwidth per node, e.g. 2GB/s: adds the step with offload")
+    ok.add_argument("--offload", default="optimizer,optimizer+params",
+                    help="with --disk-bw: the offload choices to predict, comma-separated, + joining tiers "
+                         "(default optimizer,optimizer+params; params only at stage 3)")
     ap.add_argument("--plot", help="PNG: step time against link bandwidth per stage (matplotlib)")
     ap.add_argument("--json", help="write the predictions (or, for measure, the compute) here")
     return ap
@@ -211,6 +218,36 @@ def print_predictions(rows, cfg, comp, links, psi, f=None, nodes=None):
           "over the network, hybrid only its all-reduce)")
 
 
+def print_offload_steps(a, rows, psi, nodes) -> list:
+    """The step with offload (tools/tiers.py offload_time) beside the simulated step, per stage and Nd:
+    the update streams 12Ψ/Nd each way (optimizer), and 2Ψ/Nd per gather (params, stage 3), on a disk
+    shared by the node's ranks."""
+    from ringzero.runtime import budget
+    from ringzero.tools.tiers import offload_time
+    bw = parse_rate(a.disk_bw, "--disk-bw")
+    offs = [tuple(x.split("+")) for x in a.offload.split(",") if x]
+    print(f"\nwith offload, disk {bw / 1e9:g} GB/s per node shared by its ranks (no overlap's step as the base):")
+    print(f"{'stage':>6}{'Nd':>6}  {'offload':<18}{'step':>11}{'disk I/O':>11}{'blocking':>11}{'streamed':>11}"
+          f"{'vs step':>9}")
+    out = []
+    for r0, _ in rows:
+        st, n = r0["stage"], r0["nd"]
+        for off in offs:
+            if "params" in off and st not in ("3", "hybrid"):
+                continue
+            sharing = n // nodes.count if nodes else n
+            rpn = ((n // nodes.count) if nodes else a.ranks_per_node) if st == "hybrid" else None
+            io = budget.offload_io_bytes(st, psi, n, rpn, "fp16", 1, off)     # fp16: the simulated step's
+            t = offload_time(r0, io, bw, sharing)
+            out.append({"stage": st, "nd": n, "offload": ",".join(off), **t})
+            print(f"{st:>6}{n:>6}  {','.join(off):<18}{_t(r0['step_s']):>11}{_t(t['io_s']):>11}"
+                  f"{_t(t['blocking_s']):>11}{_t(t['streamed_s']):>11}{t['streamed_s'] / r0['step_s']:>8.2f}x")
+    print("disk I/O: per rank per step, the node's ranks in turn on one disk; blocking: read, update, write one "
+          "after the other; streamed: tiles read and written beside the update's compute (and stage 3's param "
+          "shard beside the forward and backward)")
+    return out
+
+
 def _t(s):
     return f"{s * 1e6:.0f} us" if s < 1e-3 else f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.3f} s"
 
@@ -296,6 +333,11 @@ def main(argv=None):
         comp, links = _compute(a, cfg, seq), _links(a)
         inter = Links.given(*LINKS[a.inter_link], name=a.inter_link) if a.inter_link else None
         nodes = _nodes(a, stages)
+        if a.disk_bw:                         # read both before any work: a bad value is one line
+            from ringzero.runtime.budget import parse_offload
+            parse_rate(a.disk_bw, "--disk-bw")
+            for x in a.offload.split(","):
+                parse_offload(tuple(x.split("+")) if x else ())
     except (ValueError, OSError) as e:
         ap.error(str(e))
     from ringzero.nn.gpt import gpt_units
@@ -307,6 +349,8 @@ def main(argv=None):
             for n in a.nd for st in stages]
     print_predictions(rows, cfg, comp, links, L.numel, nodes=nodes)
     out = {"psi": L.numel, "rows": [r for pair in rows for r in pair]}
+    if a.disk_bw:
+        out["offload"] = print_offload_steps(a, rows, L.numel, nodes)
     if a.plot:
         alpha = links.fixed[0] if links.fixed else links.ab("all_gather", a.nd[0])[0]
         pr = plot_bandwidth(cfg, a.nd[0], comp, alpha, a.plot, [s for s in stages if s != "hybrid"],

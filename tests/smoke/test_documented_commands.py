@@ -38,6 +38,7 @@ TABLES = {
     ("ringzero.explain", "traffic"): r"^\s*stage\b",
     ("ringzero.explain", "fragmentation"): r"OOMs",
     ("ringzero.explain", "precision"): r"loss scaler",
+    ("ringzero.explain", "offload"): r"^\s*stage\s+offload",
     ("ringzero.fit", None): r"α|alpha",
     ("ringzero.simulate", None): r"^\s*stage\b",
     ("ringzero.plot", None): r"\.png",

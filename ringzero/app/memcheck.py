@@ -1,0 +1,169 @@
+"""The trainer's start-up memory check: refuse, in one line, a run that will not fit, and say what would.
+
+What it is
+    ``check(cfg, model, comm)`` runs on every rank after the flags and the data are checked and before
+    the engine allocates anything. Each rank reads its room (runtime/limits.py: MemAvailable, the
+    memory cgroup, RLIMIT_DATA) and its node (comm/nodes.py); one allgather shares them, and every
+    rank reaches the same verdict from the same figures:
+
+        a rank     model state in RAM + workspace + activations  <=  RLIMIT_DATA - VmData
+        a node     its ranks' sum                                 <=  min(MemAvailable, cgroup's room)
+
+    The need is runtime/budget.py's (the engine's own layout, plan and stage table; offloaded classes
+    count on disk) plus the GPT's activation estimate (tools/activations.py ``training_bytes``). A run
+    that does not fit raises ConfigError: one line with both numbers and the first run that would fit
+    (``budget.first_fit``), printed once by rank 0 (exits.py). ``need_of(cfg, model, run)`` is the
+    arithmetic alone, for ``python -m ringzero.estimate`` and the tests.
+
+    ``--no-mem-check`` or ``RINGZERO_MEM_CHECK=0`` skips it (as DeepSpeed and FSDP never check): for a
+    node whose memory the kernel over-reports, or to let the kernel be the judge (benchmarks/capacity.py).
+
+What it is not
+    A guarantee: the activations are an estimate, and another tenant may take memory after the check.
+    An allocation that fails anyway is limits.AllocationError's one line.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import fields
+
+import numpy as np
+
+from ringzero.app.config import Config, ConfigError
+from ringzero.runtime import budget
+
+CHECK_ENV = "RINGZERO_MEM_CHECK"         # "0": skip the check, as --no-mem-check
+RUNTIME_SLACK = 16 << 20                 # what Python, MPI and the metrics add to a rank once it runs
+
+
+def _mib(b) -> str:
+    return f"{b / 2**20:,.1f} MiB"
+
+
+def enabled(cfg: Config) -> bool:
+    return bool(getattr(cfg, "mem_check", True)) and os.environ.get(CHECK_ENV, "1") != "0"
+
+
+def offload_flag() -> bool:
+    """Whether this trainer has --offload (the offload tiers): only then is it suggested."""
+    return "offload" in {f.name for f in fields(Config)}
+
+
+def base_run(cfg: Config, nd: int, ppn: int) -> budget.Run:
+    return budget.Run(cfg.stage, nd, ppn, bool(cfg.activation_checkpointing),
+                      budget.parse_offload(getattr(cfg, "offload", ())), bool(cfg.sample_chars))
+
+
+def need_of(cfg: Config, model, run: budget.Run, nodes: int = 1) -> budget.Need:
+    """One rank's bytes for ``run`` of this model (a GPT: its cfg gives the activations)."""
+    from ringzero.comm.schedule import TREE_BYTES
+    from ringzero.runtime.flat import Layout
+    from ringzero.runtime.policy import StagePolicy
+    from ringzero.runtime.state import storage_dtype
+    from ringzero.tools.activations import training_bytes
+    P = StagePolicy.of(run.stage)
+    group = (cfg.ranks_per_node or run.ppn) if P.hybrid else run.nd
+    rpn = group if P.hybrid else None
+    L = Layout(model.units, shards=group)
+    sd = storage_dtype(cfg.precision)
+    cd = np.dtype(np.float32) if cfg.device == "cpu" else sd
+    overlap = (max(1, run.nd // run.ppn) > 1 or nodes > 1) if cfg.overlap is None else bool(cfg.overlap)
+    prefetch = (1 if cfg.prefetch is None else cfg.prefetch) if overlap and P.gather_params else 0
+    rb = cfg.reduce_bucket_mb
+    bucket = (0 if overlap or P.gather_params else TREE_BYTES) if rb is None else int(rb * 2 ** 20)
+    by = budget.state_by_tier(run.stage, L.padded, run.nd, rpn, cfg.precision, cfg.grad_accum, run.offload)
+    tiers = budget.tier_totals(by)
+    ws = budget.workspace_bytes(L, P, sd, cd, cfg.grad_accum, overlap, prefetch, bucket,
+                                [model.backward_reads_params(u) for u in range(len(L.units))])
+    ws += budget.comm_scratch_bytes(L, P, sd, bucket) + RUNTIME_SLACK
+    act = training_bytes(model.cfg, cfg.batch // cfg.grad_accum, cfg.seq_len, run.checkpointing, cd.itemsize)
+    init = 4 * (L.padded if P.full_optimizer else L.shard_numel)     # ShardedState.init_master's fp32 host copy
+    end = 4 * L.padded if run.sample else 0                           # the sample's engine.full_params()
+    staging = budget.OFFLOAD_BUFFER_BYTES if tiers["disk"] else 0     # the streamed update's host buffers
+    return budget.Need(tiers["ram"] + staging, ws, act, tiers["disk"], init, end)
+
+
+def _room_on_device():
+    """Free device memory of this rank's GPU (None where CuPy cannot say)."""
+    try:
+        import cupy
+        return int(cupy.cuda.runtime.memGetInfo()[0])
+    except Exception:                    # the CuPy stand-in, or no device: no figure
+        return None
+
+
+def verdict(cfg: Config, model, rooms: list, node_of: list, n: int):
+    """The refusal line (str) for these ranks' rooms, or None when the run fits. Pure: the same on every rank."""
+    from collections import Counter
+    count = Counter(node_of)
+    ppn, nodes = max(count.values()), len(count)
+    base = base_run(cfg, n, ppn)
+    need = need_of(cfg, model, base, nodes)
+    cuda = cfg.device == "cuda"            # rooms: free device bytes per rank; else limits.Room
+    per_rank = [x if cuda else x.rank_room for x in rooms]
+    worst_rank = min(((v, r) for r, v in enumerate(per_rank) if v is not None), default=None)
+    node_rooms = {}
+    if not cuda:
+        for r, x in enumerate(rooms):
+            if x.node_room is not None:
+                k = node_of[r]
+                node_rooms[k] = min(node_rooms.get(k, x.node_room), x.node_room)
+    worst_node = min(((room / count[k], k) for k, room in node_rooms.items()), default=None)
+    if need.init > need.workspace + need.activations + need.end:     # the peak is at start-up
+        parts = f"model state {_mib(need.model_state)} + the initial weights' fp32 copy {_mib(need.init)}"
+    else:
+        parts = (f"model state {_mib(need.model_state)} + workspace {_mib(need.workspace)} + activations "
+                 f"{_mib(need.activations)}" + (f" + the sample's fp32 gather {_mib(need.end)}" if need.end else ""))
+    parts += f"; {_mib(need.disk)} offloaded to disk" if need.disk else ""
+    what = (f"stage {base.stage} needs {_mib(need.total)} per rank ({parts}; Ψ = {model_psi(model):,}, Nd = {n})")
+    if worst_rank is not None and need.total > worst_rank[0]:
+        r = worst_rank[1]
+        where = (f"rank {r}'s GPU has {_mib(rooms[r])} free" if cuda else f"on rank {r} {rooms[r].describe_rank()}")
+        line = f"{what}, more than there is: {where}"
+    elif worst_node is not None and count[worst_node[1]] * need.total > node_rooms[worst_node[1]]:
+        k = worst_node[1]
+        r = node_of.index(k)
+        on = f"node {k}'s" if nodes > 1 else "this node's"
+        line = (f"{what}; {on} {count[k]} ranks need {_mib(count[k] * need.total)}, more than there is: "
+                f"{rooms[r].describe_node()}")
+    else:
+        return None
+    rank_room = worst_rank[0] if worst_rank else None
+    node_room = min(node_rooms.values()) if node_rooms else None
+    hit = budget.first_fit(lambda run: need_of(cfg, model, run, max(nodes, run.nd // run.ppn)), base,
+                           rank_room, node_room, offload_flag())
+    if hit:
+        run, nd = hit
+        hint = f"HINT: {run.flags(base)} fits ({_mib(nd.total)} per rank)"
+    else:
+        hint = "HINT: no stage, checkpointing, offload or node count tried fits: shrink the model or the batch"
+    return f"memory: {line}; {hint}; --no-mem-check skips this check"
+
+
+def model_psi(model) -> int:
+    from ringzero.runtime.flat import Layout
+    return Layout(model.units).numel
+
+
+def check(cfg: Config, model, comm):
+    """Collective: raise ConfigError (the same line on every rank) if the run will not fit. See the docstring."""
+    if not enabled(cfg):
+        return
+    from ringzero.comm.nodes import NodeMap
+    from ringzero.runtime.limits import MEM_AVAILABLE_ENV, Room
+    err = None
+    try:                                  # read before any collective; a bad figure travels with the others
+        mine = _room_on_device() if cfg.device == "cuda" else Room.read()
+    except ValueError as e:
+        mine, err = None, f"{MEM_AVAILABLE_ENV}: {e}"
+    nm = NodeMap.discover(comm) if comm.size > 1 else NodeMap.from_labels([0])
+    got = comm.allgather((mine, err)) if comm.size > 1 else [(mine, err)]
+    errs = [e for _, e in got if e]
+    if errs:
+        raise ConfigError(errs[0])
+    rooms = [x for x, _ in got]
+    if cfg.device == "cuda" and any(x is None for x in rooms):
+        return                            # no figure to compare with
+    line = verdict(cfg, model, rooms, list(nm.node_of), comm.size)
+    if line:
+        raise ConfigError(line)
