@@ -1,0 +1,60 @@
+"""``./launch/cluster --slurm ... -- sbatch --wait launch/slurm.sbatch ...``: the run form.
+
+It builds the nodes, starts munged, slurmctld and the slurmds, runs the
+command on the head (here the script as documented, from a folder of its
+own, its output in ringzero-JOBID.out there), and removes everything after:
+no Slurm or munge daemon of the cluster left on the machine, no state or
+spool folder, and /etc/slurm/slurm.conf not left pointing at it. The
+trained losses are those of the same 4-rank run on one host, bit for bit.
+"""
+import os
+import subprocess
+import sys
+
+import cluster_cli as cc
+import pytest
+import slurm_cli as sc
+from trainer_cli import TINY, corpus, losses
+
+pytestmark = pytest.mark.cluster
+
+
+def _daemons_of(state_dir):
+    """pids of live processes whose command line names the cluster's state folder."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if state_dir.encode() in f.read():
+                        out.append(int(d))
+            except OSError:
+                continue
+    return out
+
+
+def test_run_form_trains_and_leaves_nothing_behind(tmp_path):
+    cc.skip_unless_possible()
+    base = TINY + ["--data", corpus(tmp_path / "corpus.txt"), "--stage", "2", "--precision", "fp32", "--steps", "3"]
+    cmd = [cc.CLUSTER, "--slurm", "--nodes", "2", "--ranks-per-node", "2", "--link", "none", "--prefix", sc.PREFIX,
+           "--net", str(sc.NET)]
+    if os.environ.get("RINGZERO_SLURM_INSTALL") == "1":
+        cmd.append("--install")
+    env = {k: v for k, v in cc.env().items() if not k.startswith("SLURM_")}
+    env["RINGZERO_VENV"] = sys.prefix
+    p = subprocess.run(cmd + ["--", "sbatch", "--wait", sc.SCRIPT, *base, "--metrics", "run.jsonl"], env=env,
+                       cwd=tmp_path, capture_output=True, text=True, timeout=280)
+    state = os.path.join(sc.STATE, sc.PREFIX)
+    if p.returncode != 0 and "needs Slurm and munge" in p.stderr:
+        pytest.skip(p.stderr.strip().splitlines()[-1])
+    outs = sorted(tmp_path.glob("ringzero-*.out"))
+    assert p.returncode == 0 and len(outs) == 1, cc.tail(p) + "".join(o.read_text() for o in outs)
+    assert "Slurm is up" in p.stdout, cc.tail(p)
+    assert not _daemons_of(state), f"left running: {_daemons_of(state)}"
+    assert not os.path.exists(state), os.listdir(state)
+    conf = "/etc/slurm/slurm.conf"
+    assert not (os.path.islink(conf) and os.readlink(conf).startswith(state)), os.readlink(conf)
+    ref = cc.one_host(base + ["--metrics", "ref.jsonl"], 4, tmp_path)
+    assert ref.returncode == 0, cc.tail(ref)
+    a, b = losses(tmp_path / "ref.jsonl"), losses(tmp_path / "run.jsonl")
+    assert len(a) == 3 and a == b, f"one host {a}\nunder Slurm {b}"
