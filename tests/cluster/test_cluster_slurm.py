@@ -12,7 +12,7 @@ submits ``launch/slurm.sbatch`` as a user would, or runs ``srun`` itself:
 - ``--stage hybrid`` through the script, with srun and with mpirun inside the
   allocation: the losses bit for bit and the traffic per step of the one-host
   run with ``--ranks-per-node 2``;
-- the time limit: ``--time=1 --signal=TERM@55``; every rank saves and exits
+- the time limit: ``--time=1 --signal=TERM@55`` (stage hybrid); every rank saves and exits
   143, the job is FAILED 143:0, and the job resubmitted after it
   (``--dependency=afterany``) with ``--resume latest`` follows the one-host
   run that never stopped bit for bit;
@@ -103,7 +103,7 @@ def _exit_lines(out):
 
 
 def test_time_limit_saves_exits_143_and_the_resubmitted_job_resumes_bitwise(slurm, tmp_path):  # noqa: F811
-    base = _base(tmp_path, "2")
+    base = _base(tmp_path, "hybrid")          # bitwise the one-host run with --ranks-per-node 2
     jid, rc, _ = slurm.sbatch(tmp_path, base + ["--steps", "1000000", "--save-dir", "ck", "--metrics", "cut.jsonl"],
                               flags=["--time=1", "--signal=TERM@55", "--no-requeue"], timeout=150)
     out = slurm.out(tmp_path, jid)
@@ -119,7 +119,8 @@ def test_time_limit_saves_exits_143_and_the_resubmitted_job_resumes_bitwise(slur
     jid2, rc2, _ = slurm.sbatch(tmp_path, base + ["--steps", str(end), "--resume", "latest", "--save-dir", "ck",
                                                   "--metrics", "res.jsonl"], flags=[f"--dependency=afterany:{jid}"])
     assert rc2 == 0, slurm.out(tmp_path, jid2)
-    ref = cc.one_host(base + ["--steps", str(end), "--metrics", "ref.jsonl"], 4, tmp_path, timeout=280)
+    ref = cc.one_host(base + ["--steps", str(end), "--ranks-per-node", "2", "--metrics", "ref.jsonl"], 4, tmp_path,
+                      timeout=280)
     assert ref.returncode == 0, cc.tail(ref)
     a, cut, res = losses(tmp_path / "ref.jsonl"), losses(tmp_path / "cut.jsonl"), losses(tmp_path / "res.jsonl")
     assert sorted(res) == list(range(start, end)), sorted(res)

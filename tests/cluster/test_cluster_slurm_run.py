@@ -35,7 +35,8 @@ def _daemons_of(state_dir):
 
 def test_run_form_trains_and_leaves_nothing_behind(tmp_path):
     cc.skip_unless_possible()
-    base = TINY + ["--data", corpus(tmp_path / "corpus.txt"), "--stage", "2", "--precision", "fp32", "--steps", "3"]
+    base = TINY + ["--data", corpus(tmp_path / "corpus.txt"), "--stage", "hybrid", "--precision", "fp32",
+                "--steps", "3"]
     cmd = [cc.CLUSTER, "--slurm", "--nodes", "2", "--ranks-per-node", "2", "--link", "none", "--prefix", sc.PREFIX,
            "--net", str(sc.NET)]
     if os.environ.get("RINGZERO_SLURM_INSTALL") == "1":
@@ -54,7 +55,7 @@ def test_run_form_trains_and_leaves_nothing_behind(tmp_path):
     assert not os.path.exists(state), os.listdir(state)
     conf = "/etc/slurm/slurm.conf"
     assert not (os.path.islink(conf) and os.readlink(conf).startswith(state)), os.readlink(conf)
-    ref = cc.one_host(base + ["--metrics", "ref.jsonl"], 4, tmp_path)
+    ref = cc.one_host(base + ["--ranks-per-node", "2", "--metrics", "ref.jsonl"], 4, tmp_path)
     assert ref.returncode == 0, cc.tail(ref)
     a, b = losses(tmp_path / "ref.jsonl"), losses(tmp_path / "run.jsonl")
     assert len(a) == 3 and a == b, f"one host {a}\nunder Slurm {b}"
