@@ -6,6 +6,8 @@ own, its output in ringzero-JOBID.out there), and removes everything after:
 no Slurm or munge daemon of the cluster left on the machine, no state or
 spool folder, and /etc/slurm/slurm.conf not left pointing at it. The
 trained losses are those of the same 4-rank run on one host, bit for bit.
+Without munged on the PATH, ``up --slurm`` says so in one line and builds
+nothing.
 """
 import os
 import subprocess
@@ -59,3 +61,23 @@ def test_run_form_trains_and_leaves_nothing_behind(tmp_path):
     assert ref.returncode == 0, cc.tail(ref)
     a, b = losses(tmp_path / "ref.jsonl"), losses(tmp_path / "run.jsonl")
     assert len(a) == 3 and a == b, f"one host {a}\nunder Slurm {b}"
+
+
+def test_missing_slurm_is_one_line_and_builds_nothing(tmp_path):
+    """munged out of reach (a PATH without /usr/sbin, where Debian puts it): one line, exit 2, no node."""
+    cc.skip_unless_possible()
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    for c in ("ip", "tc", "unshare"):
+        real = subprocess.run(["sh", "-c", f"command -v {c}"], capture_output=True, text=True).stdout.strip()
+        os.symlink(real, shim / c)
+    env = dict(cc.env(), PATH=f"{shim}:{os.path.dirname(sys.executable)}:/usr/bin:/bin", RINGZERO_VENV=sys.prefix)
+    if os.path.exists("/usr/bin/munged"):
+        pytest.skip("munged is in /usr/bin here")
+    p = subprocess.run([cc.CLUSTER, "up", "--slurm", "--nodes", "2", "--prefix", sc.PREFIX, "--net", str(sc.NET)],
+                       env=env, capture_output=True, text=True, timeout=120)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, cc.tail(p)
+    assert "--slurm needs Slurm and munge, and 'munged' is missing (add --install" in lines[0], lines
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"{sc.PREFIX}-n" not in ns and not os.path.exists(os.path.join(sc.STATE, sc.PREFIX)), ns
