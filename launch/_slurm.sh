@@ -6,7 +6,7 @@
 # starts on a node (the batch script, srun's tasks, Open MPI's prted) runs
 # there, as the rest of launch/cluster's ranks do.
 #
-# - munged: its socket is a file path ($SLURM_DIR/munge.socket; AuthInfo in
+# - munged: its socket is a file path ($STATE/slurm/munge.socket; AuthInfo in
 #   slurm.conf), and a path reaches every network namespace, so one daemon
 #   with a key of its own serves the head and every node;
 # - slurmctld: at the head's address, under the hostname PREFIX-head (it must
@@ -14,8 +14,9 @@
 # - slurm.conf: written here, the nodes at their addresses with their share of
 #   the machine's cores (at least --ranks-per-node), one partition; process
 #   tracking and task binding that need neither systemd nor cgroups
-#   (proctrack/linuxproc, task/affinity); every state and spool folder under
-#   $SLURM_DIR, which teardown removes with the rest of the nodes' state.
+#   (proctrack/linuxproc, task/affinity; slurmd still wants the cgroup file
+#   system mounted: SLURM_CGROUP_MOUNT); every state and spool folder under
+#   $STATE/slurm, which teardown removes with the rest of the nodes' state.
 #   /etc/slurm/slurm.conf points at it while the cluster is up, when that path
 #   is free (so `sbatch` typed anywhere finds it); otherwise SLURM_CONF must.
 #
