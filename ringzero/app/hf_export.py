@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import time
 
 from ringzero.nn.hf_gpt2 import PREFIX, hf_config, hf_name
 from ringzero.runtime.export import open_export, write_tensors
@@ -80,6 +81,13 @@ def export_hf(path: str, out_dir: str, dtype: str = "fp32", vocab: int | None = 
     return {"out": out_dir, "source": ex.path, "tensors": len(tensors), "dtype": dtype, "class": ex.cls,
             "bytes": os.path.getsize(weights), "vocab": V, "padded": cfg.vocab, "step": ex.manifest["step"],
             "psi": ex.layout.numel - (cfg.vocab - V) * C}
+
+
+def cli(ckpt: str, out_dir: str, dtype: str, vocab: int | None) -> str:
+    """``export --format hf``: export, and the line the command prints."""
+    t0 = time.perf_counter()
+    r = export_hf(ckpt, out_dir, dtype, vocab)
+    return report(r, time.perf_counter() - t0)
 
 
 def report(r: dict, seconds: float) -> str:

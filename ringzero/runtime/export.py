@@ -55,6 +55,14 @@ def _out_dtype(dtype: str):
     return np.dtype(np.float32 if dtype == "fp32" else np.float16), _OUT[dtype]
 
 
+def _safe_open():
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise CheckpointError("export needs safetensors: pip install 'ringzero[checkpoint]'") from None
+    return safe_open
+
+
 def export(path: str, out: str, dtype: str = "fp32") -> dict:
     """Consolidate a checkpoint's weights into a safetensors file, one
     parameter at a time (memory: the largest parameter). Serial."""
@@ -83,6 +91,7 @@ def open_export(path: str, dtype: str) -> Export:
     the params files when the run stored that dtype, else from master."""
     if dtype not in _OUT:
         raise ValueError(f"dtype must be one of {', '.join(_OUT)}, got {dtype!r}")
+    _safe_open()                          # the hint first, before any file is read
     p = resolve(path)
     m = read_manifest(p)
     old = check_layout(m, p)
@@ -99,10 +108,7 @@ def write_tensors(ex: Export, tensors, meta: dict, out: str):
     in that order, each the leading prod(shape) elements of the parameter (an export may leave a padded
     vocabulary's rows out), read from the checkpoint one parameter at a time."""
     p, old, cls, out_dt, tag = ex.path, ex.layout, ex.cls, ex.out_dt, ex.tag
-    try:
-        from safetensors import safe_open
-    except ImportError:
-        raise CheckpointError("export needs safetensors: pip install 'ringzero[checkpoint]'") from None
+    safe_open = _safe_open()
     header, off = {}, 0
     for name, key, shape in tensors:
         n = int(np.prod(shape, dtype=np.int64)) * out_dt.itemsize
@@ -180,7 +186,11 @@ def describe(path: str, check: bool = False) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def main(argv=None, formats=None) -> int:
+    """The command line. ``formats``: {name: export(dir, out, dtype, vocab) -> printed line} of
+    the export formats beside ringzero's own; ``python -m ringzero.checkpoint`` hands in "hf"
+    (app/hf_export.py), so that the GPT-2 names stay with the model and the runtime imports none."""
+    formats = dict(formats or {})
     ap = argparse.ArgumentParser(prog="python -m ringzero.checkpoint",
                                  description="Export or inspect a ringzero checkpoint (serial, no MPI).")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -189,25 +199,22 @@ def main(argv=None) -> int:
     e.add_argument("out", help="output .safetensors path (written atomically); --format hf: a folder")
     e.add_argument("--dtype", choices=tuple(_OUT), default="fp32",
                    help="fp16/bf16 come from the run's params when it stored that dtype, else from master")
-    e.add_argument("--format", choices=("ringzero", "hf"), default="ringzero",
-                   help="ringzero: its own names; hf: config.json + model.safetensors that "
-                        "transformers' GPT2LMHeadModel.from_pretrained loads (a GPT only)")
+    e.add_argument("--format", choices=("ringzero",) + tuple(formats), default="ringzero",
+                   help="ringzero: its own names" + ("; hf: config.json + model.safetensors that transformers' "
+                                                     "GPT2LMHeadModel.from_pretrained loads (a GPT only)"
+                                                     if "hf" in formats else ""))
     e.add_argument("--vocab", type=int, default=None,
-                   help="--format hf: the tokens to keep (default: the imported model's vocab_size, else all rows)")
+                   help="--format hf: the token rows to keep (default: the imported model's vocab_size, else all)")
     i = sub.add_parser("inspect", help="print the manifest")
     i.add_argument("dir")
     i.add_argument("--verify", action="store_true", help="also check every file's size and sha256")
     a = ap.parse_args(argv)
     try:
-        if a.cmd == "export" and a.format == "hf":
-            # the GPT-2 names are the model's (nn/hf_gpt2.py), so that code lives with the app;
-            # imported only here, and the runtime itself stays model-free
-            from ringzero.app.hf_export import export_hf, report
-            t0 = time.perf_counter()
-            print(report(export_hf(a.dir, a.out, a.dtype, a.vocab), time.perf_counter() - t0))
+        if a.cmd == "export" and a.format in formats:
+            print(formats[a.format](a.dir, a.out, a.dtype, a.vocab))
         elif a.cmd == "export":
             if a.vocab is not None:
-                raise CheckpointError("--vocab applies to --format hf only")
+                raise CheckpointError(f"--vocab applies to --format {' or '.join(formats) or 'hf'} only")
             t0 = time.perf_counter()
             r = export(a.dir, a.out, a.dtype)
             print(f"exported {r['tensors']} tensors ({r['psi']:,} params, {a.dtype}, from {r['class']}) "

@@ -69,6 +69,24 @@ def word(cmd):
     return cmd.args[0] if cmd.args and re.fullmatch(r"[a-z]+", cmd.args[0]) else None
 
 
+def gpt2_input(a, prev, inputs):
+    """The fixture file for an input argument of docs/gpt2.md's recipe, or None: the GPT-2
+    folder "gpt2", its tokenizer, the encoded data, the text, the fine-tuned checkpoint "ft"."""
+    if prev in ("--save-dir", "--model"):
+        return None
+    if prev == "--tokenizer":
+        return inputs["gpt2"]()["tokenizer"]
+    if prev == "--init-from" or a.rstrip("/") == "gpt2":
+        return inputs["gpt2"]()["dir"]
+    if prev == "--data" and a.endswith(".bin"):
+        return inputs["gpt2"]()["data"]
+    if a.endswith(".txt"):
+        return inputs["text"]
+    if a.rstrip("/") == "ft":
+        return inputs["gpt2"]()["finetuned"]
+    return None
+
+
 def tiny(cmd, inputs, out_dir):
     """The command's argument list, made tiny and pointed at the fixtures' files."""
     args, out = list(cmd.args), []
@@ -80,12 +98,9 @@ def tiny(cmd, inputs, out_dir):
         a = args[i]
         prev = args[i - 1] if i else ""
         outputs = OUTPUT_FLAGS + (("--metrics", "--save-dir") if cmd.module == "ringzero.train" else ())
-        if gpt2 and prev != "--save-dir" and (a.rstrip("/") in ("gpt2", "ft") or prev in ("--tokenizer", "--init-from")
-                     or (a.endswith(".bin") and prev == "--data") or a.endswith(".txt")):
-            g = inputs["gpt2"]()
-            out.append(g["tokenizer"] if prev == "--tokenizer" else g["dir"] if prev == "--init-from" or
-                       a.rstrip("/") == "gpt2" else g["data"] if a.endswith(".bin") else
-                       inputs["text"] if a.endswith(".txt") else g["finetuned"])
+        recipe = gpt2_input(a, prev, inputs) if gpt2 else None
+        if recipe is not None:
+            out.append(recipe)
         elif cmd.module == "ringzero.data" and a.endswith(".bin"):     # encode's output
             out.append(os.path.join(out_dir, os.path.basename(a)))
         elif prev in outputs and re.search(r"\.\w+$", a):                # an output file: into the temporary folder
