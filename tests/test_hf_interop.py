@@ -11,6 +11,7 @@ multiple of 64, so ringzero pads it (320) and the export strips the padding.
               imported weights saved and exported at that Nd reload in transformers
               bitwise equal to what it saved, with no missing or unexpected key, and generate runs
 """
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -18,19 +19,28 @@ import tempfile
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="the transformers interop tests need torch: RINGZERO_PEER=1 ./launch/test")
-transformers = pytest.importorskip("transformers", reason="the interop tests need transformers: RINGZERO_PEER=1 "
-                                                          "./launch/test (setup.cfg's peer extra)")
+from ringzero.app.hf_import import HFSource, load_full
+from ringzero.nn.gpt import GPT
+from ringzero.nn.hf_gpt2 import hf_name
 
-from ringzero.app.hf_import import HFSource, load_full  # noqa: E402
-from ringzero.nn.gpt import GPT  # noqa: E402
-from ringzero.nn.hf_gpt2 import hf_name  # noqa: E402
-
+# torch and transformers are imported only where a test needs them (rank 0 of an MPI test):
+# eight ranks each importing torch at collection would cost a gigabyte and seconds of CPU
+pytestmark = pytest.mark.skipif(
+    not (importlib.util.find_spec("torch") and importlib.util.find_spec("transformers")),
+    reason="the transformers interop tests need torch and transformers: RINGZERO_PEER=1 ./launch/test "
+           "(setup.cfg's peer extra)")
 V, T, B = 300, 32, 2
+
+
+def _hf():
+    import torch
+    import transformers
+    return torch, transformers
 
 
 def tiny_hf(folder, seed=0, **kw):
     """A random GPT2LMHeadModel (every parameter random, not only the matrices), saved with save_pretrained."""
+    torch, transformers = _hf()
     torch.manual_seed(seed)
     cfg = transformers.GPT2Config(vocab_size=V, n_positions=T, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
                                   embd_pdrop=0.0, attn_pdrop=0.0, **kw)
@@ -45,6 +55,7 @@ def tiny_hf(folder, seed=0, **kw):
 
 def hf_loss(m, x, y):
     """transformers' logits and the mean cross-entropy against y (no shift: y are the targets of x)."""
+    torch, _ = _hf()
     out = m(torch.from_numpy(x)).logits                        # (B, T, V)
     return out, torch.nn.functional.cross_entropy(out.reshape(-1, V), torch.from_numpy(y).reshape(-1))
 
@@ -113,13 +124,20 @@ def shared_model(comm):
         rng = np.random.default_rng(7)
         x, y = rng.integers(0, V, (B * comm.size, T)), rng.integers(0, V, (B * comm.size, T))
         if comm.rank == 0:
-            folder = tempfile.mkdtemp(prefix="rz-hf-")
-            hm = tiny_hf(folder, seed=3)
-            with torch.no_grad():
-                ref = hf_loss(hm, x, y)[1].item()
+            try:               # a failure here is every rank's, not a hang in the bcast below
+                torch, _ = _hf()
+                folder = tempfile.mkdtemp(prefix="rz-hf-")
+                hm = tiny_hf(folder, seed=3)
+                with torch.no_grad():
+                    ref = hf_loss(hm, x, y)[1].item()
+            except Exception as e:
+                ref = f"rank 0 could not build the transformers model: {type(e).__name__}: {e}"
         folder, ref = comm.bcast((folder, ref), root=0)
         _SHARED[comm.size] = (folder, ref, x, y)
-    return _SHARED[comm.size]
+    folder, ref, x, y = _SHARED[comm.size]
+    if isinstance(ref, str):
+        pytest.fail(ref)
+    return folder, ref, x, y
 
 
 def engine_from(comm, folder, stage):
@@ -173,6 +191,7 @@ def test_export_reloads_bitwise_in_transformers(comm):
 def _reload_and_compare(folder, path, export_hf):
     """None if the export reloads bitwise, with no missing or unexpected key, and generates; else why."""
     from safetensors.numpy import load_file
+    torch, transformers = _hf()
     out = os.path.join(os.path.dirname(path), "hf")
     r = export_hf(path, out)
     if r["vocab"] != V:
