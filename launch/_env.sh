@@ -11,8 +11,9 @@
 #   RINGZERO_MPI=system     use the mpirun on PATH (a cluster's MPI); mpi4py is
 #                           then built from source against it (needs mpicc)
 #   RINGZERO_PYTHON=python3 the interpreter that makes the venv
-#   RINGZERO_PEER=1         also install torch (CPU, pinned) for the peer
-#                           benchmarks and the torch comparison tests
+#   RINGZERO_PEER=1         also install the peer extra (setup.cfg: torch CPU, pinned, and
+#                           transformers) for the peer benchmarks and the torch and
+#                           transformers comparison tests
 #   MPIRUN_ARGS="..."       extra flags for mpirun (hostfile, mca, ...)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,7 +22,6 @@ MPI_KIND="${RINGZERO_MPI:-wheel}"
 PYBIN="${RINGZERO_PYTHON:-python3}"
 
 PEER="${RINGZERO_PEER:-0}"
-TORCH_PIN="torch==2.13.0"   # the CPU build; an unpinned torch pulls a multi-GB CUDA build
 _stamp_src() { cat "$ROOT/setup.cfg" "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT/ringzero/comm/csrc/"*.c "$ROOT/ringzero/nn/csrc/"*.c 2>/dev/null; echo "$MPI_KIND"; }
 
 ensure_venv() {
@@ -48,10 +48,12 @@ ensure_venv() {
         "$VENV/bin/python" -m pip install -q -e "$ROOT[$extras]" >&2
         echo "$want" > "$VENV/.ringzero-stamp"
     fi
-    # the peer is installed once and kept: a run without RINGZERO_PEER=1 neither needs nor removes it
-    if [ "$PEER" = 1 ] && ! compgen -G "$VENV/lib/python*/site-packages/torch/__init__.py" >/dev/null; then
-        echo "ringzero: installing $TORCH_PIN (peer benchmarks and torch comparison tests)" >&2
-        "$VENV/bin/python" -m pip install -q "$TORCH_PIN" >&2
+    # the peer is installed once and kept: a run without RINGZERO_PEER=1 neither needs nor removes it.
+    # Its pins (torch's CPU build, transformers) are setup.cfg's "peer" extra
+    if [ "$PEER" = 1 ] && { ! compgen -G "$VENV/lib/python*/site-packages/torch/__init__.py" >/dev/null ||
+                            ! compgen -G "$VENV/lib/python*/site-packages/transformers/__init__.py" >/dev/null; }; then
+        echo "ringzero: installing ringzero[peer] (torch, transformers: peer benchmarks, comparison tests)" >&2
+        "$VENV/bin/python" -m pip install -q -e "$ROOT[peer]" >&2
     fi
     mca_defaults
     PY="$VENV/bin/python"

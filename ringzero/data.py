@@ -1,4 +1,4 @@
-"""``python -m ringzero.data``: the corpus: check a text file, print its split.
+"""``python -m ringzero.data``: the corpus: check a text file, print its split; ``encode`` BPE tokens.
 
 A launcher only: the code is ``ringzero.app.data``, and this module runs its ``main``.
 """

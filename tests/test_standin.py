@@ -451,3 +451,29 @@ def test_check_device_cuda_passes_with_cupy(cp, capsys):
     from ringzero.app import train
     assert train.main(["--check", "2", "--device", "cuda", "--steps", "1"]) == 0
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("stage", ["0", "3"])
+def test_gpt2_import_on_device(comm, cp, tmp_path_factory, stage):
+    """--init-from on "cuda": each master piece is read into the host staging buffer and set
+    on the device (app/hf_import.py), giving the host import's bits."""
+    from hf_files import write_gpt2
+
+    from ringzero.app.hf_import import HFSource
+    from ringzero.nn.gpt import GPT
+    from ringzero.runtime.zero import Zero
+    d = comm.bcast(str(tmp_path_factory.mktemp("gpt2")) if comm.rank == 0 else None)
+    if comm.rank == 0:
+        write_gpt2(d, prefix=True)
+    comm.Barrier()
+    got = {}
+    for device in ("cuda", "cpu"):
+        src = HFSource(d)
+        eng = Zero(GPT(src.cfg), comm, stage, device=device, precision="fp32", init=src.fill_master, timeout=60)
+        src.close()
+        got[device] = (eng.full_state("master"), src.error)
+    (m_gpu, e_gpu), (m_cpu, e_cpu) = got["cuda"], got["cpu"]
+    assert_all(comm, e_gpu is None and e_cpu is None and m_cpu.any()
+               and np.array_equal(m_gpu.view(np.uint32), m_cpu.view(np.uint32)),
+               f"stage {stage}: device import differs from the host's (errors: {e_gpu}, {e_cpu})")

@@ -132,9 +132,11 @@ def test_model_preset_and_overrides():
     from ringzero.app.config import gpt_config
     from ringzero.app.train import parse_config
     cfg, _ = parse_config(["--model", "gpt2-medium", "--n-layer", "2"])
-    assert gpt_config(cfg, 256).__dict__ == dict(n_layer=2, n_head=16, n_embd=1024, block_size=1024, vocab=256)
+    assert gpt_config(cfg, 256).__dict__ == dict(n_layer=2, n_head=16, n_embd=1024, block_size=1024, vocab=256,
+                                                   real_vocab=None)
     cfg, _ = parse_config(["--seq-len", "64", "--n-embd", "96"])
-    assert gpt_config(cfg, 320).__dict__ == dict(n_layer=4, n_head=4, n_embd=96, block_size=64, vocab=320)
+    assert gpt_config(cfg, 320).__dict__ == dict(n_layer=4, n_head=4, n_embd=96, block_size=64, vocab=320,
+                                                  real_vocab=None)
 
 
 def test_gpt2_preset_passes_check(tmp_path):

@@ -32,6 +32,9 @@ class Config:
     n_head: int | None = opt(None, "attention heads (None: 4, or the preset's)")
     n_embd: int | None = opt(None, "width (None: 128, or the preset's); Ψ ≈ 12·n_layer·n_embd² + vocab·n_embd")
     seq_len: int = opt(128, "tokens per sequence (the position table: this, or the preset's 1024)")
+    init_from: str = opt("", "start from a Hugging Face GPT-2: a folder (config.json + model.safetensors or "
+                             "a sharded index) or a .safetensors file; it gives the shapes, --data must be "
+                             "its tokenizer's ids (python -m ringzero.data encode)")
     # ---- data
     data: str = opt("", 'text file or nanoGPT uint16 .bin; "" = stdlib source corpus')
     batch: int = opt(8, "sequences per rank per optimizer step (global batch = batch * ranks)")
@@ -204,9 +207,13 @@ def validate(cfg: Config):
     d = model_dims(cfg)
     need(d["n_embd"] % d["n_head"] == 0,
          f"--n-embd must be divisible by --n-head: got {d['n_embd']} % {d['n_head']} = {d['n_embd'] % d['n_head']}")
-    g = gpt_config(cfg, 256)                     # the shapes, before the data sets the vocab
-    need(cfg.seq_len <= g.block_size,
-         f"--seq-len must be <= the model's context: expected <= {g.block_size} ({cfg.model}), got {cfg.seq_len}")
+    if cfg.init_from:                            # the shapes are config.json's: checked in prepare
+        need(os.path.exists(cfg.init_from), f"--init-from {cfg.init_from!r} does not exist: expected a GPT-2 "
+             "folder (config.json + model.safetensors), a sharded index or a .safetensors file")
+    else:
+        g = gpt_config(cfg, 256)                 # the shapes, before the data sets the vocab
+        need(cfg.seq_len <= g.block_size,
+             f"--seq-len must be <= the model's context: expected <= {g.block_size} ({cfg.model}), got {cfg.seq_len}")
     need(cfg.lr > 0, f"--lr must be > 0, got {cfg.lr}")
     need(0 <= cfg.min_lr_frac <= 1, f"--min-lr-frac must be in [0, 1], got {cfg.min_lr_frac}")
     need(cfg.warmup >= 0 and cfg.eval_interval >= 0 and cfg.eval_batches >= 1 and cfg.sample_chars >= 0,

@@ -40,8 +40,10 @@ from ringzero.sizes import parse_size
 
 
 # ---------------------------------------------------------------------- run
-def prepare(cfg: Config, n: int):
-    """Every input check that needs the data or the sizes; no MPI. Raises ConfigError."""
+def prepare(cfg: Config, n: int, rank: int | None = None):
+    """Every input check that needs the data or the sizes; no MPI. Raises ConfigError.
+    Returns (corpus, model, budget, source): source is the --init-from checkpoint
+    (app/hf_import.py), opened and checked (rank: this rank's share of its head check), or None."""
     from ringzero.app.data import load_corpus
     from ringzero.nn.gpt import GPT, vocab_for
     from ringzero.runtime.flat import Layout
@@ -52,13 +54,22 @@ def prepare(cfg: Config, n: int):
         if cupy_or_none() is None:
             raise ConfigError(f"--device cuda: expected CuPy with a visible GPU, got {cupy_missing_reason()}; "
                               "HINT: pip install cupy-cuda12x on the GPU machine, or use --device cpu")
+    src = None
     try:
-        corpus = load_corpus(cfg.data or None, cfg.seq_len)
-    except (ValueError, OSError) as e:
+        if cfg.init_from:       # the shapes and the vocabulary are the imported model's
+            from ringzero.app.hf_import import for_training
+            src, gcfg = for_training(cfg, n, rank)
+            corpus = load_corpus(cfg.data, cfg.seq_len, vocab=gcfg.n_tokens)   # ids < vocab_size
+        else:
+            corpus = load_corpus(cfg.data or None, cfg.seq_len)
+            # the vocabulary from the data: 256 for bytes, else the largest id + 1 rounded up to 64
+            gcfg = gpt_config(cfg, vocab_for(corpus.vocab - 1, byte_level=corpus.byte_level))
+    except (ValueError, OSError) as e:      # HFConfigError is a ValueError
+        if src is not None:
+            src.close()
         raise ConfigError(str(e)) from None
-    # the vocabulary from the data: 256 for bytes, else the largest id + 1 rounded up to 64
-    gcfg = gpt_config(cfg, vocab_for(corpus.vocab - 1, byte_level=corpus.byte_level))
     model = GPT(gcfg, checkpoint=cfg.activation_checkpointing)
+    model.hf_config = src.hf if src is not None else None      # an export's config.json starts from it
     hybrid = StagePolicy.of(cfg.stage).hybrid
     if hybrid and cfg.ranks_per_node and n % cfg.ranks_per_node:
         raise ConfigError(f"--ranks-per-node must divide the rank count: {n} % {cfg.ranks_per_node} != 0")
@@ -70,7 +81,7 @@ def prepare(cfg: Config, n: int):
                          cfg.precision, cfg.grad_accum)
         except MemoryBudgetError as e:
             raise ConfigError(f"--mem-budget {cfg.mem_budget}: {e}") from None
-    return corpus, model, budget
+    return corpus, model, budget, src
 
 
 @dataclass
@@ -167,7 +178,8 @@ def _save(cfg: Config, engine, step: int) -> str:
     """The one checkpoint call (periodic and on a stop signal). Collective."""
     from ringzero.runtime import checkpoint as ck
     return ck.save(engine, cfg.save_dir, step,
-                   config={**dataclasses.asdict(cfg), "gpt": dataclasses.asdict(engine.model.cfg)},
+                   config={**dataclasses.asdict(cfg), "gpt": dataclasses.asdict(engine.model.cfg),
+                           "hf": getattr(engine.model, "hf_config", None)},
                    data_state={"step": step, "seed": cfg.seed}, keep=cfg.keep or None)
 
 
@@ -184,14 +196,22 @@ def run(cfg: Config, comm, stop=None) -> dict:
     say = print if rank == 0 else (lambda *a, **k: None)
     # what only this rank can find out (its copy of the data, its device),
     # agreed before the engine's first collective
-    corpus, model, budget = agree(comm, lambda: _rank_checks(cfg, rank, n))
+    corpus, model, budget, src = agree(comm, lambda: _rank_checks(cfg, rank, n))
     # will it fit? model state + workspace + activations against the memory there is (memcheck.py)
     agree(comm, lambda: memcheck.check(cfg, model, comm))
-    engine = Zero(model, comm, cfg.stage, precision=cfg.precision, device=cfg.device, seed=cfg.seed,
+    # --init-from: each rank reads its own master pieces from the file (a resumed run reads the checkpoint)
+    init = src.fill_master if src is not None and not cfg.resume else None
+    engine = Zero(model, comm, cfg.stage, precision=cfg.precision, device=cfg.device, seed=cfg.seed, init=init,
                   adam=AdamConfig(weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip),
                   ranks_per_node=cfg.ranks_per_node or None, mem_budget=budget, grad_accum=cfg.grad_accum,
                   overlap=cfg.overlap, prefetch=cfg.prefetch,
                   reduce_bucket=None if cfg.reduce_bucket_mb is None else int(cfg.reduce_bucket_mb * 2 ** 20))
+    if src is not None:
+        src.close()
+    if init is not None:
+        agree(comm, lambda: _raise(src.error))    # a read that failed on any rank stops every rank
+        say(f"ringzero | initialized from {src.path}: GPT-2 {model.cfg.n_layer}L {model.cfg.n_embd}C, vocab "
+            f"{model.cfg.n_tokens} (padded to {model.cfg.vocab}), each rank read its own pieces")
     xp = engine.xp
     train = Batches(corpus.train, cfg.batch, cfg.seq_len, rank, n, cfg.seed)
     held = Batches(corpus.val, cfg.batch, cfg.seq_len, rank, n, cfg.seed + 1)
@@ -241,7 +261,7 @@ def _rank_checks(cfg: Config, rank: int, n: int):
         import errno
         e = PermissionError(errno.EACCES, os.strerror(errno.EACCES), cfg.data)
         raise ConfigError(f"--data: cannot read on this rank: {e} ({FAULT_DATA_ENV})")
-    return prepare(cfg, n)
+    return prepare(cfg, n, rank)
 
 
 def _open_metrics(cfg: Config, rank: int):
@@ -277,7 +297,9 @@ def main(argv=None) -> int:
     try:
         cfg, check = parse_config(argv)
         if check is not None:          # validate only, no MPI
-            prepare(cfg, check)
+            src = prepare(cfg, check)[3]
+            if src is not None:
+                src.close()
             return 0
     except ConfigError as e:
         err = str(e)

@@ -37,6 +37,10 @@ class GPTConfig:
     n_embd: int = 256       # model width C
     block_size: int = 128   # longest sequence T the position table covers
     vocab: int = 256        # byte-level by default
+    # the rows of wte that are tokens (None: all of them). An imported GPT-2 has 50257 of its
+    # 50304 (the table padded to whole 64-row tiles, as nanoGPT pads it): the head scores only
+    # these, so its logits, loss and gradients are transformers' exactly; the padding rows stay zero
+    real_vocab: int | None = None
 
     def __post_init__(self):
         for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab"):
@@ -44,6 +48,13 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{k} must be >= 1, got {getattr(self, k)}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.real_vocab is not None and not 1 <= self.real_vocab <= self.vocab:
+            raise ValueError(f"GPTConfig.real_vocab must be in [1, vocab = {self.vocab}], got {self.real_vocab}")
+
+    @property
+    def n_tokens(self) -> int:
+        """Token ids the model reads and scores: [0, n_tokens)."""
+        return self.vocab if self.real_vocab is None else self.real_vocab
 
 
 # Published GPT-2 shapes (Radford et al. 2019; the HF `gpt2*` configs): layers,
@@ -149,6 +160,7 @@ class GPT(UnitModel):
         self.checkpoint = bool(checkpoint)
         self.pool = pool if pool is not None else Pool()
         self.last = cfg.n_layer + 1
+        self.n_tokens = cfg.n_tokens     # the head scores wte[:n_tokens] (GPTConfig.real_vocab)
         pl = self.pool
         self.embed = Embedding(pl, "embed")
         self.blocks = []
@@ -180,7 +192,7 @@ class GPT(UnitModel):
                 d.setdefault("embed", {}).update(wte=P["wte"], wpe=P["wpe"])
             elif u == self.last:
                 d.setdefault("lnf", {}).update(w=P["lnf.w"], b=P["lnf.b"])
-                d.setdefault("head", {}).update(w=P["wte"])
+                d.setdefault("head", {}).update(w=P["wte"][:self.n_tokens])     # (V real, C): a view
             else:
                 h = f"h{u - 1}."
                 for n in ("ln1", "ln2", "fc", "fc2"):
@@ -195,7 +207,7 @@ class GPT(UnitModel):
         if u == 0:
             return {"embed": {"wte": G["wte"], "wpe": G["wpe"]}}
         if u == self.last:
-            return {"lnf": {"w": G["lnf.w"], "b": G["lnf.b"]}, "head": {"w": G["wte"]}}
+            return {"lnf": {"w": G["lnf.w"], "b": G["lnf.b"]}, "head": {"w": G["wte"][:self.n_tokens]}}
         h = f"h{u - 1}."
         g = {n: {"w": G[h + n + ".w"], "b": G[h + n + ".b"]} for n in ("ln1", "ln2", "fc", "fc2")}
         g["attn"] = {k: G[h + k] for k in ("attn.w", "attn.b", "proj.w", "proj.b")}
@@ -290,7 +302,7 @@ class GPT(UnitModel):
         move to the device: on a GPU the layers do not check (a check there is a
         blocking reduction per step, and CuPy's take wraps a bad id silently)."""
         for a in arrays:
-            check_ids(a, self.cfg.vocab, "token ids")
+            check_ids(a, self.n_tokens, "token ids")
 
     def backward_reads_params(self, u) -> bool:
         """False for the embedding unit: its backward scatters dy by token id

@@ -84,7 +84,11 @@ class Zero:
     def __init__(self, model: "ShardableModel", comm, stage="2", *, precision="fp16", device="cpu", seed=0,
                  adam: AdamConfig | None = None, ranks_per_node=None, mem_budget=None,
                  scaler: LossScaler | None = None, timeout=None, grad_accum: int = 1, nodes=None,
-                 overlap: bool | None = None, prefetch: int | None = None, reduce_bucket: int | None = None):
+                 overlap: bool | None = None, prefetch: int | None = None, reduce_bucket: int | None = None,
+                 init=None):
+        # init: None draws the weights from seed (Layout.init_param); else a callable(state) that fills
+        # the master pieces this rank holds (state.held_ranks / state.piece) itself, before the params
+        # are published from them: the trainer's --init-from (app/hf_import.py) reads them from a file
         self.model, self.comm = model, comm
         self.policy = P = StagePolicy.of(stage)
         self.stage = P.stage
@@ -110,7 +114,10 @@ class Zero:
                          precision, self.grad_accum)
         self.state = ShardedState(L, P, topo.shard_rank, self.storage_dtype, xp, self.grad_accum)
         with alloc_guard("the initial weights (an fp32 host copy of the master's size)"):
-            self.state.init_master(seed)
+            if init is None:
+                self.state.init_master(seed)
+            else:
+                init(self.state)
         self.update_gathers = UpdateGathers()   # stages 1-2: the update's all-gathers of the params
         self.publish_params()
         # overlap: a closed gradient's reduction runs while the next unit's backward computes

@@ -19,10 +19,12 @@ What it is
 
 What it is not
     No KV cache (each token reruns the forward over the last block_size
-    tokens: fine for the sizes trained here, O(n·T) forwards). No tokenizer:
-    a byte-level model (vocab <= 256) reads the prompt as UTF-8 bytes and
-    prints bytes (errors="replace"); a token-id model takes ``--prompt-ids``
-    and prints ids.
+    tokens: fine for the sizes trained here, O(n·T) forwards). No tokenizer
+    of its own: ``--tokenizer tokenizer.json`` (app/tokens.py) encodes the
+    prompt and decodes the output; without it a byte-level model (vocab <= 256)
+    reads the prompt as UTF-8 bytes and prints bytes (errors="replace"), and a
+    token-id model takes ``--prompt-ids`` and prints ids. DIR may also be a
+    Hugging Face GPT-2 folder (app/hf_import.py's ``load_full``).
 """
 from __future__ import annotations
 
@@ -72,7 +74,9 @@ def config_from_manifest(m: dict) -> GPTConfig:
         raise SampleError("the manifest's config has no n_head (nor gpt.n_head, nor a preset model "
                           f"name): expected one to rebuild the attention heads, got keys {sorted(conf)}")
     try:
-        return GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=T, vocab=V)
+        real = gpt.get("real_vocab")      # an imported GPT-2: the head scores its real rows only
+        return GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=T, vocab=V,
+                         real_vocab=int(real) if real else None)
     except ValueError as e:
         raise SampleError(f"the manifest's shapes make no GPT: {e}") from None
 
@@ -199,10 +203,12 @@ def build_parser():
                     "MPI). Prints the prompt and its continuation on stdout; what was loaded on stderr.",
         epilog='Example: python -m ringzero.sample checkpoints --prompt "def " --tokens 200 '
                "--temperature 0.8 --top-k 40 --seed 1")
-    ap.add_argument("dir", help="a step-NNNNNN checkpoint, or a save directory (its latest)")
+    ap.add_argument("dir", help="a step-NNNNNN checkpoint, a save directory (its latest), or a Hugging Face "
+                                "GPT-2 folder (config.json + model.safetensors)")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompt", default="\n", help='text, read as UTF-8 bytes (default "\\n")')
     src.add_argument("--prompt-ids", help="comma-separated token ids, for a token-id model")
+    ap.add_argument("--tokenizer", help="a tokenizers tokenizer.json: encodes --prompt, decodes the output")
     ap.add_argument("--tokens", type=int, default=200, help="tokens to generate (default 200)")
     ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     ap.add_argument("--top-k", type=int, default=None, help="sample among the k most likely")
@@ -210,6 +216,43 @@ def build_parser():
     ap.add_argument("--weights", choices=("params", "master"), default="params",
                     help="the run's storage-dtype params (default) or its fp32 master")
     return ap
+
+
+def _prompt(a, model, m, tok, as_bytes) -> np.ndarray:
+    """The prompt's ids: --prompt-ids, or --prompt through the tokenizer, or as UTF-8 bytes."""
+    n = model.n_tokens
+    if a.prompt_ids is not None:
+        try:
+            ids = np.array([int(t) for t in a.prompt_ids.split(",")], np.int64)
+        except ValueError:
+            raise SampleError(f"--prompt-ids must be comma-separated integers, got {a.prompt_ids!r}") from None
+    elif tok is not None:
+        ids = np.array(tok.encode(a.prompt, add_special_tokens=False).ids, np.int64)
+        if ids.size == 0:
+            raise SampleError(f"--prompt {a.prompt!r} encodes to no tokens: expected at least one")
+    elif not as_bytes:
+        raise SampleError(f"this model reads token ids (vocab {n}, data "
+                          f"{(m.get('config') or {}).get('data')!r}), not text: give --tokenizer or --prompt-ids")
+    else:
+        return encode(a.prompt, n)
+    if ids.min() < 0 or ids.max() >= n:
+        what = "--prompt-ids" if a.prompt_ids is not None else f"--prompt's ids ({a.tokenizer})"
+        raise SampleError(f"{what} must be in [0, {n}) (the model's vocabulary), got [{ids.min()}, {ids.max()}]")
+    return ids
+
+
+def load_any(path: str, weights: str):
+    """(model, P, manifest, path, what) of a ringzero checkpoint or a Hugging Face GPT-2 folder."""
+    if os.path.isfile(os.path.join(path, "config.json")):      # a GPT-2 folder (app/hf_import.py)
+        from ringzero.app.hf_import import HFConfigError, load_full
+        try:
+            cfg, L, buf, _ = load_full(path)
+        except HFConfigError as e:
+            raise SampleError(str(e)) from None
+        return GPT(cfg), L.views(buf), {"config": {}}, path, "a Hugging Face GPT-2 (fp32)"
+    model, P, m, p = load(path, weights)
+    return model, P, m, p, (f"step {m['step']}, Ψ = {m['psi']:,}, saved as {m['shards']} shard(s), stage "
+                            f"{m['stage']}, {weights} ({m['classes'][weights]})")
 
 
 def main(argv=None) -> int:
@@ -224,34 +267,27 @@ def main(argv=None) -> int:
             raise SampleError(f"--top-k must be >= 1, got {a.top_k}")
         if not os.path.exists(a.dir):
             raise SampleError(f"{a.dir!r} does not exist: expected a checkpoint directory "
-                              f"(step-NNNNNN) or a save directory")
-        t0 = time.perf_counter()
-        model, P, m, path = load(a.dir, a.weights)
-        as_bytes = byte_level(model.cfg, m)
-        if a.prompt_ids is not None:
+                              f"(step-NNNNNN), a save directory or a GPT-2 folder")
+        tok = None
+        if a.tokenizer:
+            from ringzero.app.tokens import TokenizerError, load_tokenizer
             try:
-                ids = np.array([int(t) for t in a.prompt_ids.split(",")], np.int64)
-            except ValueError:
-                raise SampleError(f"--prompt-ids must be comma-separated integers, got "
-                                  f"{a.prompt_ids!r}") from None
-            if ids.min() < 0 or ids.max() >= model.cfg.vocab:
-                raise SampleError(f"--prompt-ids must be in [0, {model.cfg.vocab}), got "
-                                  f"[{ids.min()}, {ids.max()}]")
-        elif not as_bytes:
-            raise SampleError(f"this model reads token ids (vocab {model.cfg.vocab}, data "
-                              f"{(m.get('config') or {}).get('data')!r}), not text: give --prompt-ids")
-        else:
-            ids = encode(a.prompt, model.cfg.vocab)
+                tok = load_tokenizer(a.tokenizer)
+            except TokenizerError as e:
+                raise SampleError(str(e)) from None
+        t0 = time.perf_counter()
+        model, P, m, path, what = load_any(a.dir, a.weights)
+        as_bytes = tok is None and byte_level(model.cfg, m)
+        ids = _prompt(a, model, m, tok, as_bytes)
         c = model.cfg
-        print(f"ringzero.sample: {path} step {m['step']}: GPT L={c.n_layer} C={c.n_embd} "
-              f"H={c.n_head} T={c.block_size} V={c.vocab}, Ψ = {m['psi']:,}, saved as {m['shards']} shard(s), "
-              f"stage {m['stage']}, {a.weights} ({m['classes'][a.weights]}) read in "
+        print(f"ringzero.sample: {path}: GPT L={c.n_layer} C={c.n_embd} H={c.n_head} T={c.block_size} "
+              f"V={c.n_tokens}{f' (padded {c.vocab})' if c.vocab != c.n_tokens else ''}, {what}, read in "
               f"{time.perf_counter() - t0:.2f} s", file=sys.stderr)
     except (SampleError, ck.CheckpointError, OSError) as e:
         print(f"ringzero.sample: error: {ck.error_line(e)}", file=sys.stderr)
         return 2
     out = generate(model, P, ids, a.tokens, a.temperature, a.top_k, np.random.default_rng(a.seed))
-    print(decode(out, as_bytes))
+    print(tok.decode(out.tolist()) if tok is not None else decode(out, as_bytes))
     return 0
 
 

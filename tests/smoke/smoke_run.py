@@ -10,8 +10,9 @@ What it is
     group (``./launch/test -k smoke`` runs them alone). The session fixtures
     make, once, what documented commands read: a tiny checkpoint and its
     metrics file (a 2-rank ``ringzero.train`` run), bench JSON files at n = 2
-    and 4, a small text file, and an older comm package for the before/after
-    scripts. (They live here, not in a conftest.py, which would shadow
+    and 4, a small text file, a GPT-2 folder with its tokenizer, encoded data
+    and a fine-tuned checkpoint (docs/gpt2.md), and an older comm package for
+    the before/after scripts. (They live here, not in a conftest.py, which would shadow
     tests/conftest.py for the tests that import from it.)
 What it is not
     A check of any figure: a smoke test asks that a command exits 0 and prints
@@ -118,6 +119,28 @@ def text_file(smoke_dir):
     with open(os.path.join(ROOT, "ringzero", "app", "train.py"), encoding="utf-8") as src:
         f.write_text(src.read() * 4)
     return str(f)
+
+
+@pytest.fixture(scope="session")
+def gpt2_files(smoke_dir, text_file):
+    """What docs/gpt2.md's recipe reads: a GPT-2 folder (random weights in GPT-2's file layout,
+    vocab 300), a byte-level BPE tokenizer.json of 300 ids trained on the text file, the text
+    encoded with it, and the recipe's fine-tuned checkpoint (2 ranks, 2 steps, --init-from)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from hf_files import small_bpe, write_gpt2
+    d = smoke_dir / "gpt2"
+    write_gpt2(d)
+    with open(text_file, encoding="utf-8") as fh:
+        tok = small_bpe(d, fh.read(), 300)
+    data = smoke_dir / "train.bin"
+    rc, out = run([PY, "-m", "ringzero.data", "encode", "--tokenizer", tok, text_file, str(data)])
+    check(rc, out, r"tokens", "the fixture encode (ringzero.data encode)")
+    ft = smoke_dir / "ft"
+    rc, out = run([PY, "-m", "mpi4py", "-m", "ringzero.train", "--init-from", str(d), "--data", str(data),
+                   "--seq-len", "16", "--batch", "2", "--steps", "2", "--eval-interval", "0", "--sample-chars", "0",
+                   "--quiet", "--precision", "fp32", "--save-every", "2", "--save-dir", str(ft)], ranks=2)
+    check(rc, out, r"initialized from", "the fixture fine-tuning run (ringzero.train --init-from, 2 ranks)")
+    return {"dir": str(d), "tokenizer": tok, "data": str(data), "finetuned": str(ft)}
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,17 @@ import re
 
 import pytest
 from documented import commands
-from smoke_run import PY, TINY_GPT, bench_files, check, run, smoke_dir, text_file, trained  # noqa: F401 (fixtures)
+from smoke_run import (  # noqa: F401
+    PY,
+    TINY_GPT,
+    bench_files,
+    check,
+    gpt2_files,
+    run,
+    smoke_dir,
+    text_file,
+    trained,  # (fixtures)
+)
 
 pytestmark = pytest.mark.smoke
 
@@ -46,6 +56,7 @@ TABLES = {
     ("ringzero.checkpoint", "export"): r"safetensors",
     ("ringzero.sample", None): r"\S",
     ("ringzero.data", None): r"unigram entropy",
+    ("ringzero.data", "encode"): r"tokens, ids 0\.\.\d+, uint16",
 }
 TINY_TRAIN = TINY_GPT + ["--steps", "2", "--eval-interval", "1", "--eval-batches", "1", "--sample-chars", "16"]
 BENCH_TINY = {"-b": "1K", "--minbytes": "1K", "-e": "4K", "--maxbytes": "4K", "-n": "2", "--iters": "2",
@@ -59,16 +70,41 @@ def word(cmd):
     return cmd.args[0] if cmd.args and re.fullmatch(r"[a-z]+", cmd.args[0]) else None
 
 
+def gpt2_input(a, prev, inputs):
+    """The fixture file for an input argument of docs/gpt2.md's recipe, or None: the GPT-2
+    folder "gpt2", its tokenizer, the encoded data, the text, the fine-tuned checkpoint "ft"."""
+    if prev in ("--save-dir", "--model"):
+        return None
+    if prev == "--tokenizer":
+        return inputs["gpt2"]()["tokenizer"]
+    if prev == "--init-from" or a.rstrip("/") == "gpt2":
+        return inputs["gpt2"]()["dir"]
+    if prev == "--data" and a.endswith(".bin"):
+        return inputs["gpt2"]()["data"]
+    if a.endswith(".txt"):
+        return inputs["text"]
+    if a.rstrip("/") == "ft":
+        return inputs["gpt2"]()["finetuned"]
+    return None
+
+
 def tiny(cmd, inputs, out_dir):
     """The command's argument list, made tiny and pointed at the fixtures' files."""
     args, out = list(cmd.args), []
     bench_inputs_done = False
+    # docs/gpt2.md's recipe (the user's GPT-2 folder "gpt2", the fine-tuned "ft"): its own fixtures
+    gpt2 = any(a in ("--init-from", "--tokenizer") or a.rstrip("/") in ("gpt2", "ft") for a in args)
     i = 0
     while i < len(args):
         a = args[i]
         prev = args[i - 1] if i else ""
         outputs = OUTPUT_FLAGS + (("--metrics", "--save-dir") if cmd.module == "ringzero.train" else ())
-        if prev in outputs and re.search(r"\.\w+$", a):                # an output file: into the temporary folder
+        recipe = gpt2_input(a, prev, inputs) if gpt2 else None
+        if recipe is not None:
+            out.append(recipe)
+        elif cmd.module == "ringzero.data" and a.endswith(".bin"):     # encode's output
+            out.append(os.path.join(out_dir, os.path.basename(a)))
+        elif prev in outputs and re.search(r"\.\w+$", a):                # an output file: into the temporary folder
             out.append(os.path.join(out_dir, os.path.basename(a.replace("$", "_"))))
         elif cmd.module == "ringzero.bench" and prev in BENCH_TINY:
             out.append(BENCH_TINY[prev])
@@ -90,7 +126,8 @@ def tiny(cmd, inputs, out_dir):
             out.append(a)
         i += 1
     if cmd.module == "ringzero.train" and not {"--help", "-h", "--check"} & set(out):
-        out += TINY_TRAIN
+        # an imported model's shapes are its config.json's: no dimension flags then
+        out += TINY_TRAIN if not gpt2 else ["--seq-len", "16", "--batch", "2"] + TINY_TRAIN[len(TINY_GPT):]
     if cmd.module == "ringzero.bench" and word(cmd) is None:
         out += ["-w", "1"]
     return out
@@ -102,7 +139,8 @@ def inputs(request):
     fx = request.getfixturevalue
     return {"text": fx("text_file"),
             "save_dir": lambda: fx("trained")["save_dir"], "step_dir": lambda: fx("trained")["step_dir"],
-            "metrics": lambda: fx("trained")["metrics"], "bench": lambda: fx("bench_files")}
+            "metrics": lambda: fx("trained")["metrics"], "bench": lambda: fx("bench_files"),
+            "gpt2": lambda: fx("gpt2_files")}
 
 
 def test_the_docs_show_commands():

@@ -1,0 +1,98 @@
+"""``python -m ringzero.checkpoint export --format hf CKPT OUT/``: a checkpoint as a transformers GPT-2.
+
+What it is
+    ``export_hf(ckpt, out_dir, dtype, vocab)`` writes OUT/config.json and
+    OUT/model.safetensors, which ``transformers.GPT2LMHeadModel.from_pretrained(OUT)``
+    loads with no missing and no unexpected key:
+
+        model.safetensors   transformer.<GPT-2 name> for every parameter
+                            (nn/hf_gpt2.py), as save_pretrained writes them; no
+                            lm_head.weight (tied to wte, which transformers
+                            restores); wte's padding rows left out, so its
+                            first dimension is vocab_size again
+        config.json         the imported model's own config.json (its token
+                            ids, its dropout) with the shapes and the
+                            exact-compute fields set from the checkpoint
+
+    The tensors stream one parameter at a time through runtime/export.py's
+    writer, from the fp32 master (or the run's fp16/bf16 params with
+    --dtype), from any number of shards: memory is one parameter. Both files
+    are written beside themselves and renamed into place.
+
+What it is not
+    No tokenizer files (bring the tokenizer.json you encoded with), no
+    generation config, no torch: transformers is never imported here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+
+from ringzero.nn.hf_gpt2 import PREFIX, hf_config, hf_name
+from ringzero.runtime.export import open_export, write_tensors
+from ringzero.runtime.flat import Layout
+from ringzero.runtime.manifest import CheckpointError, check_layout, fsync_dir
+
+_TORCH_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def export_hf(path: str, out_dir: str, dtype: str = "fp32", vocab: int | None = None) -> dict:
+    """Write ``out_dir``/config.json and model.safetensors from checkpoint ``path``. Serial."""
+    from ringzero.nn.gpt import GPTConfig, gpt_units
+    from ringzero.tools.sample import SampleError, config_from_manifest
+    ex = open_export(path, dtype)
+    try:
+        cfg = config_from_manifest(ex.manifest)
+    except SampleError as e:
+        raise CheckpointError(f"{ex.path}: --format hf exports a GPT: {e}") from None
+    check_layout(ex.manifest, ex.path, Layout(gpt_units(cfg), shards=1))   # the names are a GPT's
+    if vocab is not None:
+        if not 1 <= vocab <= cfg.vocab:
+            raise CheckpointError(f"--vocab must be in [1, {cfg.vocab}] (the checkpoint's wte rows), got {vocab}")
+        cfg = GPTConfig(**{**cfg.__dict__, "real_vocab": vocab})
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise CheckpointError(f"{out_dir!r} is a file: --format hf writes a folder (config.json, model.safetensors)")
+    os.makedirs(out_dir, exist_ok=True)
+    V, C = cfg.n_tokens, cfg.n_embd
+    tensors = [(name, PREFIX + hf_name(name), (V, C) if name == "wte" else tuple(s.spec.shape))
+               for name, s in ex.layout.slots.items()]
+    weights = os.path.join(out_dir, "model.safetensors")
+    write_tensors(ex, tensors, {"format": "pt"}, weights)     # transformers requires format "pt"
+    base = (ex.manifest.get("config") or {}).get("hf")
+    conf = hf_config(cfg, base if isinstance(base, dict) else None)
+    conf.pop("torch_dtype", None)
+    conf["dtype"] = _TORCH_DTYPE[dtype]
+    conf_path = os.path.join(out_dir, "config.json")
+    tmp = f"{conf_path}.tmp-{secrets.token_hex(4)}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(conf, fh, indent=2, sort_keys=True)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, conf_path)
+        fsync_dir(out_dir)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return {"out": out_dir, "source": ex.path, "tensors": len(tensors), "dtype": dtype, "class": ex.cls,
+            "bytes": os.path.getsize(weights), "vocab": V, "padded": cfg.vocab, "step": ex.manifest["step"],
+            "psi": ex.layout.numel - (cfg.vocab - V) * C}
+
+
+def cli(ckpt: str, out_dir: str, dtype: str, vocab: int | None) -> str:
+    """``export --format hf``: export, and the line the command prints."""
+    t0 = time.perf_counter()
+    r = export_hf(ckpt, out_dir, dtype, vocab)
+    return report(r, time.perf_counter() - t0)
+
+
+def report(r: dict, seconds: float) -> str:
+    """The command's line."""
+    pad = f", padding rows {r['vocab']}..{r['padded'] - 1} left out" if r["padded"] > r["vocab"] else ""
+    return (f"exported {r['tensors']} tensors ({r['psi']:,} params, {r['dtype']}, from {r['class']}) of "
+            f"{r['source']} (step {r['step']}) as a GPT-2 to {r['out']}: config.json + model.safetensors "
+            f"{r['bytes']:,} bytes, vocab_size {r['vocab']}{pad}, in {seconds:.2f} s")
