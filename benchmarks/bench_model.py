@@ -28,6 +28,13 @@ What it is not
 
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 .venv/bin/python benchmarks/bench_model.py \
         [--checkpoint] [--allocs] [--profile] [--backend cupy --dtype float16]
+        [--model gpt2|gpt2-medium|gpt2-large|gpt2-xl] [--n-layer L --n-head H --n-embd C] [--vocab N]
+
+    ``--model`` takes GPT-2's shapes from ringzero.nn.gpt.PRESETS (context
+    1024) with the byte vocabulary unless ``--vocab N``; the dimension flags
+    override a preset's. The float32 weights are held once (about 2.8 GB at
+    gpt2-large's shapes, the gradients as much again; torch's copy doubles
+    that, so ``--no-torch`` there).
 """
 from __future__ import annotations
 
@@ -39,7 +46,7 @@ import time
 
 import numpy as np
 
-from ringzero.nn.gpt import GPT, GPTConfig, gpt_units
+from ringzero.nn.gpt import GPT, PRESETS, GPTConfig, gpt_units, model_config, vocab_for
 from ringzero.runtime.flat import Layout
 
 
@@ -207,8 +214,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--n-embd", type=int, default=GPTConfig.n_embd,
-                    help="model width C (default %(default)s; the trainer's default run uses 128)")
+    ap.add_argument("--model", default="", choices=("",) + tuple(PRESETS),
+                    help="GPT-2 shapes (layers, heads, width, context 1024) with the byte vocabulary unless "
+                         "--vocab; the dimension flags override the preset's")
+    ap.add_argument("--n-layer", type=int, default=None, help="blocks (default 4, or the preset's)")
+    ap.add_argument("--n-head", type=int, default=None, help="heads (default 4, or the preset's)")
+    ap.add_argument("--n-embd", type=int, default=None,
+                    help="model width C (default 256, or the preset's; the trainer's default run uses 128)")
+    ap.add_argument("--vocab", type=int, default=256, help="a vocabulary of N ids (default 256, bytes), padded "
+                    "to a multiple of 64 as the trainer pads a token file's (vocab_for): 50257 -> 50304")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--checkpoint", action="store_true",
@@ -228,15 +242,20 @@ def main(argv=None):
         xp, sync = np, (lambda: None)
     dtype = np.dtype(a.dtype)
 
-    if a.n_embd < 1 or a.n_embd % GPTConfig.n_head:
-        raise SystemExit(f"--n-embd must be a positive multiple of n_head {GPTConfig.n_head}, got {a.n_embd}")
-    cfg = GPTConfig(n_embd=a.n_embd)
-    if a.seq > cfg.block_size:
-        raise SystemExit(f"--seq must be <= block_size {cfg.block_size}, got {a.seq}")
+    try:        # the presets' one source (ringzero.nn.gpt); the small default's context grows to --seq
+        vocab = 256 if a.vocab == 256 else vocab_for(a.vocab - 1)
+        cfg = model_config(a.model or None, vocab, n_layer=a.n_layer, n_head=a.n_head, n_embd=a.n_embd,
+                           block_size=None if a.model else max(GPTConfig.block_size, a.seq))
+    except ValueError as e:
+        raise SystemExit(f"bench_model: {e}") from None
+    if a.seq > cfg.block_size or min(a.batch, a.seq, a.repeats) < 1:
+        raise SystemExit(f"bench_model: need 1 <= --seq <= block_size {cfg.block_size}, --batch >= 1 and "
+                         f"--repeats >= 1; got --seq {a.seq}, --batch {a.batch}, --repeats {a.repeats}")
     layout = Layout(gpt_units(cfg), 1)
     host = np.zeros(layout.padded, np.float32)
     layout.init_full(host, seed=0)
-    buf = xp.asarray(host.astype(dtype))
+    # the host float32 buffer itself where it is the compute buffer (no second copy at gpt2-large's 2.8 GB)
+    buf = host if (xp is np and dtype == np.float32) else xp.asarray(host.astype(dtype))
     gbuf = xp.zeros_like(buf)
     P, G = layout.views(buf), layout.views(gbuf)
     models = {"ringzero": GPT(cfg)}

@@ -20,10 +20,19 @@ What it is
     to each node's eth0 with its rendezvous at node 1's address, each node
     on its own share of the cores.
 
-    Every side gets the same config (GPTConfig defaults: 4 layers, 4 heads,
-    n_embd 256, block 128, vocab 256), batch 8 per rank, T = 128, AdamW with
-    the same lr and global-norm clipping at 1.0, one thread per rank, and the
-    same batches (ringzero.app.data's default corpus).
+    Every side trains the same GPT (GPTConfig defaults: 4 layers, 4 heads,
+    n_embd 256, block = T, or a GPT-2 preset with ``--model gpt2`` ...,
+    context 1024, and the dimension flags over it), the byte vocabulary (or
+    ``--vocab N``: the same bytes as ids of an N-token vocabulary, so the
+    embedding and head have GPT-2's 50304 rows), batch 8 per rank, T = 128,
+    from the same initial weights (ringzero's draw for ``--seed``), with the
+    same batches, the same AdamW (decay on the same parameters), the same
+    global-norm clipping at 1.0 and the same learning-rate schedule (constant
+    unless ``--lr-warmup`` / ``--min-lr-frac``), one thread per rank:
+    tests/test_peer_trajectory.py holds the torch ranks to ringzero's losses
+    and weights. The loss columns are the mean over ranks on both sides.
+    Every mode's step is split into its compute and the communication it
+    left exposed (``peer_tables.step_split`` says how each side measures them).
     tokens/s of a step = world * batch * T / (rank 0's wall time of the step),
     median over the steps after ``--warmup``; the same formula is applied to
     ringzero's ``step_time_s`` metric (its ``tokens_per_s`` is cross-checked).
@@ -56,10 +65,17 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import cluster_opts  # noqa: E402  (benchmarks/ on the path first)
+from peer_tables import (  # noqa: E402
+    MODES,
+    RZ_MODES,
+    TIMELINE,
+    TORCH_MODES,
+    best_of,
+    step_table,
+    table,
+    timeline_table,
+)
 
-TORCH_MODES = ("ddp", "fsdp-grad-op", "fsdp-full")
-RZ_MODES = {"ringzero": "fp32", "ringzero-fp16": "fp16"}   # mode -> --precision
-MODES = TORCH_MODES + tuple(RZ_MODES)
 # one thread per rank (ranks share the cores); gloo stays on loopback
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
               "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo"}
@@ -70,23 +86,58 @@ THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THRE
 def ringzero_args(a, precision: str, metrics: str) -> list:
     """The ringzero trainer's flags for this benchmark: the one place to edit.
 
-    Its position table is --seq-len long (the torch side uses block = seq_len
-    too). A constant learning rate, as on the torch side, makes the loss
-    columns comparable. Evaluation only at the end and no text sample keep the
-    timed steps pure training steps, as on the torch side.
+    The model is ``resolve_model``'s (a --model preset keeps its context of
+    1024 positions; without one the position table is --seq-len long), on the
+    same data as the torch side. The learning-rate schedule is the same on
+    both sides (constant by default). Evaluation only at the end and no text
+    sample keep the timed steps pure training steps, as on the torch side.
     """
-    return ["--stage", str(a.stage), "--precision", precision, "--n-layer", str(a.n_layer),
-            "--n-head", str(a.n_head), "--n-embd", str(a.n_embd), "--batch", str(a.batch),
-            "--seq-len", str(a.seq_len), "--steps", str(a.steps), "--seed", str(a.seed),
-            "--lr", str(a.lr), "--warmup", "0", "--min-lr-frac", "1",   # constant lr, as torch
-            "--grad-clip", str(a.grad_clip), "--eval-interval", "0",
-            "--sample-chars", "0", "--quiet", "--metrics", metrics] + a.rz_extra.split()
+    model = ["--model", a.model] if a.model else []
+    data = ["--data", a.data] if a.data else []
+    return model + data + [
+        "--stage", str(a.stage), "--precision", precision, "--n-layer", str(a.n_layer),
+        "--n-head", str(a.n_head), "--n-embd", str(a.n_embd), "--batch", str(a.batch),
+        "--seq-len", str(a.seq_len), "--steps", str(a.steps), "--seed", str(a.seed),
+        "--lr", str(a.lr), "--warmup", str(a.lr_warmup), "--min-lr-frac", str(a.min_lr_frac),
+        "--weight-decay", str(a.weight_decay), "--grad-clip", str(a.grad_clip), "--eval-interval", "0",
+        "--sample-chars", "0", "--quiet", "--metrics", metrics] + a.rz_extra.split()
 
 
 def model_args(a) -> list:
+    """The torch ranks' flags: the same model, data, batches and schedule (train_peer_worker.py)."""
     return ["--n-layer", str(a.n_layer), "--n-head", str(a.n_head), "--n-embd", str(a.n_embd),
-            "--batch", str(a.batch), "--seq-len", str(a.seq_len), "--steps", str(a.steps),
-            "--seed", str(a.seed), "--lr", str(a.lr), "--grad-clip", str(a.grad_clip)]
+            "--block", str(a.block), "--data", a.data, "--batch", str(a.batch), "--seq-len", str(a.seq_len),
+            "--steps", str(a.steps), "--seed", str(a.seed), "--lr", str(a.lr), "--lr-warmup", str(a.lr_warmup),
+            "--min-lr-frac", str(a.min_lr_frac), "--weight-decay", str(a.weight_decay),
+            "--grad-clip", str(a.grad_clip), "--compute-steps", str(a.compute_steps)]
+
+
+def resolve_model(a):
+    """Fill a.n_layer, a.n_head, a.n_embd and a.block from --model (ringzero.nn.gpt.PRESETS, the one
+    source of GPT-2's shapes) and the flags given, as the trainer's gpt_config does; the vocabulary is
+    the data's (bytes: 256; --vocab N: N rounded up to a multiple of 64). Returns the GPTConfig."""
+    from ringzero.nn.gpt import GPTConfig, model_config, vocab_for
+    small = GPTConfig()                  # this benchmark's small default: 4 x 256, 4 heads
+    dims = {k: getattr(a, k) if getattr(a, k) is not None else (None if a.model else getattr(small, k))
+            for k in ("n_layer", "n_head", "n_embd")}
+    vocab = vocab_for(a.vocab - 1) if a.vocab else 256
+    cfg = model_config(a.model or None, vocab, block_size=None if a.model else a.seq_len, **dims)
+    a.n_layer, a.n_head, a.n_embd, a.block = cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size
+    return cfg
+
+
+def vocab_data(a, work):
+    """--vocab N: the default corpus's bytes as a uint16 token file (nanoGPT's .bin) whose last token is
+    N - 1, so that both sides build an embedding and a head of GPT-2's size (``vocab_for``: N rounded up
+    to a multiple of 64, 50257 -> 50304) and train on the same bytes. Sets a.data."""
+    import numpy as np
+
+    from ringzero.app.data import stdlib_corpus
+    c = stdlib_corpus()
+    tokens = np.concatenate([c.train, c.val]).astype(np.uint16)
+    tokens[-1] = a.vocab - 1                # in the held-out tail (the last 5 %): never a training target
+    a.data = os.path.join(work, f"bytes-as-{a.vocab}-ids.bin")
+    tokens.tofile(a.data)
 
 
 CLUSTER = dict(prefix="rzp", net=5)     # launch/cluster's nodes for --cluster: rzp-n1 at 198.18.5.1
@@ -192,13 +243,14 @@ def run_mode(mode, n, a, work):
         else:
             times, losses = ranks[0]["step_time_s"], ranks[0]["loss"]
             row["params"], row["layout_params"] = ranks[0]["params"], ranks[0]["layout_params"]
-            row["torch"] = ranks[0]["torch"]
+            row.update(torch=ranks[0]["torch"], fwd_bwd_s=ranks[0].get("fwd_bwd_s"),
+                       compute_s=ranks[0].get("compute_s"))
         timed = times[a.warmup:]
         if not timed:
             raise RuntimeError(f"no timed steps: {len(times)} steps, warm-up {a.warmup}")
         rss = [r["peak_rss_bytes"] for r in ranks]
         row["rss_start_max"] = max(r["rss_start_bytes"] for r in ranks)
-        row.update(ok=True, tokens_per_s=tokens / statistics.median(timed), step_time_s=times,
+        row.update(ok=True, tokens_per_s=tokens / statistics.median(timed), step_time_s=times, loss=losses,
                    loss_first=losses[0], loss_last=losses[-1], rss_min=min(rss), rss_max=max(rss))
     except (RuntimeError, OSError, KeyError, ValueError) as e:
         with open(log) as f:
@@ -206,76 +258,6 @@ def run_mode(mode, n, a, work):
         row.update(ok=False, error=str(e), log_tail=tail)
         print(f"!! {mode} at n={n} failed: {e}; log {log}:\n{tail}", file=sys.stderr)
     return row
-
-
-def best_of(launches):
-    """One row per (mode, ranks): the fastest good launch (the least disturbed
-    by other load), with every launch's figure and load kept beside it."""
-    good = [r for r in launches if r.get("ok")]
-    if not good:
-        return launches[-1]
-    best = dict(max(good, key=lambda r: r["tokens_per_s"]))
-    best["tokens_per_s_all"] = [round(r["tokens_per_s"]) if r.get("ok") else None for r in launches]
-    best["load_all"] = [r["load"] for r in launches]
-    return best
-
-
-def paired_ratios(launches, rz_mode, peer, n):
-    """ringzero / peer tokens/s per round, both launches of a round adjacent in
-    time, so slow swings of the machine's load largely cancel."""
-    a, b = launches.get((rz_mode, n), []), launches.get((peer, n), [])
-    return [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(a, b) if x.get("ok") and y.get("ok")]
-
-
-TIMELINE = ("step_time_s", "fwd_bwd_s", "compute_s", "comm_s", "reduce_s", "reduce_exposed_s",
-            "gather_s", "gather_exposed_s", "param_gather_exposed_s", "progress_cpu_s")
-
-
-def timeline_table(rows):
-    """Where ringzero's step goes (rank 0's metrics, medians over the timed steps, ms): the
-    forward+backward beside its compute and its collectives' own time (hidden or not), and the
-    overlap's figure of merit, forward+backward / max(compute, communication): 1.00 when the
-    shorter of the two is wholly hidden."""
-    rz = [r for r in rows if r.get("ok") and r.get("timeline")]
-    if not rz:
-        return ""
-    lines = ["| mode | ranks | step | fwd+bwd | compute | comm (run) | reductions exposed | gathers exposed | "
-             "update's gathers exposed | progress thread on a core | fwd+bwd / max(compute, comm) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rz:
-        t = r["timeline"]
-        ms = lambda k: f"{t[k] * 1e3:.1f}" if k in t else "—"      # noqa: E731
-        merit = t["fwd_bwd_s"] / max(t["compute_s"], t["comm_s"]) if "comm_s" in t else None
-        lines.append(f"| {r['mode']} | {r['ranks']} | {ms('step_time_s')} | {ms('fwd_bwd_s')} | {ms('compute_s')} | "
-                     f"{ms('comm_s')} | {ms('reduce_exposed_s')} | {ms('gather_exposed_s')} | "
-                     f"{ms('param_gather_exposed_s')} | {ms('progress_cpu_s')} | {f'{merit:.2f}' if merit else '—'} |")
-    return "\n".join(lines)
-
-
-def table(rows, launches):
-    """Markdown table. tokens/s is each mode's fastest launch; a ratio cell is
-    the median of the per-round ratios, with their range when rounds > 1."""
-    cols = [m for m in RZ_MODES if any(r["mode"] == m and r.get("ok") for r in rows)]
-    head = "".join(f" {m} / peer |" for m in cols)
-    lines = [(f"| mode | ranks | tokens/s | peak RSS per rank | RSS at start | loss first → last |{head}"
-              " every launch (load) |"), "|---|---|---|---|---|---|" + "---|" * len(cols) + "---|"]
-    for r in rows:
-        if not r.get("ok"):
-            lines.append(f"| {r['mode']} | {r['ranks']} | failed: {r['error']} | — | — | — |"
-                         + " — |" * len(cols) + " — |")
-            continue
-        mib = f"{r['rss_min'] / 2**20:.0f}–{r['rss_max'] / 2**20:.0f} MiB"
-        ratio = ""
-        for m in cols:
-            q = paired_ratios(launches, m, r["mode"], r["ranks"]) if r["mode"] in TORCH_MODES else []
-            span = f" ({min(q):.2f}–{max(q):.2f})" if len(q) > 1 else ""
-            ratio += f" {statistics.median(q):.2f}×{span} |" if q else " — |"
-        every = ", ".join(f"{t if t is not None else 'failed'} ({ld:.1f})"
-                          for t, ld in zip(r["tokens_per_s_all"], r["load_all"]))
-        lines.append(f"| {r['mode']} | {r['ranks']} | {r['tokens_per_s']:.0f} | {mib} | "
-                     f"{r['rss_start_max'] / 2**20:.0f} MiB | "
-                     f"{r['loss_first']:.3f} → {r['loss_last']:.3f} |{ratio} {every} |")
-    return "\n".join(lines)
 
 
 def parse(argv=None):
@@ -287,11 +269,23 @@ def parse(argv=None):
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
     ap.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--n-layer", type=int, default=4)
-    ap.add_argument("--n-head", type=int, default=4)
-    ap.add_argument("--n-embd", type=int, default=256)
-    ap.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (both sides)")
+    ap.add_argument("--model", default="", help="GPT-2 shapes: gpt2 | gpt2-medium | gpt2-large | gpt2-xl "
+                    "(context 1024; the dimension flags override a preset's)")
+    ap.add_argument("--n-layer", type=int, default=None, help="blocks (default 4, or the preset's)")
+    ap.add_argument("--n-head", type=int, default=None, help="heads (default 4, or the preset's)")
+    ap.add_argument("--n-embd", type=int, default=None, help="width (default 256, or the preset's)")
+    ap.add_argument("--vocab", type=int, default=None, help="a vocabulary of N ids (e.g. 50257, GPT-2's: "
+                    "its head's GEMM) over the same bytes; default: the bytes' 256")
+    ap.add_argument("--data", default="", help="the trainer's --data FILE for both sides (default: its corpus)")
+    ap.add_argument("--lr", type=float, default=3e-4, help="AdamW peak learning rate (both sides)")
+    ap.add_argument("--lr-warmup", type=int, default=0, help="linear warm-up steps of the lr (both sides; "
+                    "the trainer's schedule, ringzero.app.config.lr_at)")
+    ap.add_argument("--min-lr-frac", type=float, default=1.0, help="cosine decay to lr * this after the "
+                    "warm-up (default 1: a constant lr)")
+    ap.add_argument("--weight-decay", type=float, default=0.1, help="AdamW, not on biases and norms (both)")
     ap.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clip (both sides)")
+    ap.add_argument("--compute-steps", type=int, default=2, help="torch: forward+backward steps of a plain "
+                    "model after the run, the step's compute (0: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stage", default="2", help="ringzero stage (default 2)")
     ap.add_argument("--rz-module", default="ringzero.train", help="the trainer module to run")
@@ -320,6 +314,20 @@ def parse(argv=None):
         ap.error(f"need 0 <= --warmup < --steps, got warmup {a.warmup}, steps {a.steps}")
     if a.repeat < 1:
         ap.error(f"--repeat must be >= 1, got {a.repeat}")
+    if a.vocab is not None and (not 256 < a.vocab <= 65536 or a.data):
+        ap.error(f"--vocab must be in (256, 65536] and without --data, got {a.vocab}"
+                 + (f" and --data {a.data}" if a.data else ""))
+    if a.data and not os.path.isfile(a.data):
+        ap.error(f"--data {a.data!r} is not a file")
+    if a.lr_warmup < 0 or not 0 <= a.min_lr_frac <= 1 or a.compute_steps < 0:
+        ap.error(f"need --lr-warmup >= 0, 0 <= --min-lr-frac <= 1, --compute-steps >= 0; got {a.lr_warmup}, "
+                 f"{a.min_lr_frac}, {a.compute_steps}")
+    try:
+        cfg = resolve_model(a)
+    except ValueError as e:
+        ap.error(f"--model/--n-layer/--n-head/--n-embd: {e}")
+    if a.seq_len > cfg.block_size:
+        ap.error(f"--seq-len must be <= the model's context: expected <= {cfg.block_size}, got {a.seq_len}")
     return a
 
 
@@ -332,8 +340,11 @@ def main(argv=None):
             return 0
     work = a.keep or tempfile.mkdtemp(prefix="train_peer-")
     os.makedirs(work, exist_ok=True)
-    print(f"train_peer: GPT n_layer={a.n_layer} n_head={a.n_head} n_embd={a.n_embd} "
-          f"block={a.seq_len}, batch {a.batch}/rank, T={a.seq_len}, {a.steps} steps "
+    if a.vocab:
+        vocab_data(a, work)
+    print(f"train_peer: GPT {a.model + ' ' if a.model else ''}n_layer={a.n_layer} n_head={a.n_head} "
+          f"n_embd={a.n_embd} block={a.block} vocab {a.vocab or 'of the data'}, batch {a.batch}/rank, "
+          f"T={a.seq_len}, lr {a.lr} (warm-up {a.lr_warmup}, to x{a.min_lr_frac}), {a.steps} steps "
           f"({a.warmup} warm-up), {a.repeat} round(s), logs in {work}"
           + (f"; {cluster_opts.describe(a)}" if a.cluster else ""),
           flush=True)
@@ -348,6 +359,9 @@ def main(argv=None):
                           f"(load {row['load']:.1f}, {row['wall_s']} s launch)", flush=True)
     rows = [best_of(launches[(m, n)]) for n in a.ranks for m in a.modes]
     print(table(rows, launches))
+    st = step_table(rows, a.warmup)
+    if st:
+        print("\nwhere each mode's step goes (ms, rank 0, medians of the timed steps):\n" + st)
     tl = timeline_table(rows)
     if tl:
         print("\nringzero's step (ms, medians of rank 0's timed steps):\n" + tl)

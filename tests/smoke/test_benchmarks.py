@@ -25,13 +25,20 @@ pytestmark = pytest.mark.smoke
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 PEER = ["--ranks", "2", "--steps", "3", "--warmup", "1", "--modes", "ringzero,ddp", "--timeout", "200", *TINY_GPT]
+# a GPT-2 preset made tiny: gpt2's width and heads, one block, T = 16, a 1000-id vocabulary (its head
+# 1024 x 768, vocab_for's rounding)
+PRESET = ["--model", "gpt2", "--n-layer", "1", "--vocab", "1000"]
+PEER_PRESET = ["--ranks", "2", "--steps", "2", "--warmup", "1", "--modes", "ringzero,ddp", "--timeout", "200",
+               "--seq-len", "16", "--batch", "1", "--compute-steps", "1", *PRESET]
 PREV = "{prev}"   # replaced by the prev_comm fixture's folder
 
 # script -> [(ranks or None, args, a line of its table)]
 RUNS = {
     "allreduce_schedules.py": [(4, ["4K", "16K"], r"^n=4 MPI time / schedule time: 4K recursive_doubling=")],
     "bench_model.py": [(None, ["--batch", "1", "--seq", "16", "--repeats", "1", "--warmup", "0"],
-                        r"fwd\+bwd: median")],
+                        r"fwd\+bwd: median"),
+                       (None, ["--batch", "1", "--seq", "16", "--repeats", "1", "--warmup", "0", *PRESET],
+                        r"^ratio ringzero/gemm-floor: [\d.]+x")],
     "bench_stages.py": [(2, [*TINY_GPT, "--iters", "2", "--warmup", "1"], r"^\s+3\s+[\d.]+ ms\s+[\d.]+x"),
                         (2, [*TINY_GPT, "--iters", "2", "--warmup", "1", "--stages", "0,hybrid"],
                          r"^hybrid\s+[\d.]+ ms\s+[\d.]+x\s+[\d,]+ B\s+[\d,]+ B\s+off( +[\d.]+ ms){5}$"),
@@ -48,10 +55,12 @@ RUNS = {
                               r"all_reduce\s+4096")],
     "stage3_ring_before_after.py": [(2, [PREV, "2"], r"new/old step time: [\d.]+")],
     "sgemm_libs.py": [(None, ["--n-embd", "8", "--rows", "16"], r"^\s+the layer\s+\|\s+[\d.]+")],
-    "train_peer.py": [(None, PEER, r"^\| ringzero \| 2 \| \d+")],
+    "train_peer.py": [(None, PEER, r"^\| ringzero \| 2 \| \d+"),
+                      (None, PEER_PRESET, r"^\| ringzero \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| -?[\d.]+ \|$")],
 }
 # not scripts of their own: what runs them
 COVERED_BY = {"torch_gpt.py": "bench_model.py and train_peer.py (the torch side)",
+              "peer_tables.py": "train_peer.py (its tables)",
               "train_peer_worker.py": "train_peer.py (its ranks)",
               "cluster_opts.py": "bench_stages.py and check_simulate.py (their --cluster flags)"}
 CASES = [(s, i, *r) for s, rs in RUNS.items() for i, r in enumerate(rs)]
@@ -77,6 +86,9 @@ def test_benchmark(script, i, ranks, args, table, request):
     if script == "train_peer.py":
         if HAVE_TORCH:
             check(rc, out, r"^\| ddp \| 2 \| \d+", what + ": the torch row")
+            if "--model" in args:      # the torch mode's step, compute and exposed communication too
+                check(rc, out, r"^\| ddp \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| -?[\d.]+ \|$",
+                      what + ": the torch row of the step table")
         else:
             check(rc, out, r"torch is not installed", what + ": the line saying the torch rows are skipped")
             print("train_peer.py: torch is not installed here, so its torch row was skipped", file=sys.stderr)
