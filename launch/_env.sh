@@ -22,7 +22,7 @@ PYBIN="${RINGZERO_PYTHON:-python3}"
 
 PEER="${RINGZERO_PEER:-0}"
 TORCH_PIN="torch==2.13.0"   # the CPU build; an unpinned torch pulls a multi-GB CUDA build
-_stamp_src() { cat "$ROOT/setup.cfg" "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT/ringzero/comm/csrc/"*.c "$ROOT/ringzero/nn/csrc/"*.c 2>/dev/null; echo "$MPI_KIND"; }
+_stamp_src() { cat "$ROOT/setup.cfg" "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT/ringzero/comm/csrc/"*.c "$ROOT/ringzero/nn/csrc/"*.c "$ROOT/ringzero/runtime/csrc/"*.c 2>/dev/null; echo "$MPI_KIND"; }
 
 ensure_venv() {
     local want have=""

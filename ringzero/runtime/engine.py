@@ -13,6 +13,8 @@ What it is
         workspace.py  the slots' buffers and views; gather+cast, cast+reduce
         inflight.py   the started collectives (overlap): what they hold, where they end
         optim.py      AdamW and the loss scaler, on this rank's pieces
+        offload.py    the disk tier: which classes live in files (OffloadPolicy), the files
+        stream.py     the offloaded update: tiles through a few buffers, a reader and a writer thread
         reports.py    memory and traffic, measured beside the formulas
 
     The step is forward and backward through the plan, then the update: the
@@ -28,6 +30,12 @@ What it is
     the loss is the mean of the K micro-batch losses. Loss scale, overflow
     check and update happen once per step, over all K. K = 1 is the same
     code and arithmetic as without accumulation.
+
+    Offload (``offload=OffloadPolicy(...)``, docs/offload.md): master, m and v
+    (and at stage 3 the params shard) live in files; the update streams them
+    in tiles and writes the cast params in the same pass. Where state lives
+    changes, the arithmetic does not: losses and weights are bitwise those
+    without offload.
 
     Precision: fp16 (dynamic loss scaler), bf16 (ml_dtypes.bfloat16 on the
     host; a static scale of 1, a non-finite gradient still skips the step),
@@ -47,10 +55,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ringzero.comm.backend import select_device, xp_for
+from ringzero.comm.objects import allgather_obj
 from ringzero.comm.ring import Ring
-from ringzero.runtime import norms, passes, reports
+from ringzero.runtime import norms, passes, reports, stream
 from ringzero.runtime.flat import Layout
 from ringzero.runtime.inflight import UpdateGathers
+from ringzero.runtime.offload import OffloadError, OffloadPolicy, check_offload
 from ringzero.runtime.optim import AdamConfig, AdamW, LossScaler, clip_coef
 from ringzero.runtime.plan import build_plan
 from ringzero.runtime.policy import StagePolicy
@@ -82,7 +92,8 @@ class Zero:
     def __init__(self, model: "ShardableModel", comm, stage="2", *, precision="fp16", device="cpu", seed=0,
                  adam: AdamConfig | None = None, ranks_per_node=None, mem_budget=None,
                  scaler: LossScaler | None = None, timeout=None, grad_accum: int = 1, nodes=None,
-                 overlap: bool | None = None, prefetch: int | None = None, reduce_bucket: int | None = None):
+                 overlap: bool | None = None, prefetch: int | None = None, reduce_bucket: int | None = None,
+                 offload: OffloadPolicy | None = None):
         self.model, self.comm = model, comm
         self.policy = P = StagePolicy.of(stage)
         self.stage = P.stage
@@ -106,7 +117,16 @@ class Zero:
         if mem_budget is not None:       # refuse before allocating anything
             check_budget(L, self.stage, topo.world_size, mem_budget, P.ranks_per_node(topo.shard_size),
                          precision, self.grad_accum)
-        self.state = ShardedState(L, P, topo.shard_rank, self.storage_dtype, xp, self.grad_accum)
+        self.offload = off = offload or OffloadPolicy()
+        if off.enabled:                  # a bad DIR or a small disk: refused before any file is made
+            check_offload(self, off, device)
+        self.state = ShardedState(L, P, topo.shard_rank, self.storage_dtype, xp, self.grad_accum,
+                                  off if off.enabled else None)
+        self._decay = {(u, r): self.state.decay_runs(u, r) for u in range(U) for r in range(L.shards)}
+        # offload: the update streams this rank's pieces through a few tile buffers (stream.py)
+        self.offload_stream = stream.TileStream(self.state, off) if off.enabled else None
+        self.offload_tiles = stream.tiles(self.state, self._decay, off.tile) if off.enabled else []
+        self.last_step_io = {}               # {class: (bytes read, bytes written)} of the offload files, last step
         self.state.init_master(seed)
         self.update_gathers = UpdateGathers()   # stages 1-2: the update's all-gathers of the params
         self.publish_params()
@@ -152,7 +172,6 @@ class Zero:
         self._grad_scratch = aligned_empty(xp, max(L.piece_numel), np.float32)  # one unscaled grad piece
         # squared norm of each gradient piece this rank holds: (pieces, units) fp32
         self._dots = xp.zeros((len(self.state.held_ranks("master")), U), np.float32)
-        self._decay = {(u, r): self.state.decay_runs(u, r) for u in range(U) for r in range(L.shards)}
         # [loss, sumsq, stop] of this rank; stop rides along so that a request
         # one rank raised (the trainer's preemption signal) reaches every rank
         # at the same step, with no collective of its own
@@ -211,6 +230,7 @@ class Zero:
         Ring.set_context(f"step {self.step_count}")   # named by the Ring's stall and timeout lines
         led0 = reports.ledger_totals(self.topology)
         net0 = reports.ledger_totals(self.topology, "bytes_sent_internode")
+        io0 = self._io_counters()
         scale, n, K = self.scaler.scale, self.topology.world_size, self.grad_accum
         seed = self._seed()
         loss = 0.0
@@ -240,21 +260,26 @@ class Zero:
         if not skipped:
             coef = np.float32(inv * clip_coef(gnorm, self.adam.cfg.grad_clip))
             self.adam.begin_step()
-            piece = self.state.piece
-            for u, r, g in self._grad_pieces():
-                g *= coef
-                self.adam.update(piece("master", u, r), piece("adam_m", u, r), piece("adam_v", u, r),
-                                 g, lr, self._decay[(u, r)])
+            if self.offload_stream is not None:      # streamed from the files; params cast in the same pass
+                self._offloaded_update(coef, lr)
+            else:
+                piece = self.state.piece
+                for u, r, g in self._grad_pieces():
+                    g *= coef
+                    self.adam.update(piece("master", u, r), piece("adam_m", u, r), piece("adam_v", u, r),
+                                     g, lr, self._decay[(u, r)])
             # with overlap (stages 1-2) the params' all-gathers run while the next forward computes;
             # whoever reads params before it waits for them (wait_params)
             t1 = time.perf_counter()
-            self.update_gathers.started(self.state.publish(self.ring, start=self.overlap,
-                                                           buckets=self.workspaces.gather_buckets()))
+            self.update_gathers.started(self.state.publish(
+                self.ring, start=self.overlap, cast=self.offload_stream is None,
+                buckets=self.workspaces.gather_buckets() if self.offload_stream is None else ()))
             if not self.overlap and self.policy.full_params and not self.policy.full_optimizer:
                 dt = time.perf_counter() - t1          # stages 1-2: the blocking gathers (and casts)
                 for k in ("param_gather_s", "param_gather_exposed_s", "comm_s"):
                     self.timeline[k] += dt
         self.step_count += 1
+        self._count_io(io0)
         led1 = reports.ledger_totals(self.topology)
         self.last_step_ledger = {k: led1[k] - led0.get(k, 0) for k in led1}
         net1 = reports.ledger_totals(self.topology, "bytes_sent_internode")
@@ -264,7 +289,42 @@ class Zero:
     def publish_params(self):
         """master -> storage-dtype params (own pieces), all-gathered where params are full."""
         self.wait_params()
-        self.state.publish(self.ring)
+        if self.offload_stream is not None:          # master on disk: the cast streams it in tiles
+            stream.cast_params(self.state, self.offload_stream, self.offload_tiles)
+        self.state.publish(self.ring, cast=self.offload_stream is None)
+
+    # ------------------------------------------------------------------ offload
+    def _offloaded_update(self, coef, lr):
+        """The streamed update (stream.py); an I/O error on any rank is one OffloadError on every rank."""
+        err = None
+        try:
+            stream.update(self, coef, lr)
+        except OSError as e:
+            err = f"rank {self.comm.rank}: the offloaded update failed: {e.strerror or e} ({self.offload.dir})"
+        errs = allgather_obj(self.topology.control, err)
+        first = next((e for e in errs if e), None)
+        if first:
+            raise OffloadError(first + "; the offloaded state is lost: resume from the last checkpoint")
+
+    def _io_counters(self) -> dict:
+        """{class: (bytes read, bytes written)} so far, the offload files' own counters; the stream's
+        seconds start again from 0 (a step's own, not a save's or a start-up cast's)."""
+        if self.offload_stream is not None:
+            self.offload_stream.reset_timeline()
+        return {n: (f.bytes_read, f.bytes_written) for n, f in self.state.files.items()}
+
+    def _count_io(self, io0: dict):
+        """The last step's bytes per offload file, and the update's seconds of read, compute, write, waits."""
+        now = {n: (f.bytes_read, f.bytes_written) for n, f in self.state.files.items()}
+        self.last_step_io = {n: (r - io0[n][0], w - io0[n][1]) for n, (r, w) in now.items()}
+        if self.offload_stream is not None:
+            self.timeline.update({f"offload_{k}": v for k, v in self.offload_stream.reset_timeline().items()})
+
+    def close(self):
+        """Stop the offload threads and close its files (freed by the kernel). The engine is done."""
+        if self.offload_stream is not None:
+            self.offload_stream.close()
+        self.state.close()
 
     def wait_params(self, units=None):
         """Wait for the started all-gathers of these units' params (all: every one). Collective-free."""
@@ -318,6 +378,10 @@ class Zero:
     def memory_report(self) -> dict:
         """Bytes allocated on this rank per state class, beside the formula (reports.py)."""
         return reports.memory_report(self)
+
+    def io_report(self) -> dict:
+        """Bytes this rank read and wrote in its offload files in the last step, beside the formula."""
+        return reports.io_report(self)
 
     def traffic_report(self) -> dict:
         """Bytes this rank sent in the last step, beside the formula (reports.py)."""

@@ -1,0 +1,184 @@
+"""The offloaded update: a rank's pieces streamed from their files, in tiles, through a few buffers.
+
+What it is
+    ``TileStream(state, policy)`` owns a fixed pool of ``policy.buffers`` host
+    slots (each a tile of master, m and v in fp32, and of params where they are
+    offloaded) and two threads, a reader and a writer. ``run(tiles, compute)``
+    pipelines a list of tiles through them::
+
+        tile        i-1            i              i+1
+        writer      write back     .              .
+        caller      .              compute        .
+        reader      .              .              read
+
+    tile i+1 is read (os.preadv) while tile i is computed and tile i-1 written
+    (os.pwritev); slot j is read into again only once the write of the tile
+    that last held it has returned (three slots: the one being written, the
+    one computed, the one read). Behind the stream, posix_fadvise(DONTNEED)
+    drops the pages a tile read, and those of the tile written two before
+    (written back by then), so the page cache does not grow to the files' size.
+
+    ``Tile(u, r, lo, hi, runs)``: elements [lo, hi) of piece (u, r), and the
+    (start, stop, decayed) runs of the tile that take weight decay or not.
+    ``tiles(state, decay, tile)`` cuts every piece this rank updates.
+
+    ``update(engine, coef, lr)`` is the engine's update with offload: per tile,
+    AdamW.update_tile (optim.py: the fused C pass, or its NumPy twin) reads the
+    gradient from RAM, updates master, m and v in the slot, and writes the new
+    params, cast, into the params piece (RAM) or the slot (file). Because AdamW
+    is elementwise, the tiles and the fusion change where each element is
+    computed, never its bits (tests/test_offload.py). ``cast_params(state)`` is
+    the same stream for params = cast(master) alone (start, resume).
+
+    Errors: the first OSError of a thread is raised by ``run`` in the caller,
+    after every started read and write has returned (no thread writes into a
+    slot later); the engine turns it into one agreed OffloadError.
+
+What it is not
+    The files (offload.py) or what the update computes (optim.py). Not
+    O_DIRECT, not io_uring: preadv/pwritev release the GIL, which is all
+    two threads need here.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+import numpy as np
+
+from ringzero.runtime.offload import OPTIMIZER, FileView, fault, on_disk
+
+
+class Tile(NamedTuple):
+    u: int          # unit
+    r: int          # piece index (the rank it belongs to)
+    lo: int         # piece-relative elements [lo, hi)
+    hi: int
+    runs: tuple     # ((start, stop, decayed), ...) tile-relative, covering [0, hi - lo)
+
+
+def tiles(state, decay: dict, tile: int) -> list:
+    """Every piece this rank updates (held_ranks of master, r outer as the RAM update), cut in tiles."""
+    L, out = state.layout, []
+    for r in state.held_ranks("master"):
+        for u in range(len(L.units)):
+            runs = decay[(u, r)]
+            for lo in range(0, L.piece_numel[u], tile):
+                hi = min(lo + tile, L.piece_numel[u])
+                cuts = sorted({0, hi - lo} | {min(max(x - lo, 0), hi - lo) for a, b in runs for x in (a, b)})
+                out.append(Tile(u, r, lo, hi, tuple(
+                    (a, b, any(ra <= a + lo and b + lo <= rb for ra, rb in runs)) for a, b in zip(cuts, cuts[1:])
+                    if b > a)))
+    return out
+
+
+class TileStream:
+    """A pool of tile slots and a reader and a writer thread (module docstring)."""
+
+    def __init__(self, state, policy):
+        self.state, self.policy = state, policy
+        n = policy.tile
+        self.slots = [{name: np.empty(n, state.dtypes[name]) for name in state.files} for _ in range(policy.buffers)]
+        self._rd = ThreadPoolExecutor(1, thread_name_prefix="rz-offload-read")
+        self._wr = ThreadPoolExecutor(1, thread_name_prefix="rz-offload-write")
+        self.fault = fault(int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0"))))
+        self.timeline = {"read_s": 0.0, "write_s": 0.0, "exposed_s": 0.0, "compute_s": 0.0}
+
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for s in self.slots for a in s.values())
+
+    def _views(self, t: Tile, names):
+        return [(name, self.state.piece(name, t.u, t.r)[t.lo:t.hi]) for name in names]
+
+    def _read(self, t: Tile, slot, names):
+        t0 = time.perf_counter()
+        for name, view in self._views(t, names):
+            view.read(slot[name][:view.size])
+            if self.policy.drop_cache:
+                view.store.drop(view.start, view.size)     # clean pages: dropped at once
+        self.timeline["read_s"] += time.perf_counter() - t0
+
+    def _write(self, t: Tile, slot, names, i: int, behind):
+        t0 = time.perf_counter()
+        if self.fault and i == 1:                         # tests: the disk fills, or the process dies, mid-update
+            if self.fault == "crash":
+                os._exit(86)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"offload file ({self.policy.dir})")
+        for name, view in self._views(t, names):
+            view.write(slot[name][:view.size])
+            if self.policy.drop_cache:
+                view.store.drop(view.start, view.size)     # starts the write-back of these pages
+        if self.policy.drop_cache and behind is not None:  # two tiles back: written back by now, dropped
+            for name, view in self._views(behind, names):
+                view.store.drop(view.start, view.size)
+        self.timeline["write_s"] += time.perf_counter() - t0
+
+    def run(self, tiles: list, compute, reads=OPTIMIZER, writes=None, armed: bool = False):
+        """compute(tile, slot) on every tile, its ``reads`` classes read before and ``writes`` (default:
+        the offloaded ones it reads, and params when they are offloaded) written after.
+        armed: the update's stream, where RINGZERO_FAULT_OFFLOAD strikes (tests)."""
+        writes = tuple(w for w in (writes if writes is not None else reads + ("params",)) if w in self.state.files)
+        reads = tuple(r for r in reads if r in self.state.files)
+        nb, pending_r, pending_w = len(self.slots), {}, {}
+
+        def start_read(i):
+            if i - nb in pending_w:                        # slot i % nb: the write of its last tile returned
+                pending_w.pop(i - nb).result()
+            pending_r[i] = self._rd.submit(self._read, tiles[i], self.slots[i % nb], reads)
+        try:
+            if tiles:
+                start_read(0)
+            for i, t in enumerate(tiles):
+                if i + 1 < len(tiles):
+                    start_read(i + 1)
+                t0 = time.perf_counter()
+                pending_r.pop(i).result()
+                t1 = time.perf_counter()
+                compute(t, self.slots[i % nb])
+                self.timeline["exposed_s"] += t1 - t0
+                self.timeline["compute_s"] += time.perf_counter() - t1
+                pending_w[i] = self._wr.submit(self._write, t, self.slots[i % nb], writes, i if armed else -1,
+                                               tiles[i - 2] if i >= 2 else None)
+            t0 = time.perf_counter()
+            for i in sorted(pending_w):
+                pending_w.pop(i).result()
+            self.timeline["exposed_s"] += time.perf_counter() - t0
+        finally:                                           # an error: every thread done with the slots first
+            for f in (*pending_r.values(), *pending_w.values()):
+                f.exception()
+
+    def reset_timeline(self) -> dict:
+        out, self.timeline = self.timeline, dict.fromkeys(self.timeline, 0.0)
+        return out
+
+    def close(self):
+        self._rd.shutdown(wait=True)
+        self._wr.shutdown(wait=True)
+
+
+def update(engine, coef, lr: float):
+    """AdamW on every piece this rank updates, master/m/v streamed from their files (module docstring)."""
+    st, adam, stream = engine.state, engine.adam, engine.offload_stream
+
+    def compute(t: Tile, slot):
+        n = t.hi - t.lo
+        g = st.piece("grads", t.u, t.r)[t.lo:t.hi]
+        p = st.piece("params", t.u, t.r)[t.lo:t.hi]
+        out = slot["params"][:n] if isinstance(p, FileView) else p
+        mvs = [slot[c][:n] if c in slot else st.piece(c, t.u, t.r)[t.lo:t.hi] for c in OPTIMIZER]
+        adam.update_tile(*mvs, g, coef, lr, t.runs, out)
+    stream.run(engine.offload_tiles, compute, armed=True)
+
+
+def cast_params(state, stream, tiles_):
+    """params = cast(master) on every piece this rank owns, master read from its file (publish's cast)."""
+    from ringzero.runtime.state import cast_into
+
+    def compute(t: Tile, slot):
+        n = t.hi - t.lo
+        p = state.piece("params", t.u, t.r)[t.lo:t.hi]
+        cast_into(slot["params"][:n] if on_disk(p) else p, slot["master"][:n])
+    stream.run(tiles_, compute, reads=("master",), writes=("params",))
