@@ -51,7 +51,7 @@ def start_report(say, cfg: Config, corpus, engine, H: float) -> dict:
         + (f"         {_mib(mem['tiers']['ram'])} {_mib(mem['tiers']['disk'])}" if off else ""))
     if off:
         say(f"  offload {mem['offload']} in {engine.offload.dir}: the update streams tiles of "
-            f"{engine.offload.tile:,} elements through {engine.offload.buffers} buffers "
+            f"{engine.offload_stream.tile:,} elements through {engine.offload.buffers} buffers "
             f"({_mib(mem['offload_buffers']).strip()})")
     say("  workspace (not model state): " + ", ".join(f"{k} {_mib(v).strip()}" for k, v in mem["workspace"].items()))
     others = []
@@ -92,9 +92,11 @@ def end_report(say, cfg: Config, engine, loop, eval_loss: float, H: float) -> di
             + (f"formula {traffic['internode_formula']} = {f:,} B" if f is not None else "no formula"))
     if engine.offload.enabled and engine.last_step_io:
         io = engine.io_report()
+        def plan(k):       # the plan's exact figure where it differs (params: the last unit is gathered once)
+            return "" if io[f"{k}_plan_bytes"] == io[f"{k}_formula_bytes"] else f", plan {io[f'{k}_plan_bytes']:,} B"
         say(f"offload I/O per step per rank  read {io['read_bytes_per_step']:,} B (formula {io['read_formula']} = "
-            f"{io['read_plan_bytes']:,} B)   written {io['write_bytes_per_step']:,} B (formula "
-            f"{io['write_formula']} = {io['write_plan_bytes']:,} B)")
+            f"{io['read_formula_bytes']:,} B{plan('read')})   written {io['write_bytes_per_step']:,} B (formula "
+            f"{io['write_formula']} = {io['write_formula_bytes']:,} B{plan('write')})")
         tl = engine.timeline
         say(f"  last update: read {tl.get('offload_read_s', 0):.3f} s, compute {tl.get('offload_compute_s', 0):.3f} s, "
             f"write {tl.get('offload_write_s', 0):.3f} s, I/O exposed {tl.get('offload_exposed_s', 0):.3f} s")

@@ -80,7 +80,7 @@ class TileStream:
 
     def __init__(self, state, policy):
         self.state, self.policy = state, policy
-        n = policy.tile
+        n = self.tile = min(policy.tile, max(state.layout.piece_numel))   # no slot larger than a piece
         self.slots = [{name: np.empty(n, state.dtypes[name]) for name in state.files} for _ in range(policy.buffers)]
         self._rd = ThreadPoolExecutor(1, thread_name_prefix="rz-offload-read")
         self._wr = ThreadPoolExecutor(1, thread_name_prefix="rz-offload-write")
