@@ -6,12 +6,14 @@
 - a disk that fills in the middle of an update (RINGZERO_FAULT_OFFLOAD=enospc:1, the
   writer's second tile) ends the run with exit code 4 and one line on every rank,
   no traceback, no hang; the checkpoint saved before it verifies and a run resumes from it;
+  the same when rank 1 is killed there (RINGZERO_FAULT_OFFLOAD=crash:1);
 - bad flags: --offload params at stage 2, a missing --offload-dir, a disk too small
   (one line, exit 2, nothing written).
 """
 import os
 import re
 
+import pytest
 import trainer_cli as cli
 
 from ringzero.runtime import checkpoint as ck
@@ -63,6 +65,25 @@ def test_enospc_mid_update_exits_4_one_line_per_rank(tmp_path):
         assert ln.endswith(f"the newest complete checkpoint is {prev}"), ln
     assert "Traceback" not in err and "MPI_ABORT" not in err, cli.tail(out, err)
     assert ck.verify(prev, ck.read_manifest(prev)) is None
+    rcs, out, err = cli.run(base + ["--steps", "3", "--resume", "latest"], tmp_path)
+    assert rcs == {0: 0, 1: 0} and f"resumed from {prev} at step 2" in out, cli.tail(out, err)
+
+
+def test_killed_mid_update_leaves_the_checkpoint(tmp_path):
+    """Rank 1 dies (os._exit) in the middle of an update's writes: the job ends, the newest checkpoint
+    verifies, and a run resumes from it into fresh offload files."""
+    pytest.importorskip("ml_dtypes")
+    data = cli.corpus(tmp_path / "corpus.txt")
+    save = str(tmp_path / "ck")
+    base = cli.TINY + ["--data", data, "--save-dir", save, "--save-every", "2", *OFF,
+                       "--offload-dir", str(tmp_path), "--precision", "bf16"]     # bf16: no step skipped
+    rcs, out, err = cli.run(base + ["--steps", "2"], tmp_path)
+    assert rcs == {0: 0, 1: 0}, cli.tail(out, err)
+    rcs, out, err = cli.run(base + ["--steps", "4", "--resume", "latest"], tmp_path,
+                            env={"RINGZERO_FAULT_OFFLOAD": "crash:1"})
+    assert rcs.get(1) == 86, (rcs, cli.tail(out, err))
+    prev = os.path.join(save, "step-000002")
+    assert ck.latest(save) == prev and ck.verify(prev, ck.read_manifest(prev)) is None
     rcs, out, err = cli.run(base + ["--steps", "3", "--resume", "latest"], tmp_path)
     assert rcs == {0: 0, 1: 0} and f"resumed from {prev} at step 2" in out, cli.tail(out, err)
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -206,6 +207,7 @@ class FileStore:
             raise
         self.bytes_read = self.bytes_written = 0
         self._lock = threading.Lock()
+        self._closer = weakref.finalize(self, os.close, self.fd)     # an engine dropped unclosed: freed at GC
 
     @property
     def disk_bytes(self) -> int:
@@ -242,9 +244,9 @@ class FileStore:
         os.posix_fadvise(self.fd, start * item, count * item, os.POSIX_FADV_DONTNEED)
 
     def close(self):
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        """Close the file: the kernel frees its blocks (it has no name)."""
+        self._closer()
+        self.fd = -1
 
 
 class FileView:

@@ -15,8 +15,9 @@ What it is
     (os.pwritev); slot j is read into again only once the write of the tile
     that last held it has returned (three slots: the one being written, the
     one computed, the one read). Behind the stream, posix_fadvise(DONTNEED)
-    drops the pages a tile read, and those of the tile written two before
-    (written back by then), so the page cache does not grow to the files' size.
+    drops the pages a tile read, starts the write-back of those a tile wrote,
+    and asks again for the tile written two before (whose write-back has had
+    a tile's time to finish), so the page cache does not grow to the files' size.
 
     ``Tile(u, r, lo, hi, runs)``: elements [lo, hi) of piece (u, r), and the
     (start, stop, decayed) runs of the tile that take weight decay or not.
