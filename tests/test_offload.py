@@ -4,6 +4,8 @@
   all-gather of the engine, full_state) equal with and without offload, at every
   stage, fp16 and bf16, K = 1 and 2, overlap on and off; tiles of 1024 elements,
   so pieces cross several tiles and the three slots of the stream wrap;
+- ahead: the update on its own thread, unit by unit, beside the next forward, is
+  bitwise the blocking update (stage 3, hybrid; an eval and a save wait for it);
 - checkpoints: saved from offloaded state, resumed into RAM state and back
   (a resume may switch offload on or off), bitwise the run that never stopped;
 - a failure in the middle of an update (an injected ENOSPC in the writer) is one
@@ -95,6 +97,44 @@ def test_offload_params_is_bitwise_ram(comm, stage, precision, accum_overlap, tm
     assert_all(comm, ok, f"stage {stage} {precision} K={k}: losses {ram[0]} vs {off[0]}, classes equal "
                          f"{[ram[2][c] == off[2][c] for c in CLASSES]}")
     off[3].close()
+
+
+@pytest.mark.parametrize("stage", ["3", "hybrid"])
+@pytest.mark.parametrize("params", [False, True])
+@pytest.mark.parametrize("accum_overlap", [(1, False), (2, True)], ids=["k1-blocking", "k2-overlap"])
+def test_update_ahead_is_bitwise_blocking(comm, stage, params, accum_overlap, tmp_path):
+    """The update on its own thread, unit by unit, beside the next forward (ahead=True): the bits
+    of the blocking update; an eval and a checkpoint in between wait for it."""
+    from ringzero.runtime import checkpoint as ck
+    skip_hybrid(comm, stage)
+    k, ov = accum_overlap
+    kw = dict(precision="fp32", grad_accum=k, overlap=ov)      # fp32: no step skipped, every update runs ahead
+    ram = run(comm, stage, **kw)
+    eng = engine(comm, stage, offload=policy(tmp_path, params=params, ahead=True), **kw)
+    data = batches(comm, comm.size, comm.rank)
+    x, y = data.get(0)
+    ahead = run(comm, stage, eng=eng, **kw)
+    started = eng.update_ahead is not None
+    io = eng.io_report()           # the last finished update's bytes, the last step's params reads
+    io_ok = (io["read_bytes_per_step"], io["write_bytes_per_step"]) == (io["read_plan_bytes"], io["write_plan_bytes"])
+    ev = eng.eval_loss(x, y) if k == 1 else None                 # waits for the last update (collective)
+    d = comm.bcast(str(tmp_path) if comm.rank == 0 else None)
+    ck.save(eng, os.path.join(d, f"ck{comm.size}"), 3)
+    ok = started and io_ok and ram[:3] == ahead[:3] and not eng.update_ahead
+    ok &= ev is None or ev == ram[3].eval_loss(x, y)
+    assert_all(comm, ok, f"stage {stage} params={params} K={k}: losses {ram[0]} vs {ahead[0]}, classes equal "
+                         f"{[ram[2][c] == ahead[2][c] for c in CLASSES]}; io {io}")
+    eng.close()
+
+
+def test_ahead_needs_the_params_sharded(comm, tmp_path):
+    from ringzero.runtime.offload import OffloadError
+    try:
+        engine(comm, "2", offload=policy(tmp_path, ahead=True))
+        err = "no error"
+    except OffloadError as e:
+        err = str(e)
+    assert_all(comm, "needs the params sharded" in err, err)
 
 
 def test_numpy_update_path_is_bitwise_the_fused_one(comm, tmp_path, monkeypatch):

@@ -64,6 +64,9 @@ class Config:
                            'params shard too); "" = all in RAM (docs/offload.md)')
     offload_dir: str = opt("", "the folder of the offload files (one per class per rank, freed at exit); "
                                "a local disk with room for the offloaded state")
+    offload_ahead: bool = opt(False, "stage 3/hybrid with --offload: the update streams unit by unit beside the "
+                                     "next step's forward, which starts on unit 0 while later units are updated "
+                                     "(the same bits)")
     # ---- reporting
     eval_interval: int = opt(100, "steps between held-out evaluations (0 = only at the end)")
     eval_batches: int = opt(4, "batches per evaluation, per rank")
@@ -249,7 +252,7 @@ def offload_policy(cfg: Config):
     """The OffloadPolicy of --offload and --offload-dir (runtime/offload.py)."""
     from ringzero.runtime.offload import OffloadError, OffloadPolicy
     try:
-        return OffloadPolicy.parse(cfg.offload, cfg.offload_dir)
+        return OffloadPolicy.parse(cfg.offload, cfg.offload_dir, ahead=bool(cfg.offload_ahead))
     except OffloadError as e:
         raise ConfigError(str(e)) from None
 
@@ -260,6 +263,8 @@ def _validate_offload(cfg: Config):
     from ringzero.runtime.policy import StagePolicy
     pol = offload_policy(cfg)
     if not pol.enabled:
+        if cfg.offload_ahead:
+            raise ConfigError("--offload-ahead is given without --offload: add --offload optimizer")
         if cfg.offload_dir:
             raise ConfigError(f"--offload-dir {cfg.offload_dir!r} is given without --offload: add "
                               "--offload optimizer (or optimizer,params)")

@@ -52,7 +52,8 @@ def start_report(say, cfg: Config, corpus, engine, H: float) -> dict:
     if off:
         say(f"  offload {mem['offload']} in {engine.offload.dir}: the update streams tiles of "
             f"{engine.offload_stream.tile:,} elements through {engine.offload.buffers} buffers "
-            f"({_mib(mem['offload_buffers']).strip()})")
+            f"({_mib(mem['offload_buffers']).strip()})"
+            + (", beside the next forward (ahead)" if engine.offload.ahead else ""))
     say("  workspace (not model state): " + ", ".join(f"{k} {_mib(v).strip()}" for k, v in mem["workspace"].items()))
     others = []
     for st in accounting.STAGES:

@@ -55,12 +55,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ringzero.comm.backend import select_device, xp_for
-from ringzero.comm.objects import allgather_obj
 from ringzero.comm.ring import Ring
 from ringzero.runtime import norms, passes, reports, stream
 from ringzero.runtime.flat import Layout
 from ringzero.runtime.inflight import UpdateGathers
-from ringzero.runtime.offload import OffloadError, OffloadPolicy, check_offload
+from ringzero.runtime.offload import OffloadPolicy, check_offload
 from ringzero.runtime.optim import AdamConfig, AdamW, LossScaler, clip_coef
 from ringzero.runtime.plan import build_plan
 from ringzero.runtime.policy import StagePolicy
@@ -126,7 +125,9 @@ class Zero:
         # offload: the update streams this rank's pieces through a few tile buffers (stream.py)
         self.offload_stream = stream.TileStream(self.state, off) if off.enabled else None
         self.offload_tiles = stream.tiles(self.state, self._decay, off.tile) if off.enabled else []
+        self.update_ahead = stream.UpdateAhead(U) if off.enabled and off.ahead else None
         self.last_step_io = {}               # {class: (bytes read, bytes written)} of the offload files, last step
+        self.last_update_io = {}             # the same, of the last offloaded update alone (stream.update)
         self.state.init_master(seed)
         self.update_gathers = UpdateGathers()   # stages 1-2: the update's all-gathers of the params
         self.publish_params()
@@ -230,7 +231,7 @@ class Zero:
         Ring.set_context(f"step {self.step_count}")   # named by the Ring's stall and timeout lines
         led0 = reports.ledger_totals(self.topology)
         net0 = reports.ledger_totals(self.topology, "bytes_sent_internode")
-        io0 = self._io_counters()
+        io0 = reports.io_snapshot(self)
         scale, n, K = self.scaler.scale, self.topology.world_size, self.grad_accum
         seed = self._seed()
         loss = 0.0
@@ -252,6 +253,7 @@ class Zero:
         # the partials then added in rank order -- identical at every stage.
         # Every dot stays on the device (one (pieces, units) fp32 buffer) and
         # comes back in one copy per step: no host sync per unit per piece.
+        self._drain_ahead()                          # the last step's update, if it ran beside this forward
         sumsq = norms.share_scalars(self, loss, norms.piece_sumsq(self))
         loss = float(self._all_scalars[:, 0].sum() / n) if n > 1 else loss
         inv = 1.0 / (seed * K * n)                   # K = 1: 1 / (scale * n)
@@ -260,7 +262,9 @@ class Zero:
         if not skipped:
             coef = np.float32(inv * clip_coef(gnorm, self.adam.cfg.grad_clip))
             self.adam.begin_step()
-            if self.offload_stream is not None:      # streamed from the files; params cast in the same pass
+            if self.update_ahead is not None:        # beside the next forward, unit by unit
+                self.update_ahead.start(self, coef, lr)
+            elif self.offload_stream is not None:    # streamed from the files; params cast in the same pass
                 self._offloaded_update(coef, lr)
             else:
                 piece = self.state.piece
@@ -279,7 +283,7 @@ class Zero:
                 for k in ("param_gather_s", "param_gather_exposed_s", "comm_s"):
                     self.timeline[k] += dt
         self.step_count += 1
-        self._count_io(io0)
+        reports.io_delta(self, io0)
         led1 = reports.ledger_totals(self.topology)
         self.last_step_ledger = {k: led1[k] - led0.get(k, 0) for k in led1}
         net1 = reports.ledger_totals(self.topology, "bytes_sent_internode")
@@ -300,35 +304,32 @@ class Zero:
         try:
             stream.update(self, coef, lr)
         except OSError as e:
-            err = f"rank {self.comm.rank}: the offloaded update failed: {e.strerror or e} ({self.offload.dir})"
-        errs = allgather_obj(self.topology.control, err)
-        first = next((e for e in errs if e), None)
-        if first:
-            raise OffloadError(first + "; the offloaded state is lost: resume from the last checkpoint")
+            err = e.strerror or str(e)
+        stream.agree(self, err)
 
-    def _io_counters(self) -> dict:
-        """{class: (bytes read, bytes written)} so far, the offload files' own counters; the stream's
-        seconds start again from 0 (a step's own, not a save's or a start-up cast's)."""
-        if self.offload_stream is not None:
-            self.offload_stream.reset_timeline()
-        return {n: (f.bytes_read, f.bytes_written) for n, f in self.state.files.items()}
-
-    def _count_io(self, io0: dict):
-        """The last step's bytes per offload file, and the update's seconds of read, compute, write, waits."""
-        now = {n: (f.bytes_read, f.bytes_written) for n, f in self.state.files.items()}
-        self.last_step_io = {n: (r - io0[n][0], w - io0[n][1]) for n, (r, w) in now.items()}
-        if self.offload_stream is not None:
-            self.timeline.update({f"offload_{k}": v for k, v in self.offload_stream.reset_timeline().items()})
+    def _drain_ahead(self):
+        """Wait for an update started beside this forward (UpdateAhead); agree on its error. Collective."""
+        if self.update_ahead:
+            stream.agree(self, self.update_ahead.drain())
 
     def close(self):
         """Stop the offload threads and close its files (freed by the kernel). The engine is done."""
+        if self.update_ahead is not None:
+            self.update_ahead.drain()
+            self.update_ahead.close()
         if self.offload_stream is not None:
             self.offload_stream.close()
         self.state.close()
 
     def wait_params(self, units=None):
-        """Wait for the started all-gathers of these units' params (all: every one). Collective-free."""
+        """Wait for the started all-gathers of these units' params (all: every one). Collective-free,
+        except with an update running ahead (offload ``ahead``): all units then drain it, collectively."""
         self.update_gathers.wait(units)
+        if self.update_ahead:
+            if units is None:
+                self._drain_ahead()
+            else:
+                self.update_ahead.wait(units)
 
     # ------------------------------------------------------------- forward only
     def eval_loss(self, x, y) -> float:

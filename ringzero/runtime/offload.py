@@ -59,6 +59,7 @@ class OffloadPolicy:
     tile: int = 1 << 18         # elements per tile of the update's stream (1 MiB of fp32 per class)
     buffers: int = 3            # tiles in flight: tile i+1 read, i updated, i-1 written
     drop_cache: bool = True     # posix_fadvise(DONTNEED) behind the stream: the page cache stays small
+    ahead: bool = False         # params sharded: the update runs beside the next forward, unit by unit
 
     def __post_init__(self):
         if self.params and not self.optimizer:
@@ -102,6 +103,9 @@ class OffloadPolicy:
             return
         if device != "cpu":
             raise OffloadError(f"--offload runs on --device cpu only, got --device {device}")
+        if self.ahead and stage_policy.full_params:
+            raise OffloadError(f"offload ahead needs the params sharded (stage 3 or hybrid), got stage "
+                               f"{stage_policy.stage}: the stages 1-2 all-gather every updated piece first")
         if self.params and stage_policy.full_params:
             raise OffloadError(f"--offload params needs the params sharded (stage 3 or hybrid); stage "
                                f"{stage_policy.stage} holds them in full: use --offload optimizer, or --stage 3")

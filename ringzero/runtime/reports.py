@@ -160,3 +160,24 @@ def internode_report(engine, itemsize: int) -> dict:
             "formula_internode_bytes_per_step": formula,
             "plan_internode_bytes_per_step": plan,
             "internode_formula": accounting.internode_formula(engine.stage, K)}
+
+
+def io_snapshot(engine) -> dict:
+    """{class: (bytes read, bytes written)} of the offload files so far (their own counters); the
+    stream's seconds start again from 0, so a step's are its own (not a save's, not a start-up cast's)."""
+    if engine.offload_stream is not None and engine.update_ahead is None:
+        engine.offload_stream.reset_timeline()
+        engine.last_update_io = {}            # a skipped step updates nothing
+    return {n: (f.bytes_read, f.bytes_written) for n, f in engine.state.files.items()}
+
+
+def io_delta(engine, io0: dict):
+    """engine.last_step_io: per offload file, what the step's update moved (engine.last_update_io:
+    with ``ahead``, the last update that finished) and, for params, what the step's gathers read
+    since ``io0``; the update's seconds (read, compute, write, exposed) into engine.timeline."""
+    now = {n: (f.bytes_read, f.bytes_written) for n, f in engine.state.files.items()}
+    upd = getattr(engine, "last_update_io", {})
+    engine.last_step_io = {n: (now[n][0] - io0[n][0] if n == "params" else upd.get(n, (0, 0))[0],
+                               upd.get(n, (0, 0))[1]) for n in now}
+    if engine.offload_stream is not None:
+        engine.timeline.update({f"offload_{k}": v for k, v in engine.offload_stream.reset_timeline().items()})

@@ -44,13 +44,14 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
 
-from ringzero.runtime.offload import OPTIMIZER, FileView, fault, on_disk
+from ringzero.runtime.offload import OPTIMIZER, FileView, OffloadError, fault, on_disk
 
 
 class Tile(NamedTuple):
@@ -102,7 +103,7 @@ class TileStream:
                 view.store.drop(view.start, view.size)     # clean pages: dropped at once
         self.timeline["read_s"] += time.perf_counter() - t0
 
-    def _write(self, t: Tile, slot, names, i: int, behind):
+    def _write(self, t: Tile, slot, names, i: int, behind, written=None):
         t0 = time.perf_counter()
         if self.fault and i == 1:                         # tests: the disk fills, or the process dies, mid-update
             if self.fault == "crash":
@@ -116,11 +117,14 @@ class TileStream:
             for name, view in self._views(behind, names):
                 view.store.drop(view.start, view.size)
         self.timeline["write_s"] += time.perf_counter() - t0
+        if written is not None:
+            written(t)
 
-    def run(self, tiles: list, compute, reads=OPTIMIZER, writes=None, armed: bool = False):
+    def run(self, tiles: list, compute, reads=OPTIMIZER, writes=None, armed: bool = False, written=None):
         """compute(tile, slot) on every tile, its ``reads`` classes read before and ``writes`` (default:
         the offloaded ones it reads, and params when they are offloaded) written after.
-        armed: the update's stream, where RINGZERO_FAULT_OFFLOAD strikes (tests)."""
+        armed: the update's stream, where RINGZERO_FAULT_OFFLOAD strikes (tests).
+        written(tile): called (on the writer thread) once a tile's writes have returned."""
         writes = tuple(w for w in (writes if writes is not None else reads + ("params",)) if w in self.state.files)
         reads = tuple(r for r in reads if r in self.state.files)
         nb, pending_r, pending_w = len(self.slots), {}, {}
@@ -142,7 +146,7 @@ class TileStream:
                 self.timeline["exposed_s"] += t1 - t0
                 self.timeline["compute_s"] += time.perf_counter() - t1
                 pending_w[i] = self._wr.submit(self._write, t, self.slots[i % nb], writes, i if armed else -1,
-                                               tiles[i - 2] if i >= 2 else None)
+                                               tiles[i - 2] if i >= 2 else None, written)
             t0 = time.perf_counter()
             for i in sorted(pending_w):
                 pending_w.pop(i).result()
@@ -160,9 +164,18 @@ class TileStream:
         self._wr.shutdown(wait=True)
 
 
-def update(engine, coef, lr: float):
-    """AdamW on every piece this rank updates, master/m/v streamed from their files (module docstring)."""
+def update(engine, coef, lr: float, unit_done=None):
+    """AdamW on every piece this rank updates, master/m/v streamed from their files (module docstring).
+    unit_done(u): called once every tile of unit u is written (its params final)."""
     st, adam, stream = engine.state, engine.adam, engine.offload_stream
+    left = {}
+    for t in engine.offload_tiles:
+        left[t.u] = left.get(t.u, 0) + 1
+
+    def written(t: Tile):
+        left[t.u] -= 1
+        if not left[t.u] and unit_done is not None:
+            unit_done(t.u)
 
     def compute(t: Tile, slot):
         n = t.hi - t.lo
@@ -171,7 +184,60 @@ def update(engine, coef, lr: float):
         out = slot["params"][:n] if isinstance(p, FileView) else p
         mvs = [slot[c][:n] if c in slot else st.piece(c, t.u, t.r)[t.lo:t.hi] for c in OPTIMIZER]
         adam.update_tile(*mvs, g, coef, lr, t.runs, out)
-    stream.run(engine.offload_tiles, compute, armed=True)
+    before = {n: (f.bytes_read, f.bytes_written) for n, f in st.files.items()}
+    stream.run(engine.offload_tiles, compute, armed=True, written=written)
+    # what the update itself moved (with ahead, the forward reads params from the same file meanwhile)
+    engine.last_update_io = {n: (f.bytes_read - before[n][0], f.bytes_written - before[n][1])
+                             for n, f in st.files.items()}
+
+
+class UpdateAhead:
+    """The offloaded update on a thread of its own, unit by unit, while the next step's forward runs.
+
+    ``OffloadPolicy(ahead=True)``, params sharded (stage 3, hybrid: the forward gathers each
+    unit's params, and every rank's piece of unit u is final once its own update of u is). The
+    step ``start``s the update and returns; the next forward ``wait``s for unit u's last tile
+    to be written before it gathers u (units are updated in the order the forward reads them),
+    so its first units compute while later ones are still read, updated and written. ``drain``
+    (after that backward, or before anything reads the whole state) waits for the rest; the
+    ranks then agree on any error, one OffloadError on every rank. The arithmetic is the
+    blocking update's, element for element: bitwise the same (tests/test_offload.py).
+    """
+
+    def __init__(self, units: int):
+        self._ex = ThreadPoolExecutor(1, thread_name_prefix="rz-offload-update")
+        self._done = [threading.Event() for _ in range(units)]
+        self._future = None
+
+    def __bool__(self) -> bool:
+        return self._future is not None
+
+    def start(self, engine, coef, lr: float):
+        for e in self._done:
+            e.clear()
+        self._future = self._ex.submit(self._run, engine, coef, lr)
+
+    def _run(self, engine, coef, lr):
+        try:
+            update(engine, coef, lr, lambda u: self._done[u].set())
+        finally:                  # a failure: no wait hangs; the error is agreed at drain
+            for e in self._done:
+                e.set()
+
+    def wait(self, units):
+        for u in units:
+            self._done[u].wait()
+
+    def drain(self) -> str | None:
+        """Wait for the whole update; its error as one line, or None."""
+        f, self._future = self._future, None
+        if f is None:
+            return None
+        e = f.exception()
+        return None if e is None else (e.strerror if isinstance(e, OSError) and e.strerror else str(e))
+
+    def close(self):
+        self._ex.shutdown(wait=True)
 
 
 def cast_params(state, stream, tiles_):
@@ -183,3 +249,13 @@ def cast_params(state, stream, tiles_):
         p = state.piece("params", t.u, t.r)[t.lo:t.hi]
         cast_into(slot["params"][:n] if on_disk(p) else p, slot["master"][:n])
     stream.run(tiles_, compute, reads=("master",), writes=("params",))
+
+
+def agree(engine, err: str | None):
+    """One OffloadError on every rank if the update failed on any (a small all-gather on the control ring)."""
+    from ringzero.comm.objects import allgather_obj
+    if err:
+        err = f"rank {engine.comm.rank}: the offloaded update failed: {err} ({engine.offload.dir})"
+    first = next((e for e in allgather_obj(engine.topology.control, err) if e), None)
+    if first:
+        raise OffloadError(first + "; the offloaded state is lost: resume from the last checkpoint")
