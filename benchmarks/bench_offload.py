@@ -17,6 +17,9 @@ step, the medians over steps of the slowest rank's:
                measured rates: what the disk alone would need
     exposed    the update's waits for reads and writes (stream.py)
 
+(--ahead: the update runs beside the next forward, and a step's compute and
+exposed I/O include the previous update's.)
+
 and step / max(compute, I/O): 1 is a step bound by the slower of the two, with
 the other hidden behind it.
 
@@ -73,6 +76,7 @@ def main() -> int:
     ap.add_argument("--precision", default="fp16")
     ap.add_argument("--offload", default="optimizer")
     ap.add_argument("--offload-dir", required=True)
+    ap.add_argument("--ahead", action="store_true", help="the update beside the next forward (stage 3, hybrid)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--probe", default="256M", help="bytes each rank writes and reads to measure the disk")
     a = ap.parse_args()
@@ -85,7 +89,7 @@ def main() -> int:
     try:
         wr, rd = probe(a.offload_dir, parse_size(a.probe), comm)
         eng = Zero(GPT(cfg), comm, a.stage, precision=a.precision, seed=1,
-                   offload=OffloadPolicy.parse(a.offload, a.offload_dir))
+                   offload=OffloadPolicy.parse(a.offload, a.offload_dir, ahead=a.ahead))
     except (OSError, OffloadError) as e:
         return leave(comm, 2, f"bench_offload: {e}")
     say = print if comm.rank == 0 else (lambda *x, **k: None)

@@ -268,7 +268,7 @@ def _sample(engine, model, corpus, cfg) -> str:
     """Generate from the trained weights on rank 0 (all ranks join the gather), with
     the decoding loop of ``python -m ringzero.sample`` (tools/sample.py)."""
     from ringzero.tools.sample import generate
-    full = engine.full_params()
+    full = engine.full_params(root=0)             # one full copy, on rank 0 (shard rank 0 is world rank 0)
     if engine.comm.rank != 0:
         return ""
     prompt = corpus.encode("def ") if corpus.byte_level else np.zeros(1, np.int64)

@@ -342,16 +342,17 @@ class Zero:
         self.topology.control.all_gather(buf, allb)
         return float(allb.sum() / self.topology.world_size)
 
-    def full_params(self, dtype=np.float32):
+    def full_params(self, dtype=np.float32, root=None):
         """Every storage-dtype parameter, gathered and widened: a host array of
-        ``layout.padded`` elements. Collective: call on all ranks."""
-        return self.full_state("params", dtype)
+        ``layout.padded`` elements. Collective: call on all ranks (root: only that
+        shard rank gets it, the others None; at GPT-2 XL a full fp32 copy is 5.9 GB a rank)."""
+        return self.full_state("params", dtype, root)
 
-    def full_state(self, name: str, dtype=np.float32):
+    def full_state(self, name: str, dtype=np.float32, root=None):
         """One state class ("params", "master", "adam_m", "adam_v") in full, on
         the host. Collective; for checks, sampling and export, not the hot path."""
         self.wait_params()
-        return self.state.gather(name, self.ring, dtype)
+        return self.state.gather(name, self.ring, dtype, root)
 
     # --------------------------------------------------- checkpoint and reports
     def checkpoint_meta(self) -> dict:

@@ -99,7 +99,9 @@ class ShardedState:
                     s = L.slots[p.name]
                     seg[s.in_unit:s.in_unit + p.numel] = L.init_param(p.name, seed)
                 for r in self.held_ranks("master"):
-                    write_from(self.piece("master", u, r), L.own(seg, u, r))
+                    piece = self.piece("master", u, r)
+                    write_from(piece, L.own(seg, u, r))
+                    piece.store.drop(piece.start, piece.size)     # start its write-back; no page cache kept
             return
         host = (L.init_full(np.empty(L.padded, np.float32), seed) if self.policy.is_full("master")
                 else L.init_shard(np.empty(L.shard_numel, np.float32), seed, self.shard_rank))
@@ -163,11 +165,13 @@ class ShardedState:
             off, k = L.shard_offset[u] - a, L.piece_numel[u]
             L.unit_full(self.params, u).reshape(L.shards, k)[...] = blocks[:, off:off + k]
 
-    def gather(self, name: str, ring, dtype=np.float32):
+    def gather(self, name: str, ring, dtype=np.float32, root=None):
         """Buffer ``name`` in full, as a host array of ``layout.padded`` elements.
-        Collective on the shard group; holds one unit in flight beside the result."""
+        Collective on the shard group; holds one unit in flight beside the result.
+        root: only that shard rank allocates and fills the result; the others return None."""
         L, buf = self.layout, self.bufs[name]
-        out = np.empty(L.padded, dtype)
+        keep = root is None or root == self.shard_rank
+        out = np.empty(L.padded, dtype) if keep else None
         for u in range(len(L.units)):
             if buf.size == L.padded:
                 seg = L.unit_full(buf, u)
@@ -178,7 +182,8 @@ class ShardedState:
                 own = L.own(seg, u, self.shard_rank)
                 read_into(L.unit_shard(buf, u), own)
                 ring.all_gather(own, seg)
-            out[L.unit_offset[u]:L.unit_offset[u] + L.unit_padded[u]] = to_host(seg)
+            if keep:
+                out[L.unit_offset[u]:L.unit_offset[u] + L.unit_padded[u]] = to_host(seg)
         return out
 
     def decay_runs(self, u: int, r: int) -> list:
