@@ -255,3 +255,22 @@ def test_refusals_before_any_file(comm, tmp_path):
     ok &= "needs" in got["small"] and "0.0 MiB free" in got["small"] and "\n" not in "".join(got.values())
     ok &= not os.listdir(tmp_path)
     assert_all(comm, ok, f"{got}; left {os.listdir(tmp_path)}")
+
+
+def test_a_reservation_that_fails_on_one_rank_fails_on_every_rank(comm, tmp_path, monkeypatch):
+    """The space was there at the check, then another tenant took it: posix_fallocate fails (ENOSPC)
+    on the last rank alone; every rank raises the same one line, none waits in a collective."""
+    import errno
+
+    from ringzero.runtime.offload import OffloadError
+    if comm.rank == comm.size - 1:
+        def full(fd, off, n):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        monkeypatch.setattr(os, "posix_fallocate", full)
+    try:
+        engine(comm, "3", offload=policy(tmp_path))
+        err = "no error"
+    except OffloadError as e:
+        err = str(e)
+    ok = err.startswith(f"rank {comm.size - 1}: making the offload files: --offload-dir ") and "cannot reserve" in err
+    assert_all(comm, ok and "No space left on device" in err, err)

@@ -59,7 +59,7 @@ from ringzero.comm.ring import Ring
 from ringzero.runtime import norms, passes, reports, stream
 from ringzero.runtime.flat import Layout
 from ringzero.runtime.inflight import UpdateGathers
-from ringzero.runtime.offload import OffloadPolicy, check_offload
+from ringzero.runtime.offload import OffloadError, OffloadPolicy, check_offload
 from ringzero.runtime.optim import AdamConfig, AdamW, LossScaler, clip_coef
 from ringzero.runtime.plan import build_plan
 from ringzero.runtime.policy import StagePolicy
@@ -119,8 +119,14 @@ class Zero:
         self.offload = off = offload or OffloadPolicy()
         if off.enabled:                  # a bad DIR or a small disk: refused before any file is made
             check_offload(self, off, device)
-        self.state = ShardedState(L, P, topo.shard_rank, self.storage_dtype, xp, self.grad_accum,
-                                  off if off.enabled else None)
+        err = None
+        try:                             # offload: a file whose blocks cannot be reserved, on any rank
+            self.state = ShardedState(L, P, topo.shard_rank, self.storage_dtype, xp, self.grad_accum,
+                                      off if off.enabled else None)
+        except OffloadError as e:
+            err = str(e)
+        if off.enabled:
+            stream.agree(self, err, "making the offload files")
         self._decay = {(u, r): self.state.decay_runs(u, r) for u in range(U) for r in range(L.shards)}
         # offload: the update streams this rank's pieces through a few tile buffers (stream.py)
         self.offload_stream = stream.TileStream(self.state, off) if off.enabled else None

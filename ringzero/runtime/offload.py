@@ -25,7 +25,9 @@ What it is
 
     ``check_dir`` and ``check_space`` are the start-up refusals (one line each):
     a missing or read-only DIR, a filesystem with less free space than the
-    node's ranks will reserve. ``fault`` is the test hook RINGZERO_FAULT_OFFLOAD.
+    node's ranks will reserve; a file whose blocks cannot be reserved after all is
+    a third. The test hooks: ``fault`` (RINGZERO_FAULT_OFFLOAD) and RINGZERO_OFFLOAD_FREE
+    (the free bytes check_space sees).
 
 What it is not
     No schedule: the update's tiles and threads are stream.py's; which
@@ -197,7 +199,10 @@ class FileStore:
     def __init__(self, dir: str, name: str, dtype, numel: int):
         self.name, self.dtype, self.size = name, np.dtype(dtype), int(numel)
         self.nbytes = self.size * self.dtype.itemsize
-        self.fd = _open_tmp(dir)
+        try:
+            self.fd = _open_tmp(dir)
+        except OSError as e:
+            raise OffloadError(f"--offload-dir {dir!r}: cannot make the file of {name}: {e.strerror or e}") from None
         try:
             if self.nbytes:
                 try:
@@ -206,9 +211,10 @@ class FileStore:
                     if e.errno != errno.EOPNOTSUPP:
                         raise
                     os.ftruncate(self.fd, self.nbytes)
-        except OSError:
+        except OSError as e:                  # another tenant took the space since check_space
             os.close(self.fd)
-            raise
+            raise OffloadError(f"--offload-dir {dir!r}: cannot reserve {self.nbytes / 2**20:,.1f} MiB for {name}: "
+                               f"{e.strerror or e}") from None
         self.bytes_read = self.bytes_written = 0
         self._lock = threading.Lock()
         self._closer = weakref.finalize(self, os.close, self.fd)     # an engine dropped unclosed: freed at GC

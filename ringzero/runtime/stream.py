@@ -30,10 +30,13 @@ What it is
     is elementwise, the tiles and the fusion change where each element is
     computed, never its bits (tests/test_offload.py). ``cast_params(state)`` is
     the same stream for params = cast(master) alone (start, resume).
+    ``UpdateAhead`` runs ``update`` on a thread of its own, beside the next
+    step's forward, which waits for each unit where it gathers it (offload
+    ``ahead``, stage 3 and hybrid).
 
     Errors: the first OSError of a thread is raised by ``run`` in the caller,
     after every started read and write has returned (no thread writes into a
-    slot later); the engine turns it into one agreed OffloadError.
+    slot later); ``agree`` turns it into one OffloadError on every rank.
 
 What it is not
     The files (offload.py) or what the update computes (optim.py). Not
@@ -251,11 +254,14 @@ def cast_params(state, stream, tiles_):
     stream.run(tiles_, compute, reads=("master",), writes=("params",))
 
 
-def agree(engine, err: str | None):
-    """One OffloadError on every rank if the update failed on any (a small all-gather on the control ring)."""
+def agree(engine, err: str | None, what: str = ""):
+    """One OffloadError on every rank if the update (or ``what``) failed on any (a small all-gather on
+    the control ring)."""
     from ringzero.comm.objects import allgather_obj
-    if err:
+    if err and not what:
         err = f"rank {engine.comm.rank}: the offloaded update failed: {err} ({engine.offload.dir})"
+    elif err:
+        err = f"rank {engine.comm.rank}: {what}: {err}"
     first = next((e for e in allgather_obj(engine.topology.control, err) if e), None)
     if first:
-        raise OffloadError(first + "; the offloaded state is lost: resume from the last checkpoint")
+        raise OffloadError(first + ("" if what else "; the offloaded state is lost: resume from the last checkpoint"))
