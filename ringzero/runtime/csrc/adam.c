@@ -91,8 +91,20 @@ static inline uint16_t f2h_bits(uint32_t f)
 /* ---- bf16: widen is a shift; narrow rounds to nearest even (ml_dtypes) ------- */
 static inline uint16_t f2bf_bits(uint32_t f)
 {
-    if ((f & 0x7fffffffu) > 0x7f800000u) return (f & 0x80000000u) ? 0xffc0u : 0x7fc0u;
-    return (uint16_t)((f + 0x7fffu + ((f >> 16) & 1u)) >> 16);
+    /* branch-free, so the loop vectorizes: a NaN picks the quiet NaN of its sign */
+    uint32_t r = (f + 0x7fffu + ((f >> 16) & 1u)) >> 16;
+    uint32_t q = (f & 0x80000000u) ? 0xffc0u : 0x7fc0u;
+    return (uint16_t)((f & 0x7fffffffu) > 0x7f800000u ? q : r);
+}
+
+RZ_CLONES static void f2bf_block(const float *restrict s, uint16_t *restrict o, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) o[i] = f2bf_bits(f32_to_bits(s[i]));
+}
+
+RZ_CLONES static void bf2f_block(const uint16_t *restrict s, float *restrict o, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) o[i] = bits_to_f32((uint32_t)s[i] << 16);
 }
 
 #ifdef RZ_X86
@@ -127,10 +139,7 @@ static void widen(const void *src, int kind, float *o, Py_ssize_t n)
 {
     if (kind == K_F32) { memcpy(o, src, (size_t)n * 4); return; }
     const uint16_t *s = (const uint16_t *)src;
-    if (kind == K_BF16) {
-        for (Py_ssize_t i = 0; i < n; i++) o[i] = bits_to_f32((uint32_t)s[i] << 16);
-        return;
-    }
+    if (kind == K_BF16) { bf2f_block(s, o, n); return; }
 #ifdef RZ_X86
     if (have_f16c) { h2f_f16c(s, o, n); return; }
 #endif
@@ -142,10 +151,7 @@ static void narrow(const float *s, int kind, void *dst, Py_ssize_t n)
     if (kind == K_NONE) return;
     if (kind == K_F32) { memcpy(dst, s, (size_t)n * 4); return; }
     uint16_t *o = (uint16_t *)dst;
-    if (kind == K_BF16) {
-        for (Py_ssize_t i = 0; i < n; i++) o[i] = f2bf_bits(f32_to_bits(s[i]));
-        return;
-    }
+    if (kind == K_BF16) { f2bf_block(s, o, n); return; }
 #ifdef RZ_X86
     if (have_f16c) { f2h_f16c(s, o, n); return; }
 #endif
