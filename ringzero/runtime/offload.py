@@ -253,6 +253,11 @@ class FileStore:
         item = self.dtype.itemsize
         os.posix_fadvise(self.fd, start * item, count * item, os.POSIX_FADV_DONTNEED)
 
+    def flush(self):
+        """Write every dirty page to the disk (fdatasync), then drop the file's pages from the page cache."""
+        os.fdatasync(self.fd)
+        self.drop(0, self.size)
+
     def close(self):
         """Close the file: the kernel frees its blocks (it has no name)."""
         self._closer()

@@ -99,9 +99,8 @@ class ShardedState:
                     s = L.slots[p.name]
                     seg[s.in_unit:s.in_unit + p.numel] = L.init_param(p.name, seed)
                 for r in self.held_ranks("master"):
-                    piece = self.piece("master", u, r)
-                    write_from(piece, L.own(seg, u, r))
-                    piece.store.drop(piece.start, piece.size)     # start its write-back; no page cache kept
+                    write_from(self.piece("master", u, r), L.own(seg, u, r))
+            self.files["master"].flush()        # on the disk, and out of the page cache
             return
         host = (L.init_full(np.empty(L.padded, np.float32), seed) if self.policy.is_full("master")
                 else L.init_shard(np.empty(L.shard_numel, np.float32), seed, self.shard_rank))

@@ -17,7 +17,8 @@ What it is
     one computed, the one read). Behind the stream, posix_fadvise(DONTNEED)
     drops the pages a tile read, starts the write-back of those a tile wrote,
     and asks again for the tile written two before (whose write-back has had
-    a tile's time to finish), so the page cache does not grow to the files' size.
+    a tile's time to finish); a sweep over the written files at the end drops
+    what finished later, so the page cache does not grow to the files' size.
 
     ``Tile(u, r, lo, hi, runs)``: elements [lo, hi) of piece (u, r), and the
     (start, stop, decayed) runs of the tile that take weight decay or not.
@@ -153,6 +154,9 @@ class TileStream:
             t0 = time.perf_counter()
             for i in sorted(pending_w):
                 pending_w.pop(i).result()
+            if self.policy.drop_cache:     # a sweep: the pages whose write-back ended after their tile's drop
+                for name in writes:
+                    self.state.files[name].drop(0, self.state.files[name].size)
             self.timeline["exposed_s"] += time.perf_counter() - t0
         finally:                                           # an error: every thread done with the slots first
             for f in (*pending_r.values(), *pending_w.values()):
