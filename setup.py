@@ -1,12 +1,14 @@
-"""Build script for the two optional C extensions. Package metadata lives in setup.cfg.
+"""Build script for the three optional C extensions. Package metadata lives in setup.cfg.
 
 - ringzero.comm._f16 (ringzero/comm/csrc/f16.c): the float16 kernels of the
   ring; without it ringzero.comm.kernels uses NumPy, with bitwise the same results.
 - ringzero.nn._fused (ringzero/nn/csrc/fused.c): the model's single-pass
   elementwise kernels (GELU, LayerNorm, softmax, cross-entropy); without it
   ringzero.nn.fused uses NumPy formulas (the same math, other rounding).
+- ringzero.runtime._adam (ringzero/runtime/csrc/adam.c): AdamW in one pass for the
+  offloaded update; without it ringzero.runtime.optim uses NumPy, with bitwise the same results.
 
-Both are optional: without a compiler the install still succeeds.
+All three are optional: without a compiler the install still succeeds.
 """
 from setuptools import Extension, setup
 
@@ -25,6 +27,13 @@ setup(
             # the baseline clones of each kernel round exactly alike); no traps
             # or errno, so the branch-free exp/tanh can be vectorized
             extra_compile_args=["-O3", "-fno-fast-math", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"],
+            optional=True,
+        ),
+        Extension(
+            "ringzero.runtime._adam",
+            sources=["ringzero/runtime/csrc/adam.c"],
+            # as _fused: no contraction, no fast-math, so it rounds as the NumPy update does
+            extra_compile_args=["-O3", "-fno-fast-math", "-ffp-contract=off", "-fno-math-errno"],
             optional=True,
         ),
     ]

@@ -65,6 +65,14 @@ class Config:
     mem_check: bool = opt(True, "refuse at start a run whose model state + workspace + activations exceed the "
                                 "memory there is (MemAvailable, the memory cgroup, RLIMIT_DATA); "
                                 "--no-mem-check (or RINGZERO_MEM_CHECK=0) skips it")
+    offload: str = opt("", 'state classes kept in files under --offload-dir and streamed through the update: '
+                           '"optimizer" (fp32 master, Adam m, v) or "optimizer,params" (stage 3/hybrid: the '
+                           'params shard too); "" = all in RAM (docs/offload.md)')
+    offload_dir: str = opt("", "the folder of the offload files (one per class per rank, freed at exit); "
+                               "a local disk with room for the offloaded state")
+    offload_ahead: bool = opt(False, "stage 3/hybrid with --offload: the update streams unit by unit beside the "
+                                     "next step's forward, which starts on unit 0 while later units are updated "
+                                     "(the same bits)")
     # ---- reporting
     eval_interval: int = opt(100, "steps between held-out evaluations (0 = only at the end)")
     eval_batches: int = opt(4, "batches per evaluation, per rank")
@@ -232,6 +240,7 @@ def validate(cfg: Config):
         cfg.stage = accounting.parse_stage(cfg.stage)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"--stage: {e}") from None
+    _validate_offload(cfg)
     if cfg.mem_budget:
         try:
             parse_size(cfg.mem_budget)
@@ -247,6 +256,34 @@ def validate(cfg: Config):
         from ringzero.runtime.checkpoint import latest
         need(latest(cfg.save_dir) is not None,
              f"--resume latest: no complete checkpoint in --save-dir {cfg.save_dir!r}")
+
+
+def offload_policy(cfg: Config):
+    """The OffloadPolicy of --offload and --offload-dir (runtime/offload.py)."""
+    from ringzero.runtime.offload import OffloadError, OffloadPolicy
+    try:
+        return OffloadPolicy.parse(cfg.offload, cfg.offload_dir, ahead=bool(cfg.offload_ahead))
+    except OffloadError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _validate_offload(cfg: Config):
+    """--offload: its words, its stage and device, and a DIR that exists and takes a file."""
+    from ringzero.runtime.offload import OffloadError, check_dir
+    from ringzero.runtime.policy import StagePolicy
+    pol = offload_policy(cfg)
+    if not pol.enabled:
+        if cfg.offload_ahead:
+            raise ConfigError("--offload-ahead is given without --offload: add --offload optimizer")
+        if cfg.offload_dir:
+            raise ConfigError(f"--offload-dir {cfg.offload_dir!r} is given without --offload: add "
+                              "--offload optimizer (or optimizer,params)")
+        return
+    try:
+        pol.check(StagePolicy.of(cfg.stage), cfg.device)
+        check_dir(pol.dir)
+    except OffloadError as e:
+        raise ConfigError(str(e)) from None
 
 
 def gpt_config(cfg: Config, vocab: int):

@@ -10,7 +10,9 @@ What it is
 
     Exit codes of ``python -m ringzero.train``: 0 done; 2 bad input (flags,
     config, data, device, metrics file, a checkpoint that fails its checks
-    on resume); 3 a checkpoint save failed, the previous one intact; 128+N
+    on resume, an offload folder missing, read-only or too small); 3 a checkpoint
+    save failed, the previous one intact; 4 the offload tier failed mid-run (a full
+    disk: one line from every rank), the newest checkpoint intact; 128+N
     stopped by signal N after saving (SIGINT 130, SIGUSR1 138, SIGTERM 143);
     4 an allocation failed on a rank (one line from each rank it failed on,
     naming the buffer, its bytes and the limits; mpirun ends the others);
@@ -54,12 +56,13 @@ def under_mpi() -> bool:
         k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK"))
 
 
-def leave(comm, code: int, msg: str | None) -> int:
-    """End an agreed failure: one line from rank 0, then every rank finalizes
-    MPI and exits ``code`` itself, so that ``python -m mpi4py`` does not turn
-    the exit into MPI_Abort (and its banner). All ranks must be here."""
+def leave(comm, code: int, msg: str | None, every_rank: bool = False) -> int:
+    """End an agreed failure: one line from rank 0 (every_rank: one from each rank,
+    its own), then every rank finalizes MPI and exits ``code`` itself, so that
+    ``python -m mpi4py`` does not turn the exit into MPI_Abort (and its banner).
+    All ranks must be here."""
     from mpi4py import MPI
-    if msg and comm.rank == 0:
+    if msg and (every_rank or comm.rank == 0):
         print(msg, file=sys.stderr)
     if not MPI.Is_initialized() or MPI.Is_finalized():
         return code

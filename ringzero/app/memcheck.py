@@ -79,8 +79,18 @@ def need_of(cfg: Config, model, run: budget.Run, nodes: int = 1) -> budget.Need:
     act = training_bytes(model.cfg, cfg.batch // cfg.grad_accum, cfg.seq_len, run.checkpointing, cd.itemsize)
     init = 4 * (L.padded if P.full_optimizer else L.shard_numel)     # ShardedState.init_master's fp32 host copy
     end = 4 * L.padded if run.sample else 0                           # the sample's engine.full_params()
-    staging = budget.OFFLOAD_BUFFER_BYTES if tiers["disk"] else 0     # the streamed update's host buffers
+    # the streamed update's host buffers (stream.TileStream): at most `buffers` tiles of each offloaded class
+    staging = _stream_bytes(tiers["disk"], np.dtype(sd).itemsize)
     return budget.Need(tiers["ram"] + staging, ws, act, tiers["disk"], init, end)
+
+
+def _stream_bytes(on_disk: int, storage_itemsize: int) -> int:
+    """An upper bound of the update's tile buffers: every tile full, of master, m, v (fp32) and params."""
+    if not on_disk:
+        return 0
+    from ringzero.runtime.offload import OffloadPolicy
+    pol = OffloadPolicy()
+    return pol.buffers * pol.tile * (3 * 4 + storage_itemsize)
 
 
 def _room_on_device():

@@ -42,10 +42,18 @@ def start_report(say, cfg: Config, corpus, engine, H: float) -> dict:
             f"({'summed on the rank, reduced once' if engine.policy.accumulate_locally else 'reduce-scattered each'}"
             f"; global batch {cfg.batch * n} sequences)")
     say(f"ringzero | held-out unigram entropy {H:.3f} nats (target: final eval loss <= {0.6 * H:.3f})")
-    say("model state per rank       measured       formula")
+    off = engine.offload.enabled
+    say("model state per rank       measured       formula" + ("   tier   RAM           disk (blocks)" if off else ""))
     for c, d in mem["classes"].items():
-        say(f"  {accounting.class_name(c, pr):<18} {_mib(d['measured_bytes'])} {_mib(d['formula_bytes'])}")
-    say(f"  {'total':<18} {_mib(mem['model_state_measured'])} {_mib(mem['model_state_formula'])}")
+        say(f"  {accounting.class_name(c, pr):<18} {_mib(d['measured_bytes'])} {_mib(d['formula_bytes'])}"
+            + (f"   {d['tier']:<5} {_mib(d['ram_bytes'])} {_mib(d['disk_bytes'])}" if off else ""))
+    say(f"  {'total':<18} {_mib(mem['model_state_measured'])} {_mib(mem['model_state_formula'])}"
+        + (f"         {_mib(mem['tiers']['ram'])} {_mib(mem['tiers']['disk'])}" if off else ""))
+    if off:
+        say(f"  offload {mem['offload']} in {engine.offload.dir}: the update streams tiles of "
+            f"{engine.offload_stream.tile:,} elements through {engine.offload.buffers} buffers "
+            f"({_mib(mem['offload_buffers']).strip()})"
+            + (", beside the next forward (ahead)" if engine.offload.ahead else ""))
     say("  workspace (not model state): " + ", ".join(f"{k} {_mib(v).strip()}" for k, v in mem["workspace"].items()))
     others = []
     for st in accounting.STAGES:
@@ -83,6 +91,16 @@ def end_report(say, cfg: Config, engine, loop, eval_loss: float, H: float) -> di
         f = traffic["formula_internode_bytes_per_step"]
         say(f"  across nodes ({traffic['node_map']})  measured {traffic['measured_internode_bytes_per_step']:,} B   "
             + (f"formula {traffic['internode_formula']} = {f:,} B" if f is not None else "no formula"))
+    if engine.offload.enabled and engine.last_step_io:
+        io = engine.io_report()
+        def plan(k):       # the plan's exact figure where it differs (params: the last unit is gathered once)
+            return "" if io[f"{k}_plan_bytes"] == io[f"{k}_formula_bytes"] else f", plan {io[f'{k}_plan_bytes']:,} B"
+        say(f"offload I/O per step per rank  read {io['read_bytes_per_step']:,} B (formula {io['read_formula']} = "
+            f"{io['read_formula_bytes']:,} B{plan('read')})   written {io['write_bytes_per_step']:,} B (formula "
+            f"{io['write_formula']} = {io['write_formula_bytes']:,} B{plan('write')})")
+        tl = engine.timeline
+        say(f"  last update: read {tl.get('offload_read_s', 0):.3f} s, compute {tl.get('offload_compute_s', 0):.3f} s, "
+            f"write {tl.get('offload_write_s', 0):.3f} s, I/O exposed {tl.get('offload_exposed_s', 0):.3f} s")
     rss = peak_rss_per_rank(engine.comm)
     say(f"ringzero | peak RSS per rank: max {rss[int(np.argmax(rss))] / 2**20:.1f} MiB (rank {int(np.argmax(rss))}), "
         f"min {min(rss) / 2**20:.1f} MiB")

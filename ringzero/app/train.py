@@ -32,7 +32,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ringzero.app.config import Config, ConfigError, build_parser, gpt_config, lr_at, parse_config, validate  # noqa: F401
+from ringzero.app.config import (  # noqa: F401
+    Config,
+    ConfigError,
+    build_parser,
+    gpt_config,
+    lr_at,
+    offload_policy,
+    parse_config,
+    validate,
+)
 from ringzero.app.exits import agree, leave, under_mpi
 from ringzero.app.reports import end_report, start_report, summarize
 from ringzero.metrics import read_metrics  # noqa: F401  (its old home; tools import ringzero.metrics)
@@ -201,11 +210,15 @@ def run(cfg: Config, comm, stop=None) -> dict:
     agree(comm, lambda: memcheck.check(cfg, model, comm))
     # --init-from: each rank reads its own master pieces from the file (a resumed run reads the checkpoint)
     init = src.fill_master if src is not None and not cfg.resume else None
-    engine = Zero(model, comm, cfg.stage, precision=cfg.precision, device=cfg.device, seed=cfg.seed, init=init,
-                  adam=AdamConfig(weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip),
-                  ranks_per_node=cfg.ranks_per_node or None, mem_budget=budget, grad_accum=cfg.grad_accum,
-                  overlap=cfg.overlap, prefetch=cfg.prefetch,
-                  reduce_bucket=None if cfg.reduce_bucket_mb is None else int(cfg.reduce_bucket_mb * 2 ** 20))
+    from ringzero.runtime.offload import OffloadError
+    try:     # a DIR with too little room for this node's ranks is refused here, on every rank alike
+        engine = Zero(model, comm, cfg.stage, precision=cfg.precision, device=cfg.device, seed=cfg.seed, init=init,
+                      adam=AdamConfig(weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip),
+                      ranks_per_node=cfg.ranks_per_node or None, mem_budget=budget, grad_accum=cfg.grad_accum,
+                      overlap=cfg.overlap, prefetch=cfg.prefetch, offload=offload_policy(cfg),
+                      reduce_bucket=None if cfg.reduce_bucket_mb is None else int(cfg.reduce_bucket_mb * 2 ** 20))
+    except OffloadError as e:
+        raise ConfigError(str(e)) from None
     if src is not None:
         src.close()
     if init is not None:
@@ -278,7 +291,7 @@ def _sample(engine, model, corpus, cfg) -> str:
     """Generate from the trained weights on rank 0 (all ranks join the gather), with
     the decoding loop of ``python -m ringzero.sample`` (tools/sample.py)."""
     from ringzero.tools.sample import generate
-    full = engine.full_params()
+    full = engine.full_params(root=0)             # one full copy, on rank 0 (shard rank 0 is world rank 0)
     if engine.comm.rank != 0:
         return ""
     prompt = corpus.encode("def ") if corpus.byte_level else np.zeros(1, np.int64)
@@ -289,9 +302,11 @@ def _sample(engine, model, corpus, cfg) -> str:
 
 def main(argv=None) -> int:
     """The command line. Exit codes (exits.py): 0 done, 2 bad input, 3 a
-    failed save, 4 out of memory on a rank, 128+N stopped by signal N after saving (preempt.py)."""
+    failed save, 4 out of memory on a rank or the offload tier failed mid-run, 128+N stopped by signal N
+    after saving (preempt.py)."""
     from ringzero.app.preempt import Stopped, StopRequest
     from ringzero.runtime.checkpoint import CheckpointError
+    from ringzero.runtime.offload import OffloadError
     argv = sys.argv[1:] if argv is None else list(argv)
     cfg, check, err = None, None, None
     try:
@@ -320,10 +335,9 @@ def main(argv=None) -> int:
     except ConfigError as e:           # agreed: every rank is here with the same line
         return leave(comm, 2, f"ringzero.train: error: {e}")
     except CheckpointError as e:       # a save failed on some rank: raised on every rank
-        from ringzero.runtime.checkpoint import latest
-        prev = latest(cfg.save_dir)
-        keep = f"; the newest complete checkpoint is {prev}" if prev else "; no earlier checkpoint"
-        return leave(comm, 3, f"ringzero.train: error: {e}{keep}")
+        return leave(comm, 3, f"ringzero.train: error: {e}{_newest(cfg)}")
+    except OffloadError as e:          # the disk tier failed mid-run (a full disk): agreed by every rank
+        return leave(comm, 4, f"ringzero.train: error (rank {comm.rank}): {e}{_newest(cfg)}", every_rank=True)
     except Stopped as e:               # the loop printed its line; every rank stopped at e.step
         return leave(comm, e.code, None)
     except MemoryError as e:           # this rank alone, maybe inside a collective: its line, then out
@@ -344,6 +358,12 @@ def _out_of_memory(comm, e: MemoryError) -> int:
           file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(4)
+
+
+def _newest(cfg) -> str:
+    from ringzero.runtime.checkpoint import latest
+    prev = latest(cfg.save_dir)
+    return f"; the newest complete checkpoint is {prev}" if prev else "; no earlier checkpoint"
 
 
 def _raise(err):

@@ -341,3 +341,33 @@ def stages_that_fit(budget_bytes, psi: int, nd: int, ranks_per_node: int | None 
                 <= budget_bytes:
             out.append(st)
     return out
+
+
+def offload_io_bytes(stage, psi: int, nd: int, ranks_per_node: int | None = None, params: bool = False,
+                     precision: str = "fp16", grad_accum: int = 1, gathered: int | None = None) -> dict:
+    """Bytes one rank reads from and writes to its offload files per optimizer step (runtime/offload.py).
+
+    Optimizer offload: the update reads and writes master, m and v of every element the rank
+    updates, E = Ψ/Nd (Ψ at stage 0, Ψ/Ng at hybrid): 12E each way. Params offload (params sharded:
+    3, hybrid) adds the cast params written by the update, 2E, and the params read by the step's
+    gathers: each unit's piece is read once per run of its gathers (forward and backward: twice,
+    the last unit once, as plan.py makes them), K times per step: 2 x 2E x K textbook, or
+    ``gathered`` (the plan's gathered elements, all units' runs summed) x 2B x K / Ng exactly.
+    Returns {"read": bytes, "write": bytes, "read_formula": str, "write_formula": str}."""
+    st = parse_stage(stage)
+    g = _check(psi, nd, st, ranks_per_node)
+    k = _check_k(grad_accum)
+    e = psi if st == "0" else _div(psi, g)
+    sb = storage_bytes(precision)
+    out = {"read": 12 * e, "write": 12 * e, "read_formula": "12Ψ/Nd", "write_formula": "12Ψ/Nd"}
+    if st == "0":
+        out["read_formula"] = out["write_formula"] = "12Ψ"
+    if params:
+        if not sharded_classes(st) or "params_fp16" not in sharded_classes(st):
+            raise ValueError(f"params offload needs the params sharded (stage 3, hybrid), got stage {st}")
+        reads = 2 * e * k if gathered is None else _div(gathered * k, g)
+        out["read"] += reads * sb
+        out["write"] += e * sb
+        out["read_formula"] = f"12Ψ/Nd + {'K x ' if k > 1 else ''}2 x {sb}Ψ/Nd"
+        out["write_formula"] = f"12Ψ/Nd + {sb}Ψ/Nd"
+    return out

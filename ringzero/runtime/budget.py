@@ -32,7 +32,6 @@ from ringzero.runtime import accounting as acc
 
 # offload tier name -> the accounting classes it moves to disk
 OFFLOAD_CLASSES = {"optimizer": acc.OPTIMIZER_CLASSES, "params": ("params_fp16",)}
-OFFLOAD_BUFFER_BYTES = 0     # the streaming update's host buffers (a few tiles): set to their size once known
 
 
 def parse_offload(value) -> frozenset:

@@ -39,9 +39,16 @@ What it is
     are manifest.py's; this module is the collective part, save and load.
 
     What it reads of the engine is a small API: ``engine.wait_params()``, ``engine.comm``,
-    ``engine.layout``, ``engine.state`` (``piece``, ``held_ranks``, ``bufs``,
+    ``engine.layout``, ``engine.state`` (``piece``, ``held_ranks``, ``dtypes``, ``files``,
     ``shard_rank``, ``on_host``), ``engine.topology.writes_checkpoint``, and
     ``engine.checkpoint_meta()`` / ``engine.restore_meta(manifest)``.
+
+    Offloaded state (offload.py): a piece of a class that lives in a file is a
+    FileView; it is read into the staging piece to be hashed and written, and a
+    loaded piece is assembled in a host piece and written to its file. The
+    checkpoint is its own folder, never the offload files: a crash in the middle
+    of an update leaves the newest checkpoint as it was, and a run may resume
+    with offload switched on or off (the files hold the same pieces).
 
 What it is not
     It decides nothing about when to save or what the data position means:
@@ -88,6 +95,7 @@ from ringzero.runtime.manifest import (  # noqa: F401
     verify,
     verify_file,
 )
+from ringzero.runtime.offload import on_disk, write_from
 
 
 def _agree(ctl, err: str | None):
@@ -108,11 +116,11 @@ def _write_shards(engine, tmp: str) -> dict:
     L, state, U = engine.layout, engine.state, len(engine.layout.units)
     r = state.shard_rank
     fault = save_fault(engine.comm.rank)        # tests only: RINGZERO_FAULT_SAVE
-    staging = None if state.on_host else np.empty(max(L.piece_numel), np.float32)
+    staging = None if state.on_host and not state.files else np.empty(max(L.piece_numel), np.float32)
     out = {}
     with ThreadPoolExecutor(1) as pool:
         for cls in CLASSES:
-            dtype, name = state.bufs[cls].dtype, shard_file(cls, r)
+            dtype, name = state.dtypes[cls], shard_file(cls, r)
             h, nbytes, pending = hashlib.sha256(), 0, []
             path = os.path.join(tmp, name)
             if fault == "eacces":
@@ -123,6 +131,9 @@ def _write_shards(engine, tmp: str) -> dict:
                     if isinstance(p, np.ndarray):
                         mv = memoryview(p.view(np.uint8))
                         pending.append(pool.submit(h.update, mv))   # one worker: in order
+                    elif on_disk(p):                 # an offloaded class: through the staging piece
+                        mv = memoryview(p.read(staging.view(p.dtype)[:p.size]).view(np.uint8))
+                        h.update(mv)
                     else:
                         mv = memoryview(p.get(out=staging.view(p.dtype)[:p.size]).view(np.uint8))
                         h.update(mv)
@@ -216,7 +227,7 @@ def _finish(engine, save_dir, tmp, name, step, extra, files, keep) -> str:
            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **engine.checkpoint_meta(),
            "psi": L.numel, "padded": L.padded, "padding": L.padded - L.numel, **extra,
            "layout": L.describe(),
-           "classes": {c: str(engine.state.bufs[c].dtype) for c in CLASSES},
+           "classes": {c: str(engine.state.dtypes[c]) for c in CLASSES},
            "files": dict(sorted(files.items()))}
     mf = os.path.join(tmp, MANIFEST)
     with open(mf, "w") as fh:
@@ -287,15 +298,20 @@ def _read_state(engine, path, old: Layout):
     staging = None if state.on_host else np.empty(max(L.piece_numel), np.float32)
     for cls in LOADED:
         fhs = {}
+        # an offloaded class: each piece assembled in a host piece, then written to its file
+        host = np.empty(max(L.piece_numel), state.dtypes[cls]) if cls in state.files else None
         try:
             for u in range(len(L.units)):
                 pn, real = L.piece_numel[u], L.unit_numel[u]
                 for r in state.held_ranks(cls):
-                    dst = state.piece(cls, u, r)
+                    piece = state.piece(cls, u, r)
+                    dst = host[:pn] if host is not None else piece
                     lo, hi = r * pn, min((r + 1) * pn, real)
                     if lo < hi:
                         read_range(fhs, path, cls, old, u, lo, hi, dst, staging)
                     dst[max(0, hi - lo):] = 0            # padding
+                    if host is not None:
+                        write_from(piece, dst)
         finally:
             for fh in fhs.values():
                 fh.close()

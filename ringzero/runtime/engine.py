@@ -14,6 +14,8 @@ What it is
                       cast+reduce (reduce.py, buckets.py)
         inflight.py   the started collectives (overlap): what they hold, where they end
         optim.py      AdamW and the loss scaler, on this rank's pieces
+        offload.py    the disk tier: which classes live in files (OffloadPolicy), the files
+        stream.py     the offloaded update: tiles through a few buffers, a reader and a writer thread
         reports.py    memory and traffic, measured beside the formulas
 
     The step is forward and backward through the plan, then the update: the
@@ -29,6 +31,12 @@ What it is
     the loss is the mean of the K micro-batch losses. Loss scale, overflow
     check and update happen once per step, over all K. K = 1 is the same
     code and arithmetic as without accumulation.
+
+    Offload (``offload=OffloadPolicy(...)``, docs/offload.md): master, m and v
+    (and at stage 3 the params shard) live in files; the update streams them
+    in tiles and writes the cast params in the same pass. Where state lives
+    changes, the arithmetic does not: losses and weights are bitwise those
+    without offload.
 
     Precision: fp16 (dynamic loss scaler), bf16 (ml_dtypes.bfloat16 on the
     host; a static scale of 1, a non-finite gradient still skips the step),
@@ -49,10 +57,11 @@ import numpy as np
 
 from ringzero.comm.backend import select_device, xp_for
 from ringzero.comm.ring import Ring
-from ringzero.runtime import norms, passes, reports
+from ringzero.runtime import norms, passes, reports, stream
 from ringzero.runtime.flat import Layout
 from ringzero.runtime.inflight import UpdateGathers
 from ringzero.runtime.limits import alloc_guard
+from ringzero.runtime.offload import OffloadError, OffloadPolicy, check_offload
 from ringzero.runtime.optim import AdamConfig, AdamW, LossScaler, clip_coef
 from ringzero.runtime.plan import build_plan
 from ringzero.runtime.policy import StagePolicy
@@ -85,7 +94,7 @@ class Zero:
                  adam: AdamConfig | None = None, ranks_per_node=None, mem_budget=None,
                  scaler: LossScaler | None = None, timeout=None, grad_accum: int = 1, nodes=None,
                  overlap: bool | None = None, prefetch: int | None = None, reduce_bucket: int | None = None,
-                 init=None):
+                 init=None, offload: OffloadPolicy | None = None):
         # init: None draws the weights from seed (Layout.init_param); else a callable(state) that fills
         # the master pieces this rank holds (state.held_ranks / state.piece) itself, before the params
         # are published from them: the trainer's --init-from (app/hf_import.py) reads them from a file
@@ -112,7 +121,24 @@ class Zero:
         if mem_budget is not None:       # refuse before allocating anything
             check_budget(L, self.stage, topo.world_size, mem_budget, P.ranks_per_node(topo.shard_size),
                          precision, self.grad_accum)
-        self.state = ShardedState(L, P, topo.shard_rank, self.storage_dtype, xp, self.grad_accum)
+        self.offload = off = offload or OffloadPolicy()
+        if off.enabled:                  # a bad DIR or a small disk: refused before any file is made
+            check_offload(self, off, device)
+        err = None
+        try:                             # offload: a file whose blocks cannot be reserved, on any rank
+            self.state = ShardedState(L, P, topo.shard_rank, self.storage_dtype, xp, self.grad_accum,
+                                      off if off.enabled else None)
+        except OffloadError as e:
+            err = str(e)
+        if off.enabled:
+            stream.agree(self, err, "making the offload files")
+        self._decay = {(u, r): self.state.decay_runs(u, r) for u in range(U) for r in range(L.shards)}
+        # offload: the update streams this rank's pieces through a few tile buffers (stream.py)
+        self.offload_stream = stream.TileStream(self.state, off) if off.enabled else None
+        self.offload_tiles = stream.tiles(self.state, self._decay, off.tile) if off.enabled else []
+        self.update_ahead = stream.UpdateAhead(U) if off.enabled and off.ahead else None
+        self.last_step_io = {}               # {class: (bytes read, bytes written)} of the offload files, last step
+        self.last_update_io = {}             # the same, of the last offloaded update alone (stream.update)
         with alloc_guard("the initial weights (an fp32 host copy of the master's size)"):
             if init is None:
                 self.state.init_master(seed)
@@ -163,7 +189,6 @@ class Zero:
         self._grad_scratch = aligned_empty(xp, max(L.piece_numel), np.float32)  # one unscaled grad piece
         # squared norm of each gradient piece this rank holds: (pieces, units) fp32
         self._dots = xp.zeros((len(self.state.held_ranks("master")), U), np.float32)
-        self._decay = {(u, r): self.state.decay_runs(u, r) for u in range(U) for r in range(L.shards)}
         # [loss, sumsq, stop] of this rank; stop rides along so that a request
         # one rank raised (the trainer's preemption signal) reaches every rank
         # at the same step, with no collective of its own
@@ -222,6 +247,7 @@ class Zero:
         Ring.set_context(f"step {self.step_count}")   # named by the Ring's stall and timeout lines
         led0 = reports.ledger_totals(self.topology)
         net0 = reports.ledger_totals(self.topology, "bytes_sent_internode")
+        io0 = reports.io_snapshot(self)
         scale, n, K = self.scaler.scale, self.topology.world_size, self.grad_accum
         seed = self._seed()
         loss = 0.0
@@ -243,6 +269,7 @@ class Zero:
         # the partials then added in rank order -- identical at every stage.
         # Every dot stays on the device (one (pieces, units) fp32 buffer) and
         # comes back in one copy per step: no host sync per unit per piece.
+        self._drain_ahead()                          # the last step's update, if it ran beside this forward
         sumsq = norms.share_scalars(self, loss, norms.piece_sumsq(self))
         loss = float(self._all_scalars[:, 0].sum() / n) if n > 1 else loss
         inv = 1.0 / (seed * K * n)                   # K = 1: 1 / (scale * n)
@@ -251,21 +278,28 @@ class Zero:
         if not skipped:
             coef = np.float32(inv * clip_coef(gnorm, self.adam.cfg.grad_clip))
             self.adam.begin_step()
-            piece = self.state.piece
-            for u, r, g in self._grad_pieces():
-                g *= coef
-                self.adam.update(piece("master", u, r), piece("adam_m", u, r), piece("adam_v", u, r),
-                                 g, lr, self._decay[(u, r)])
+            if self.update_ahead is not None:        # beside the next forward, unit by unit
+                self.update_ahead.start(self, coef, lr)
+            elif self.offload_stream is not None:    # streamed from the files; params cast in the same pass
+                self._offloaded_update(coef, lr)
+            else:
+                piece = self.state.piece
+                for u, r, g in self._grad_pieces():
+                    g *= coef
+                    self.adam.update(piece("master", u, r), piece("adam_m", u, r), piece("adam_v", u, r),
+                                     g, lr, self._decay[(u, r)])
             # with overlap (stages 1-2) the params' all-gathers run while the next forward computes;
             # whoever reads params before it waits for them (wait_params)
             t1 = time.perf_counter()
-            self.update_gathers.started(self.state.publish(self.ring, start=self.overlap,
-                                                           buckets=self.workspaces.gather_buckets()))
+            self.update_gathers.started(self.state.publish(
+                self.ring, start=self.overlap, cast=self.offload_stream is None,
+                buckets=self.workspaces.gather_buckets() if self.offload_stream is None else ()))
             if not self.overlap and self.policy.full_params and not self.policy.full_optimizer:
                 dt = time.perf_counter() - t1          # stages 1-2: the blocking gathers (and casts)
                 for k in ("param_gather_s", "param_gather_exposed_s", "comm_s"):
                     self.timeline[k] += dt
         self.step_count += 1
+        reports.io_delta(self, io0)
         led1 = reports.ledger_totals(self.topology)
         self.last_step_ledger = {k: led1[k] - led0.get(k, 0) for k in led1}
         net1 = reports.ledger_totals(self.topology, "bytes_sent_internode")
@@ -275,11 +309,43 @@ class Zero:
     def publish_params(self):
         """master -> storage-dtype params (own pieces), all-gathered where params are full."""
         self.wait_params()
-        self.state.publish(self.ring)
+        if self.offload_stream is not None:          # master on disk: the cast streams it in tiles
+            stream.cast_params(self.state, self.offload_stream, self.offload_tiles)
+        self.state.publish(self.ring, cast=self.offload_stream is None)
+
+    # ------------------------------------------------------------------ offload
+    def _offloaded_update(self, coef, lr):
+        """The streamed update (stream.py); an I/O error on any rank is one OffloadError on every rank."""
+        err = None
+        try:
+            stream.update(self, coef, lr)
+        except OSError as e:
+            err = e.strerror or str(e)
+        stream.agree(self, err)
+
+    def _drain_ahead(self):
+        """Wait for an update started beside this forward (UpdateAhead); agree on its error. Collective."""
+        if self.update_ahead:
+            stream.agree(self, self.update_ahead.drain())
+
+    def close(self):
+        """Stop the offload threads and close its files (freed by the kernel). The engine is done."""
+        if self.update_ahead is not None:
+            self.update_ahead.drain()
+            self.update_ahead.close()
+        if self.offload_stream is not None:
+            self.offload_stream.close()
+        self.state.close()
 
     def wait_params(self, units=None):
-        """Wait for the started all-gathers of these units' params (all: every one). Collective-free."""
+        """Wait for the started all-gathers of these units' params (all: every one). Collective-free,
+        except with an update running ahead (offload ``ahead``): all units then drain it, collectively."""
         self.update_gathers.wait(units)
+        if self.update_ahead:
+            if units is None:
+                self._drain_ahead()
+            else:
+                self.update_ahead.wait(units)
 
     # ------------------------------------------------------------- forward only
     def eval_loss(self, x, y) -> float:
@@ -292,16 +358,17 @@ class Zero:
         self.topology.control.all_gather(buf, allb)
         return float(allb.sum() / self.topology.world_size)
 
-    def full_params(self, dtype=np.float32):
+    def full_params(self, dtype=np.float32, root=None):
         """Every storage-dtype parameter, gathered and widened: a host array of
-        ``layout.padded`` elements. Collective: call on all ranks."""
-        return self.full_state("params", dtype)
+        ``layout.padded`` elements. Collective: call on all ranks (root: only that
+        shard rank gets it, the others None; at GPT-2 XL a full fp32 copy is 5.9 GB a rank)."""
+        return self.full_state("params", dtype, root)
 
-    def full_state(self, name: str, dtype=np.float32):
+    def full_state(self, name: str, dtype=np.float32, root=None):
         """One state class ("params", "master", "adam_m", "adam_v") in full, on
         the host. Collective; for checks, sampling and export, not the hot path."""
         self.wait_params()
-        return self.state.gather(name, self.ring, dtype)
+        return self.state.gather(name, self.ring, dtype, root)
 
     # --------------------------------------------------- checkpoint and reports
     def checkpoint_meta(self) -> dict:
@@ -329,6 +396,10 @@ class Zero:
     def memory_report(self) -> dict:
         """Bytes allocated on this rank per state class, beside the formula (reports.py)."""
         return reports.memory_report(self)
+
+    def io_report(self) -> dict:
+        """Bytes this rank read and wrote in its offload files in the last step, beside the formula."""
+        return reports.io_report(self)
 
     def traffic_report(self) -> dict:
         """Bytes this rank sent in the last step, beside the formula (reports.py)."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 
+from ringzero.runtime.offload import read_into
 from ringzero.runtime.state import cast_into
 
 
@@ -41,7 +42,7 @@ class GatherCast:
         ``materialize`` at a later position waits for it. The landing is the gather's until then."""
         seg, own = self.slots.landing(w, slot, land)
         self._touch(seg)
-        own[...] = self.layout.unit_shard(self.state.params, w)
+        read_into(self.layout.unit_shard(self.state.params, w), own)   # from RAM, or its file (offload)
         self.inflight.gather(w, slot, self.topology.ring.all_gather_start(own, seg))
 
     def materialize(self, w, slot, land=0):
@@ -53,7 +54,7 @@ class GatherCast:
             if not self.inflight.gathered(w, slot):      # not prefetched: gather it here
                 t0 = time.perf_counter()
                 self._touch(seg)
-                own[...] = L.unit_shard(state.params, w)
+                read_into(L.unit_shard(state.params, w), own)
                 self.topology.ring.all_gather(own, seg)
                 self.inflight.blocking("gather", time.perf_counter() - t0)
             src = seg

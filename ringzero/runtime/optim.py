@@ -7,6 +7,13 @@ What it is
     does not depend on which rank or which slice it is updated in: that is
     what lets stages 0-3 produce bitwise identical weights.
 
+    ``AdamW.update_tile(master, m, v, grads, coef, lr, runs, params)`` is the
+    same update fused with what surrounds it in the offloaded update: the
+    storage-dtype gradient widened and scaled by ``coef``, and the new master
+    cast into the params, in one pass over memory by the optional C extension
+    ``ringzero.runtime._adam`` (runtime/csrc/adam.c), else by the NumPy steps
+    above in the same order. Both give the bits of ``update`` (tests/test_offload_adam.py).
+
     ``LossScaler`` is the dynamic scaler of mixed-precision training: start
     at 2**16, halve on overflow (after ``hysteresis`` overflows in a row),
     double after ``growth_interval`` clean steps, never below ``min_scale``.
@@ -17,7 +24,20 @@ What it is not
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+
+import numpy as np
+
+from ringzero.runtime.state import cast_into
+
+try:  # the optional C extension (setup.py, optional=True)
+    from ringzero.runtime import _adam as _c
+except ImportError:  # no compiler at install time: NumPy does the work
+    _c = None
+if os.environ.get("RINGZERO_NO_C", "0") == "1":
+    _c = None
+HAVE_C = _c is not None
 
 
 @dataclass
@@ -81,6 +101,53 @@ class AdamW:
         xp.divide(m, tmp, out=tmp)
         tmp *= f32(lr / self._bc1)
         master -= tmp
+
+    def update_tile(self, master, m, v, grads, coef, lr: float, runs=((0, None, True),), params=None,
+                    fused: bool | None = None):
+        """``update`` fused with its neighbours, on one tile of host arrays:
+
+            g = float32(grads) * coef;  AdamW(master, m, v, g);  params = cast(master)
+
+        grads: the storage-dtype gradient (fp32, fp16, bf16) of the tile; runs:
+        (start, stop, decayed) runs covering the tile (stop None: its end); params: the
+        storage-dtype output, or None. fused: the C pass (None: when it was built)."""
+        c, f32 = self.cfg, np.float32
+        if fused is None:
+            fused = _c is not None
+        if fused and _c is None:
+            raise RuntimeError("update_tile(fused=True): ringzero.runtime._adam was not built")
+        if not fused:
+            return self._tile_numpy(master, m, v, grads, coef, lr, runs, params)
+        gk, pk = _kind(grads.dtype), 3 if params is None else _kind(params.dtype)
+        consts = [float(f32(x)) for x in (coef, c.beta1, 1.0 - c.beta1, c.beta2, 1.0 - c.beta2,
+                                          1.0 - lr * c.weight_decay, 1.0 / self._bc2, c.eps, lr / self._bc1)]
+        for a, b, decayed in runs:
+            b = master.size if b is None else b
+            _c.adamw(master[a:b], m[a:b], v[a:b], grads[a:b], None if params is None else params[a:b],
+                     gk, pk, *consts, bool(decayed and c.weight_decay))
+
+    def _tile_numpy(self, master, m, v, grads, coef, lr, runs, params):
+        k = master.size
+        if not hasattr(self, "_g") or self._g.size < k:
+            self._g = np.empty(max(k, self._tmp.size), np.float32)   # once: the widened gradient
+        g = self._g[:k]
+        cast_into(g, grads)
+        g *= np.float32(coef)
+        self.update(master, m, v, g, lr, [(a, k if b is None else b) for a, b, d in runs if d])
+        if params is not None:
+            cast_into(params, master)
+
+
+def _kind(dtype) -> int:
+    """adam.c's dtype code: 0 float32, 1 float16, 2 bfloat16."""
+    dt = np.dtype(dtype)
+    if dt == np.float32:
+        return 0
+    if dt == np.float16:
+        return 1
+    if dt.name == "bfloat16":
+        return 2
+    raise TypeError(f"update_tile: expected float32, float16 or bfloat16 arrays, got {dt}")
 
 
 class LossScaler:

@@ -28,6 +28,8 @@ def train_pass(engine, x, y, micro: int = 0) -> float:
     for i in range(U):
         if gathers:                      # stages 1-2 with overlap: the update's gathers, unit by unit
             gathers.wait(engine.layout.needs(i))
+        if engine.update_ahead:          # the offloaded update running ahead (stage 3): the units gathered here
+            engine.update_ahead.wait([w for w, s, g in plan.materialize[i] + plan.gather_start[i]])
         for w, s, g in plan.materialize[i]:
             ws.materialize(w, s, g)
         for w, s, g in plan.gather_start[i]:

@@ -8,7 +8,10 @@ What it is
     the formula and the exact figure of the engine's step plan (plan.py), and the part of
     those bytes that went to ranks on other nodes beside its formula (N nodes of P ranks,
     accounting.internode_elements). ``ledger_totals`` sums the ledgers the engine snapshots
-    around each step.
+    around each step. With offload, each class's bytes are also given per tier (RAM,
+    device, disk: a file's blocks as fstat reports them), and ``io_report(engine)``
+    gives the bytes the last step read from and wrote to the offload files (their own
+    counters) beside accounting.offload_io_bytes.
 
     Vocabulary, as in accounting.py: Nd is the world size (data-parallel
     ranks); the sharding group is Nd ranks, or Ng for hybrid.
@@ -52,10 +55,11 @@ def memory_report(engine) -> dict:
     dtype"; ``grad_accum_fp32`` only when K > 1).
     """
     L, st = engine.layout, engine.state
-    meas = {{**BUFFER_CLASS, **ACCUM_BUFFER}[name]: buf.nbytes for name, buf in st.bufs.items()}
+    names = {{**BUFFER_CLASS, **ACCUM_BUFFER}[name]: name for name in st.bufs}
+    meas = {c: st.bufs[name].nbytes for c, name in names.items()}
     form, text = _formula_state(engine, L.padded), _formula_state(engine, L.numel)
     classes = {c: {"measured_bytes": int(meas[c]), "formula_bytes": form[c],
-                   "textbook_bytes": text[c]} for c in meas}
+                   "textbook_bytes": text[c], **_tiers(st, names[c])} for c in meas}
     return {"stage": engine.stage, "psi": L.numel, "psi_padded": L.padded,
             "precision": engine.precision, "grad_accum": engine.grad_accum,
             "nd": engine.topology.world_size, "shard_group": engine.topology.shard_size,
@@ -64,7 +68,40 @@ def memory_report(engine) -> dict:
             "model_state_formula": sum(form.values()),
             "workspace": engine.workspaces.nbytes(),
             "optimizer_scratch": int(engine.optimizer_scratch_nbytes),
-            "activation_peak": int(engine.activation_peak)}
+            "activation_peak": int(engine.activation_peak),
+            "tiers": {t: sum(d[f"{t}_bytes"] for d in classes.values()) for t in TIERS},
+            "offload": engine.offload.describe(),
+            "offload_buffers": int(engine.offload_stream.nbytes()) if engine.offload_stream else 0}
+
+
+TIERS = ("ram", "device", "disk")
+
+
+def _tiers(st, name) -> dict:
+    """Where one class's bytes are: {"tier", "ram_bytes", "device_bytes", "disk_bytes"}; a file's are the
+    blocks its filesystem gave it (fstat), an array's its nbytes."""
+    tier = st.tier(name)
+    buf = st.bufs[name]
+    got = buf.disk_bytes if tier == "disk" else int(buf.nbytes)
+    return {"tier": tier, **{f"{t}_bytes": got if t == tier else 0 for t in TIERS}}
+
+
+def io_report(engine) -> dict:
+    """Bytes this rank read from and wrote to its offload files in the last step (the files' own
+    counters), beside the formula (accounting.offload_io_bytes) and the plan's exact figure."""
+    L, topo, P = engine.layout, engine.topology, engine.policy
+    io = engine.last_step_io
+    read, written = sum(r for r, _ in io.values()), sum(w for _, w in io.values())
+    kw = dict(ranks_per_node=P.ranks_per_node(topo.shard_size), params=engine.offload.params,
+              precision=engine.precision, grad_accum=engine.grad_accum)
+    form = accounting.offload_io_bytes(engine.stage, L.padded, topo.world_size, **kw)
+    gathered = sum(L.unit_padded[w] for w, a, b in engine.plan.param_runs) if engine.offload.params else None
+    plan = accounting.offload_io_bytes(engine.stage, L.padded, topo.world_size, gathered=gathered, **kw)
+    return {"offload": engine.offload.describe(), "by_class": {n: {"read": r, "write": w} for n, (r, w) in io.items()},
+            "read_bytes_per_step": int(read), "write_bytes_per_step": int(written),
+            "read_formula_bytes": int(form["read"]), "write_formula_bytes": int(form["write"]),
+            "read_plan_bytes": int(plan["read"]), "write_plan_bytes": int(plan["write"]),
+            "read_formula": form["read_formula"], "write_formula": form["write_formula"]}
 
 
 def traffic_report(engine) -> dict:
@@ -123,3 +160,24 @@ def internode_report(engine, itemsize: int) -> dict:
             "formula_internode_bytes_per_step": formula,
             "plan_internode_bytes_per_step": plan,
             "internode_formula": accounting.internode_formula(engine.stage, K)}
+
+
+def io_snapshot(engine) -> dict:
+    """{class: (bytes read, bytes written)} of the offload files so far (their own counters); the
+    stream's seconds start again from 0, so a step's are its own (not a save's, not a start-up cast's)."""
+    if engine.offload_stream is not None and engine.update_ahead is None:
+        engine.offload_stream.reset_timeline()
+        engine.last_update_io = {}            # a skipped step updates nothing
+    return {n: (f.bytes_read, f.bytes_written) for n, f in engine.state.files.items()}
+
+
+def io_delta(engine, io0: dict):
+    """engine.last_step_io: per offload file, what the step's update moved (engine.last_update_io:
+    with ``ahead``, the last update that finished) and, for params, what the step's gathers read
+    since ``io0``; the update's seconds (read, compute, write, exposed) into engine.timeline."""
+    now = {n: (f.bytes_read, f.bytes_written) for n, f in engine.state.files.items()}
+    upd = getattr(engine, "last_update_io", {})
+    engine.last_step_io = {n: (now[n][0] - io0[n][0] if n == "params" else upd.get(n, (0, 0))[0],
+                               upd.get(n, (0, 0))[1]) for n in now}
+    if engine.offload_stream is not None:
+        engine.timeline.update({f"offload_{k}": v for k, v in engine.offload_stream.reset_timeline().items()})

@@ -21,6 +21,13 @@ What it is
     into params (and all-gathers them where they are held in full);
     ``gather`` assembles one class in full on the host.
 
+    Offload (``offload``: an OffloadPolicy, offload.py): a class it moves is a
+    FileStore in ``bufs`` (and ``files``) instead of an array, cut into the same
+    pieces by the same layout arithmetic; ``piece`` then gives a FileView, read
+    and written with offload.read_into / write_from. ``tier(name)`` says where
+    a class lives. The hot path never reads a file piece whole: the update
+    streams it in tiles (stream.py).
+
     Also here: ``cast_into`` (the one dtype-changing copy),
     ``storage_dtype`` (a precision's dtype) and ``check_budget`` (refuse a
     stage before anything is allocated).
@@ -37,6 +44,7 @@ from ringzero.comm.backend import get_array_module, to_host
 from ringzero.runtime import accounting
 from ringzero.runtime.flat import Layout
 from ringzero.runtime.limits import zeros
+from ringzero.runtime.offload import FileStore, on_disk, read_into, write_from
 
 BUFFERS = ("params", "grads", "master", "adam_m", "adam_v")
 
@@ -48,16 +56,34 @@ class MemoryBudgetError(ValueError):
 class ShardedState:
     """The five state buffers of one rank, and piece-wise access to them."""
 
-    def __init__(self, layout: Layout, policy, shard_rank: int, storage_dtype, xp, grad_accum: int = 1):
+    def __init__(self, layout: Layout, policy, shard_rank: int, storage_dtype, xp, grad_accum: int = 1,
+                 offload=None):
         self.layout, self.policy, self.shard_rank, self.xp = layout, policy, shard_rank, xp
-        dtypes = {"params": storage_dtype, "grads": storage_dtype, "master": np.float32,
-                  "adam_m": np.float32, "adam_v": np.float32, "grad_accum": np.float32}
+        self.offload = offload
+        self.dtypes = {"params": np.dtype(storage_dtype), "grads": np.dtype(storage_dtype)}
+        self.dtypes.update({k: np.dtype(np.float32) for k in ("master", "adam_m", "adam_v", "grad_accum")})
         names = BUFFERS + (("grad_accum",) if grad_accum > 1 else ())
-        self.bufs = {name: zeros(xp, layout.padded if policy.is_full(name) else layout.shard_numel,
-                                 dtypes[name], name) for name in names}    # AllocationError names the buffer
+        # a class the offload policy moves is a FileStore (offload.py): the same elements at the
+        # same offsets, in a file, sliced by the same layout arithmetic
+        self.bufs, self.files = {}, {}
+        for name in names:
+            n = layout.padded if policy.is_full(name) else layout.shard_numel
+            if offload is not None and offload.on_disk(name):
+                self.bufs[name] = self.files[name] = FileStore(offload.dir, name, self.dtypes[name], n)
+            else:
+                self.bufs[name] = zeros(xp, n, self.dtypes[name], name)   # AllocationError names the buffer
         self.params, self.grads = self.bufs["params"], self.bufs["grads"]
         self.master, self.adam_m, self.adam_v = self.bufs["master"], self.bufs["adam_m"], self.bufs["adam_v"]
         self.accum = self.bufs.get("grad_accum")     # (padded,) or (shard_numel,) fp32; None at K = 1
+
+    def tier(self, name: str) -> str:
+        """Where buffer ``name`` lives: "ram", "device" or "disk"."""
+        return "disk" if name in self.files else ("ram" if self.on_host else "device")
+
+    def close(self):
+        """Close the offload files (the kernel frees them: offload.py)."""
+        for f in self.files.values():
+            f.close()
 
     @property
     def on_host(self) -> bool:
@@ -65,8 +91,18 @@ class ShardedState:
 
     def init_master(self, seed: int):
         """master = the initial weights: a pure function of (seed, name), the
-        same at any number of shards and any stage."""
+        same at any number of shards and any stage. On disk: unit by unit."""
         L = self.layout
+        if "master" in self.files:
+            for u in range(len(L.units)):
+                seg = np.zeros(L.unit_padded[u], np.float32)          # one unit at a time in RAM
+                for p in L.units[u].params:
+                    s = L.slots[p.name]
+                    seg[s.in_unit:s.in_unit + p.numel] = L.init_param(p.name, seed)
+                for r in self.held_ranks("master"):
+                    write_from(self.piece("master", u, r), L.own(seg, u, r))
+            self.files["master"].flush()        # on the disk, and out of the page cache
+            return
         host = (L.init_full(np.empty(L.padded, np.float32), seed) if self.policy.is_full("master")
                 else L.init_shard(np.empty(L.shard_numel, np.float32), seed, self.shard_rank))
         self.master[...] = self.xp.asarray(host)
@@ -79,15 +115,19 @@ class ShardedState:
         """The piece indices r this rank holds of buffer ``name`` (all, or its own)."""
         return range(self.layout.shards) if self.policy.is_full(name) else (self.shard_rank,)
 
-    def publish(self, ring, start: bool = False, buckets=()) -> dict:
+    def publish(self, ring, start: bool = False, buckets=(), cast: bool = True) -> dict:
         """params = cast(master) on the pieces this rank owns; then, where params
         are held in full but master is a shard (stages 1, 2), all-gather them.
         Collective on the shard group. start: the all-gathers are started, not
         waited for (unit u+1's cast runs while unit u's gather is on the wire);
         returns {unit: Pending} for the caller to wait on before reading params.
         buckets: ((units, blocks), ...) of consecutive units gathered by one call
-        each (not with start), through (n, P) storage-dtype blocks (_publish_bucket)."""
+        each (not with start), through (n, P) storage-dtype blocks (_publish_bucket).
+        cast=False: the owned pieces hold cast(master) already (the offloaded update wrote
+        them); only the gathers run, unit by unit."""
         L, P = self.layout, self.policy
+        if not cast:
+            buckets = ()
         started = {}
         bucket = {} if start or P.full_optimizer or not P.full_params else {
             u: gb for gb in buckets if gb[1].dtype == self.params.dtype for u in gb[0]}
@@ -97,13 +137,16 @@ class ShardedState:
                     self._publish_bucket(ring, *bucket[u])
                 continue
             if P.full_optimizer:
-                cast_into(L.unit_full(self.params, u), L.unit_full(self.master, u))
+                if cast:
+                    cast_into(L.unit_full(self.params, u), L.unit_full(self.master, u))
             elif not P.full_params:
-                cast_into(L.unit_shard(self.params, u), L.unit_shard(self.master, u))
+                if cast:
+                    cast_into(L.unit_shard(self.params, u), L.unit_shard(self.master, u))
             else:
                 seg = L.unit_full(self.params, u)
                 own = L.own(seg, u, self.shard_rank)
-                cast_into(own, L.unit_shard(self.master, u))
+                if cast:
+                    cast_into(own, L.unit_shard(self.master, u))
                 if start:
                     started[u] = ring.all_gather_start(own, seg)
                 else:
@@ -122,20 +165,25 @@ class ShardedState:
             off, k = L.shard_offset[u] - a, L.piece_numel[u]
             L.unit_full(self.params, u).reshape(L.shards, k)[...] = blocks[:, off:off + k]
 
-    def gather(self, name: str, ring, dtype=np.float32):
+    def gather(self, name: str, ring, dtype=np.float32, root=None):
         """Buffer ``name`` in full, as a host array of ``layout.padded`` elements.
-        Collective on the shard group; holds one unit in flight beside the result."""
+        Collective on the shard group; holds one unit in flight beside the result.
+        root: only that shard rank allocates and fills the result; the others return None."""
         L, buf = self.layout, self.bufs[name]
-        out = np.empty(L.padded, dtype)
+        keep = root is None or root == self.shard_rank
+        out = np.empty(L.padded, dtype) if keep else None
         for u in range(len(L.units)):
             if buf.size == L.padded:
                 seg = L.unit_full(buf, u)
+                if on_disk(seg):
+                    seg = seg.read()
             else:
                 seg = self.xp.empty(L.unit_padded[u], buf.dtype)
                 own = L.own(seg, u, self.shard_rank)
-                own[...] = L.unit_shard(buf, u)
+                read_into(L.unit_shard(buf, u), own)
                 ring.all_gather(own, seg)
-            out[L.unit_offset[u]:L.unit_offset[u] + L.unit_padded[u]] = to_host(seg)
+            if keep:
+                out[L.unit_offset[u]:L.unit_offset[u] + L.unit_padded[u]] = to_host(seg)
         return out
 
     def decay_runs(self, u: int, r: int) -> list:

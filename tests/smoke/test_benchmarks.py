@@ -35,6 +35,9 @@ PREV = "{prev}"   # replaced by the prev_comm fixture's folder
 # script -> [(ranks or None, args, a line of its table)]
 RUNS = {
     "allreduce_schedules.py": [(4, ["4K", "16K"], r"^n=4 MPI time / schedule time: 4K recursive_doubling=")],
+    "bench_adam.py": [(None, ["--elements", "64K", "--repeats", "1"], r"^  fused / NumPy throughput: [\d.]+x")],
+    "bench_offload.py": [(2, ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--steps", "1",
+                              "--probe", "1M", "--offload-dir", "/tmp"], r"^step / max\(compute, I/O\) = [\d.]+$")],
     "bench_model.py": [(None, ["--batch", "1", "--seq", "16", "--repeats", "1", "--warmup", "0"],
                         r"fwd\+bwd: median"),
                        (None, ["--batch", "1", "--seq", "16", "--repeats", "1", "--warmup", "0", *PRESET],

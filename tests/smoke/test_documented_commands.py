@@ -110,6 +110,8 @@ def tiny(cmd, inputs, out_dir):
             out.append(BENCH_TINY[prev])
         elif prev == "--data":
             out.append(inputs["text"])
+        elif prev == "--offload-dir":                 # the offload files: anonymous, in the temporary folder
+            out.append(out_dir)
         elif a.endswith(".safetensors"):
             out.append(os.path.join(out_dir, os.path.basename(a)))
         elif re.search(r"(^|/)step-\d+$", a):

@@ -1,0 +1,271 @@
+"""The offloaded update: a rank's pieces streamed from their files, in tiles, through a few buffers.
+
+What it is
+    ``TileStream(state, policy)`` owns a fixed pool of ``policy.buffers`` host
+    slots (each a tile of master, m and v in fp32, and of params where they are
+    offloaded) and two threads, a reader and a writer. ``run(tiles, compute)``
+    pipelines a list of tiles through them::
+
+        tile        i-1            i              i+1
+        writer      write back     .              .
+        caller      .              compute        .
+        reader      .              .              read
+
+    tile i+1 is read (os.preadv) while tile i is computed and tile i-1 written
+    (os.pwritev); slot j is read into again only once the write of the tile
+    that last held it has returned (three slots: the one being written, the
+    one computed, the one read). Behind the stream, posix_fadvise(DONTNEED)
+    drops the pages a tile read, starts the write-back of those a tile wrote,
+    and asks again for the tile written two before (whose write-back has had
+    a tile's time to finish); a sweep over the written files at the end drops
+    what finished later, so the page cache does not grow to the files' size.
+
+    ``Tile(u, r, lo, hi, runs)``: elements [lo, hi) of piece (u, r), and the
+    (start, stop, decayed) runs of the tile that take weight decay or not.
+    ``tiles(state, decay, tile)`` cuts every piece this rank updates.
+
+    ``update(engine, coef, lr)`` is the engine's update with offload: per tile,
+    AdamW.update_tile (optim.py: the fused C pass, or its NumPy twin) reads the
+    gradient from RAM, updates master, m and v in the slot, and writes the new
+    params, cast, into the params piece (RAM) or the slot (file). Because AdamW
+    is elementwise, the tiles and the fusion change where each element is
+    computed, never its bits (tests/test_offload.py). ``cast_params(state)`` is
+    the same stream for params = cast(master) alone (start, resume).
+    ``UpdateAhead`` runs ``update`` on a thread of its own, beside the next
+    step's forward, which waits for each unit where it gathers it (offload
+    ``ahead``, stage 3 and hybrid).
+
+    Errors: the first OSError of a thread is raised by ``run`` in the caller,
+    after every started read and write has returned (no thread writes into a
+    slot later); ``agree`` turns it into one OffloadError on every rank.
+
+What it is not
+    The files (offload.py) or what the update computes (optim.py). Not
+    O_DIRECT, not io_uring: preadv/pwritev release the GIL, which is all
+    two threads need here.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+import numpy as np
+
+from ringzero.runtime.offload import OPTIMIZER, FileView, OffloadError, fault, on_disk
+
+
+class Tile(NamedTuple):
+    u: int          # unit
+    r: int          # piece index (the rank it belongs to)
+    lo: int         # piece-relative elements [lo, hi)
+    hi: int
+    runs: tuple     # ((start, stop, decayed), ...) tile-relative, covering [0, hi - lo)
+
+
+def tiles(state, decay: dict, tile: int) -> list:
+    """Every piece this rank updates (held_ranks of master, r outer as the RAM update), cut in tiles."""
+    L, out = state.layout, []
+    for r in state.held_ranks("master"):
+        for u in range(len(L.units)):
+            runs = decay[(u, r)]
+            for lo in range(0, L.piece_numel[u], tile):
+                hi = min(lo + tile, L.piece_numel[u])
+                cuts = sorted({0, hi - lo} | {min(max(x - lo, 0), hi - lo) for a, b in runs for x in (a, b)})
+                out.append(Tile(u, r, lo, hi, tuple(
+                    (a, b, any(ra <= a + lo and b + lo <= rb for ra, rb in runs)) for a, b in zip(cuts, cuts[1:])
+                    if b > a)))
+    return out
+
+
+class TileStream:
+    """A pool of tile slots and a reader and a writer thread (module docstring)."""
+
+    def __init__(self, state, policy):
+        self.state, self.policy = state, policy
+        n = self.tile = min(policy.tile, max(state.layout.piece_numel))   # no slot larger than a piece
+        self.slots = [{name: np.empty(n, state.dtypes[name]) for name in state.files} for _ in range(policy.buffers)]
+        self._rd = ThreadPoolExecutor(1, thread_name_prefix="rz-offload-read")
+        self._wr = ThreadPoolExecutor(1, thread_name_prefix="rz-offload-write")
+        self.fault = fault(int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0"))))
+        self.timeline = {"read_s": 0.0, "write_s": 0.0, "exposed_s": 0.0, "compute_s": 0.0}
+
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for s in self.slots for a in s.values())
+
+    def _views(self, t: Tile, names):
+        return [(name, self.state.piece(name, t.u, t.r)[t.lo:t.hi]) for name in names]
+
+    def _read(self, t: Tile, slot, names):
+        t0 = time.perf_counter()
+        for name, view in self._views(t, names):
+            view.read(slot[name][:view.size])
+            if self.policy.drop_cache:
+                view.store.drop(view.start, view.size)     # clean pages: dropped at once
+        self.timeline["read_s"] += time.perf_counter() - t0
+
+    def _write(self, t: Tile, slot, names, i: int, behind, written=None):
+        t0 = time.perf_counter()
+        if self.fault and i == 1:                         # tests: the disk fills, or the process dies, mid-update
+            if self.fault == "crash":
+                os._exit(86)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"offload file ({self.policy.dir})")
+        for name, view in self._views(t, names):
+            view.write(slot[name][:view.size])
+            if self.policy.drop_cache:
+                view.store.drop(view.start, view.size)     # starts the write-back of these pages
+        if self.policy.drop_cache and behind is not None:  # two tiles back: written back by now, dropped
+            for name, view in self._views(behind, names):
+                view.store.drop(view.start, view.size)
+        self.timeline["write_s"] += time.perf_counter() - t0
+        if written is not None:
+            written(t)
+
+    def run(self, tiles: list, compute, reads=OPTIMIZER, writes=None, armed: bool = False, written=None):
+        """compute(tile, slot) on every tile, its ``reads`` classes read before and ``writes`` (default:
+        the offloaded ones it reads, and params when they are offloaded) written after.
+        armed: the update's stream, where RINGZERO_FAULT_OFFLOAD strikes (tests).
+        written(tile): called (on the writer thread) once a tile's writes have returned."""
+        writes = tuple(w for w in (writes if writes is not None else reads + ("params",)) if w in self.state.files)
+        reads = tuple(r for r in reads if r in self.state.files)
+        nb, pending_r, pending_w = len(self.slots), {}, {}
+
+        def start_read(i):
+            if i - nb in pending_w:                        # slot i % nb: the write of its last tile returned
+                pending_w.pop(i - nb).result()
+            pending_r[i] = self._rd.submit(self._read, tiles[i], self.slots[i % nb], reads)
+        try:
+            if tiles:
+                start_read(0)
+            for i, t in enumerate(tiles):
+                if i + 1 < len(tiles):
+                    start_read(i + 1)
+                t0 = time.perf_counter()
+                pending_r.pop(i).result()
+                t1 = time.perf_counter()
+                compute(t, self.slots[i % nb])
+                self.timeline["exposed_s"] += t1 - t0
+                self.timeline["compute_s"] += time.perf_counter() - t1
+                pending_w[i] = self._wr.submit(self._write, t, self.slots[i % nb], writes, i if armed else -1,
+                                               tiles[i - 2] if i >= 2 else None, written)
+            t0 = time.perf_counter()
+            for i in sorted(pending_w):
+                pending_w.pop(i).result()
+            if self.policy.drop_cache:     # a sweep: the pages whose write-back ended after their tile's drop
+                for name in writes:
+                    self.state.files[name].drop(0, self.state.files[name].size)
+            self.timeline["exposed_s"] += time.perf_counter() - t0
+        finally:                                           # an error: every thread done with the slots first
+            for f in (*pending_r.values(), *pending_w.values()):
+                f.exception()
+
+    def reset_timeline(self) -> dict:
+        out, self.timeline = self.timeline, dict.fromkeys(self.timeline, 0.0)
+        return out
+
+    def close(self):
+        self._rd.shutdown(wait=True)
+        self._wr.shutdown(wait=True)
+
+
+def update(engine, coef, lr: float, unit_done=None):
+    """AdamW on every piece this rank updates, master/m/v streamed from their files (module docstring).
+    unit_done(u): called once every tile of unit u is written (its params final)."""
+    st, adam, stream = engine.state, engine.adam, engine.offload_stream
+    left = {}
+    for t in engine.offload_tiles:
+        left[t.u] = left.get(t.u, 0) + 1
+
+    def written(t: Tile):
+        left[t.u] -= 1
+        if not left[t.u] and unit_done is not None:
+            unit_done(t.u)
+
+    def compute(t: Tile, slot):
+        n = t.hi - t.lo
+        g = st.piece("grads", t.u, t.r)[t.lo:t.hi]
+        p = st.piece("params", t.u, t.r)[t.lo:t.hi]
+        out = slot["params"][:n] if isinstance(p, FileView) else p
+        mvs = [slot[c][:n] if c in slot else st.piece(c, t.u, t.r)[t.lo:t.hi] for c in OPTIMIZER]
+        adam.update_tile(*mvs, g, coef, lr, t.runs, out)
+    before = {n: (f.bytes_read, f.bytes_written) for n, f in st.files.items()}
+    stream.run(engine.offload_tiles, compute, armed=True, written=written)
+    # what the update itself moved (with ahead, the forward reads params from the same file meanwhile)
+    engine.last_update_io = {n: (f.bytes_read - before[n][0], f.bytes_written - before[n][1])
+                             for n, f in st.files.items()}
+
+
+class UpdateAhead:
+    """The offloaded update on a thread of its own, unit by unit, while the next step's forward runs.
+
+    ``OffloadPolicy(ahead=True)``, params sharded (stage 3, hybrid: the forward gathers each
+    unit's params, and every rank's piece of unit u is final once its own update of u is). The
+    step ``start``s the update and returns; the next forward ``wait``s for unit u's last tile
+    to be written before it gathers u (units are updated in the order the forward reads them),
+    so its first units compute while later ones are still read, updated and written. ``drain``
+    (after that backward, or before anything reads the whole state) waits for the rest; the
+    ranks then agree on any error, one OffloadError on every rank. The arithmetic is the
+    blocking update's, element for element: bitwise the same (tests/test_offload.py).
+    """
+
+    def __init__(self, units: int):
+        self._ex = ThreadPoolExecutor(1, thread_name_prefix="rz-offload-update")
+        self._done = [threading.Event() for _ in range(units)]
+        self._future = None
+
+    def __bool__(self) -> bool:
+        return self._future is not None
+
+    def start(self, engine, coef, lr: float):
+        for e in self._done:
+            e.clear()
+        self._future = self._ex.submit(self._run, engine, coef, lr)
+
+    def _run(self, engine, coef, lr):
+        try:
+            update(engine, coef, lr, lambda u: self._done[u].set())
+        finally:                  # a failure: no wait hangs; the error is agreed at drain
+            for e in self._done:
+                e.set()
+
+    def wait(self, units):
+        for u in units:
+            self._done[u].wait()
+
+    def drain(self) -> str | None:
+        """Wait for the whole update; its error as one line, or None."""
+        f, self._future = self._future, None
+        if f is None:
+            return None
+        e = f.exception()
+        return None if e is None else (e.strerror if isinstance(e, OSError) and e.strerror else str(e))
+
+    def close(self):
+        self._ex.shutdown(wait=True)
+
+
+def cast_params(state, stream, tiles_):
+    """params = cast(master) on every piece this rank owns, master read from its file (publish's cast)."""
+    from ringzero.runtime.state import cast_into
+
+    def compute(t: Tile, slot):
+        n = t.hi - t.lo
+        p = state.piece("params", t.u, t.r)[t.lo:t.hi]
+        cast_into(slot["params"][:n] if on_disk(p) else p, slot["master"][:n])
+    stream.run(tiles_, compute, reads=("master",), writes=("params",))
+
+
+def agree(engine, err: str | None, what: str = ""):
+    """One OffloadError on every rank if the update (or ``what``) failed on any (a small all-gather on
+    the control ring)."""
+    from ringzero.comm.objects import allgather_obj
+    if err and not what:
+        err = f"rank {engine.comm.rank}: the offloaded update failed: {err} ({engine.offload.dir})"
+    elif err:
+        err = f"rank {engine.comm.rank}: {what}: {err}"
+    first = next((e for e in allgather_obj(engine.topology.control, err) if e), None)
+    if first:
+        raise OffloadError(first + ("" if what else "; the offloaded state is lost: resume from the last checkpoint"))

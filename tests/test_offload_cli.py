@@ -1,0 +1,105 @@
+"""The trainer with --offload, as users start it (real mpirun jobs, 2 ranks, a tiny GPT).
+
+- a run with --offload optimizer,params at stage 3 prints each class's tier and the
+  offload I/O beside its formula, and its losses are those of the same run in RAM
+  (the metrics files, compared line by line);
+- a disk that fills in the middle of an update (RINGZERO_FAULT_OFFLOAD=enospc:1, the
+  writer's second tile) ends the run with exit code 4 and one line on every rank,
+  no traceback, no hang; the checkpoint saved before it verifies and a run resumes from it;
+  the same when rank 1 is killed there (RINGZERO_FAULT_OFFLOAD=crash:1);
+- bad flags: --offload params at stage 2, a missing --offload-dir, a disk too small
+  (one line, exit 2, nothing written).
+"""
+import os
+import re
+
+import pytest
+import trainer_cli as cli
+
+from ringzero.runtime import checkpoint as ck
+
+OFF = ["--stage", "3", "--offload", "optimizer,params"]
+
+
+def lines_of(err):
+    return [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(("---", " ", "prterun", "thus"))]
+
+
+def test_offloaded_run_reports_tiers_and_io_and_equals_ram(tmp_path):
+    data = cli.corpus(tmp_path / "corpus.txt")
+    base = cli.TINY + ["--data", data, "--steps", "3", "--stage", "3"]
+    off_dir = tmp_path / "off"
+    off_dir.mkdir()
+    rcs, out, err = cli.run(base + ["--offload", "optimizer,params", "--offload-dir", str(off_dir),
+                                    "--metrics", str(tmp_path / "off.jsonl")], tmp_path)
+    assert rcs == {0: 0, 1: 0}, cli.tail(out, err)
+    assert "tier" in out and "disk" in out and "offload optimizer+params in" in out, cli.tail(out, err)
+    io = [ln for ln in out.splitlines() if ln.startswith("offload I/O per step per rank")]
+    assert io, cli.tail(out, err)
+    # measured == the plan's figure (the last number in the parentheses), both ways
+    m = re.search(r"read ([\d,]+) B \(formula [^)]*?([\d,]+) B\)\s+written ([\d,]+) B \(formula [^)]*?([\d,]+) B\)",
+                  io[0])
+    assert m and m[1] == m[2] and m[3] == m[4], io[0]
+    assert os.listdir(off_dir) == []                  # the files were anonymous, and are gone
+    rcs, out, err = cli.run(base + ["--metrics", str(tmp_path / "ram.jsonl")], tmp_path)
+    assert rcs == {0: 0, 1: 0}, cli.tail(out, err)
+    assert cli.losses(tmp_path / "off.jsonl") == cli.losses(tmp_path / "ram.jsonl")
+
+
+def test_enospc_mid_update_exits_4_one_line_per_rank(tmp_path):
+    data = cli.corpus(tmp_path / "corpus.txt")
+    save = str(tmp_path / "ck")
+    base = cli.TINY + ["--data", data, "--save-dir", save, "--save-every", "2", *OFF,
+                       "--offload-dir", str(tmp_path)]
+    rcs, out, err = cli.run(base + ["--steps", "2"], tmp_path)
+    assert rcs == {0: 0, 1: 0}, cli.tail(out, err)
+    rcs, out, err = cli.run(base + ["--steps", "4", "--resume", "latest"], tmp_path,
+                            env={"RINGZERO_FAULT_OFFLOAD": "enospc:1"})
+    assert rcs == {0: 4, 1: 4}, cli.tail(out, err)
+    lines = lines_of(err)
+    prev = os.path.join(save, "step-000002")
+    assert len(lines) == 2 and sorted(ln[:len("ringzero.train: error (rank 0)")] for ln in lines) == [
+        "ringzero.train: error (rank 0)", "ringzero.train: error (rank 1)"], cli.tail(out, err)
+    for ln in lines:
+        assert "rank 1: the offloaded update failed: No space left on device" in ln, ln
+        assert ln.endswith(f"the newest complete checkpoint is {prev}"), ln
+    assert "Traceback" not in err and "MPI_ABORT" not in err, cli.tail(out, err)
+    assert ck.verify(prev, ck.read_manifest(prev)) is None
+    rcs, out, err = cli.run(base + ["--steps", "3", "--resume", "latest"], tmp_path)
+    assert rcs == {0: 0, 1: 0} and f"resumed from {prev} at step 2" in out, cli.tail(out, err)
+
+
+def test_killed_mid_update_leaves_the_checkpoint(tmp_path):
+    """Rank 1 dies (os._exit) in the middle of an update's writes: the job ends, the newest checkpoint
+    verifies, and a run resumes from it into fresh offload files."""
+    pytest.importorskip("ml_dtypes")
+    data = cli.corpus(tmp_path / "corpus.txt")
+    save = str(tmp_path / "ck")
+    base = cli.TINY + ["--data", data, "--save-dir", save, "--save-every", "2", *OFF,
+                       "--offload-dir", str(tmp_path), "--precision", "bf16"]     # bf16: no step skipped
+    rcs, out, err = cli.run(base + ["--steps", "2"], tmp_path)
+    assert rcs == {0: 0, 1: 0}, cli.tail(out, err)
+    rcs, out, err = cli.run(base + ["--steps", "4", "--resume", "latest"], tmp_path,
+                            env={"RINGZERO_FAULT_OFFLOAD": "crash:1"})
+    assert rcs.get(1) == 86, (rcs, cli.tail(out, err))
+    prev = os.path.join(save, "step-000002")
+    assert ck.latest(save) == prev and ck.verify(prev, ck.read_manifest(prev)) is None
+    rcs, out, err = cli.run(base + ["--steps", "3", "--resume", "latest"], tmp_path)
+    assert rcs == {0: 0, 1: 0} and f"resumed from {prev} at step 2" in out, cli.tail(out, err)
+
+
+def test_bad_offload_flags_one_line_exit_2(tmp_path):
+    data = cli.corpus(tmp_path / "corpus.txt")
+    base = cli.TINY + ["--data", data, "--steps", "1"]
+    cases = [
+        (["--stage", "2", "--offload", "optimizer,params", "--offload-dir", str(tmp_path)],
+         "needs the params sharded (stage 3 or hybrid); stage 2 holds them in full", {}),
+        ([*OFF, "--offload-dir", str(tmp_path / "missing")], "does not exist", {}),
+        ([*OFF], "give --offload-dir DIR", {}),
+        ([*OFF, "--offload-dir", str(tmp_path)], "MiB free", {"RINGZERO_OFFLOAD_FREE": "1000"}),
+    ]
+    for args, want, env in cases:
+        rcs, out, err = cli.run(base + args, tmp_path, env=env)
+        lines = lines_of(err)
+        assert rcs == {0: 2, 1: 2} and len(lines) == 1 and want in lines[0], (args, cli.tail(out, err))
+        assert "Traceback" not in err
