@@ -14,6 +14,7 @@ What it is
                       cast+reduce (reduce.py, buckets.py)
         inflight.py   the started collectives (overlap): what they hold, where they end
         optim.py      AdamW and the loss scaler, on this rank's pieces
+        update.py     the update: AdamW on this rank's pieces (in RAM, streamed, or ahead), then publish
         offload.py    the disk tier: which classes live in files (OffloadPolicy), the files
         stream.py     the offloaded update: tiles through a few buffers, a reader and a writer thread
         reports.py    memory and traffic, measured beside the formulas
@@ -57,7 +58,7 @@ import numpy as np
 
 from ringzero.comm.backend import select_device, xp_for
 from ringzero.comm.ring import Ring
-from ringzero.runtime import norms, passes, reports, stream
+from ringzero.runtime import norms, passes, reports, stream, update
 from ringzero.runtime.flat import Layout
 from ringzero.runtime.inflight import UpdateGathers
 from ringzero.runtime.limits import alloc_guard
@@ -121,24 +122,8 @@ class Zero:
         if mem_budget is not None:       # refuse before allocating anything
             check_budget(L, self.stage, topo.world_size, mem_budget, P.ranks_per_node(topo.shard_size),
                          precision, self.grad_accum)
-        self.offload = off = offload or OffloadPolicy()
-        if off.enabled:                  # a bad DIR or a small disk: refused before any file is made
-            check_offload(self, off, device)
-        err = None
-        try:                             # offload: a file whose blocks cannot be reserved, on any rank
-            self.state = ShardedState(L, P, topo.shard_rank, self.storage_dtype, xp, self.grad_accum,
-                                      off if off.enabled else None)
-        except OffloadError as e:
-            err = str(e)
-        if off.enabled:
-            stream.agree(self, err, "making the offload files")
-        self._decay = {(u, r): self.state.decay_runs(u, r) for u in range(U) for r in range(L.shards)}
-        # offload: the update streams this rank's pieces through a few tile buffers (stream.py)
-        self.offload_stream = stream.TileStream(self.state, off) if off.enabled else None
-        self.offload_tiles = stream.tiles(self.state, self._decay, off.tile) if off.enabled else []
-        self.update_ahead = stream.UpdateAhead(U) if off.enabled and off.ahead else None
-        self.last_step_io = {}               # {class: (bytes read, bytes written)} of the offload files, last step
-        self.last_update_io = {}             # the same, of the last offloaded update alone (stream.update)
+        self.offload = offload or OffloadPolicy()
+        _make_state(self, device)
         with alloc_guard("the initial weights (an fp32 host copy of the master's size)"):
             if init is None:
                 self.state.init_master(seed)
@@ -152,33 +137,13 @@ class Zero:
         # nodes, where communication is a third of the step; on one host it is a few percent and
         # the progress thread costs the compute more than it hides (docs/overlap.md)
         self.overlap = topo.nodes.count > 1 if overlap is None else bool(overlap)
-        # prefetch (stage 3, hybrid, with overlap): a unit's gather starts this many positions before
-        # it is read (FSDP's forward and backward prefetch; 1 by default, as FSDP's)
-        if prefetch is not None and (isinstance(prefetch, bool) or int(prefetch) != prefetch or prefetch < 0):
-            raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
-        if prefetch and not self.overlap:
-            raise ValueError(f"prefetch {prefetch} needs overlap (a gather runs beside compute only then); "
-                             "drop --no-overlap or use --prefetch 0")
-        self.prefetch = (1 if prefetch is None else int(prefetch)) if self.overlap and P.gather_params else 0
+        self.prefetch, self.reduce_bucket = _schedule_options(P, self.overlap, prefetch, reduce_bucket,
+                                                              self.ring.tree_bytes)
         reads_slot = np.dtype(self.storage_dtype).itemsize == 4 and P.grad_bucket
         self.plan = build_plan([L.needs(u) for u in range(U)],
                                [bool(model.backward_reads_params(u)) for u in range(U)],
                                inflight=1 if self.overlap and reads_slot else 0, prefetch=self.prefetch,
                                land_in_slot=self.compute_dtype == self.storage_dtype)
-        # buckets (stages 0-2): consecutive units' gradients reduced by one call (plan.reduce_buckets).
-        # None: without overlap, up to the ring's tree_bytes (16 MiB), where the Ring sums a bucket in
-        # the order it sums each unit, so the stages stay bitwise equal; one call, and one wait for the
-        # slowest rank, per bucket instead of per unit (on one host that measured neutral: docs/runtime.md).
-        # With overlap, each unit alone, started as its backward ends (as FSDP's are)
-        if reduce_bucket is not None and (isinstance(reduce_bucket, bool) or int(reduce_bucket) != reduce_bucket
-                                          or reduce_bucket < 0):
-            raise ValueError(f"reduce_bucket must be an int >= 0 (bytes), got {reduce_bucket!r}")
-        if reduce_bucket and P.gather_params:
-            raise ValueError(f"reduce_bucket applies to stages 0-2; stage {self.stage} reduces each unit's "
-                             "gradient as its backward ends (FSDP's order): drop the bucket size")
-        if reduce_bucket is None:
-            reduce_bucket = 0 if self.overlap or P.gather_params else self.ring.tree_bytes
-        self.reduce_bucket = int(reduce_bucket)
         with alloc_guard("the workspaces (unit-sized slots)"):
             self.workspaces = Workspaces(L, P, self.plan, self.state, topo, self.compute_dtype, self.grad_accum,
                                          overlap=self.overlap, reduce_bucket=self.reduce_bucket)
@@ -269,35 +234,14 @@ class Zero:
         # the partials then added in rank order -- identical at every stage.
         # Every dot stays on the device (one (pieces, units) fp32 buffer) and
         # comes back in one copy per step: no host sync per unit per piece.
-        self._drain_ahead()                          # the last step's update, if it ran beside this forward
+        update.drain_ahead(self)                     # the last step's update, if it ran beside this forward
         sumsq = norms.share_scalars(self, loss, norms.piece_sumsq(self))
         loss = float(self._all_scalars[:, 0].sum() / n) if n > 1 else loss
         inv = 1.0 / (seed * K * n)                   # K = 1: 1 / (scale * n)
         gnorm = math.sqrt(sumsq) * inv if math.isfinite(sumsq) else float("inf")
         skipped = self.scaler.update(not math.isfinite(sumsq))
         if not skipped:
-            coef = np.float32(inv * clip_coef(gnorm, self.adam.cfg.grad_clip))
-            self.adam.begin_step()
-            if self.update_ahead is not None:        # beside the next forward, unit by unit
-                self.update_ahead.start(self, coef, lr)
-            elif self.offload_stream is not None:    # streamed from the files; params cast in the same pass
-                self._offloaded_update(coef, lr)
-            else:
-                piece = self.state.piece
-                for u, r, g in self._grad_pieces():
-                    g *= coef
-                    self.adam.update(piece("master", u, r), piece("adam_m", u, r), piece("adam_v", u, r),
-                                     g, lr, self._decay[(u, r)])
-            # with overlap (stages 1-2) the params' all-gathers run while the next forward computes;
-            # whoever reads params before it waits for them (wait_params)
-            t1 = time.perf_counter()
-            self.update_gathers.started(self.state.publish(
-                self.ring, start=self.overlap, cast=self.offload_stream is None,
-                buckets=self.workspaces.gather_buckets() if self.offload_stream is None else ()))
-            if not self.overlap and self.policy.full_params and not self.policy.full_optimizer:
-                dt = time.perf_counter() - t1          # stages 1-2: the blocking gathers (and casts)
-                for k in ("param_gather_s", "param_gather_exposed_s", "comm_s"):
-                    self.timeline[k] += dt
+            update.apply(self, np.float32(inv * clip_coef(gnorm, self.adam.cfg.grad_clip)), lr)
         self.step_count += 1
         reports.io_delta(self, io0)
         led1 = reports.ledger_totals(self.topology)
@@ -314,20 +258,6 @@ class Zero:
         self.state.publish(self.ring, cast=self.offload_stream is None)
 
     # ------------------------------------------------------------------ offload
-    def _offloaded_update(self, coef, lr):
-        """The streamed update (stream.py); an I/O error on any rank is one OffloadError on every rank."""
-        err = None
-        try:
-            stream.update(self, coef, lr)
-        except OSError as e:
-            err = e.strerror or str(e)
-        stream.agree(self, err)
-
-    def _drain_ahead(self):
-        """Wait for an update started beside this forward (UpdateAhead); agree on its error. Collective."""
-        if self.update_ahead:
-            stream.agree(self, self.update_ahead.drain())
-
     def close(self):
         """Stop the offload threads and close its files (freed by the kernel). The engine is done."""
         if self.update_ahead is not None:
@@ -343,7 +273,7 @@ class Zero:
         self.update_gathers.wait(units)
         if self.update_ahead:
             if units is None:
-                self._drain_ahead()
+                update.drain_ahead(self)
             else:
                 self.update_ahead.wait(units)
 
@@ -404,3 +334,52 @@ class Zero:
     def traffic_report(self) -> dict:
         """Bytes this rank sent in the last step, beside the formula (reports.py)."""
         return reports.traffic_report(self)
+
+
+def _make_state(self, device):
+    """The state buffers, in RAM or (offload) file-backed, and the offloaded update's stream and tiles.
+    A bad DIR, a small disk, or a file whose blocks cannot be reserved on any rank: one error on all."""
+    L, P, topo, xp, off, U = self.layout, self.policy, self.topology, self.xp, self.offload, len(self.layout.units)
+    if off.enabled:                  # a bad DIR or a small disk: refused before any file is made
+        check_offload(self, off, device)
+    err = None
+    try:                             # offload: a file whose blocks cannot be reserved, on any rank
+        self.state = ShardedState(L, P, topo.shard_rank, self.storage_dtype, xp, self.grad_accum,
+                                  off if off.enabled else None)
+    except OffloadError as e:
+        err = str(e)
+    if off.enabled:
+        stream.agree(self, err, "making the offload files")
+    self._decay = {(u, r): self.state.decay_runs(u, r) for u in range(U) for r in range(L.shards)}
+    # offload: the update streams this rank's pieces through a few tile buffers (stream.py)
+    self.offload_stream = stream.TileStream(self.state, off) if off.enabled else None
+    self.offload_tiles = stream.tiles(self.state, self._decay, off.tile) if off.enabled else []
+    self.update_ahead = stream.UpdateAhead(U) if off.enabled and off.ahead else None
+    self.last_step_io = {}               # {class: (bytes read, bytes written)} of the offload files, last step
+    self.last_update_io = {}             # the same, of the last offloaded update alone (stream.update)
+
+
+def _schedule_options(P, overlap: bool, prefetch, reduce_bucket, tree_bytes: int):
+    """(prefetch, reduce_bucket) of this stage and overlap, from the arguments (None: the defaults)."""
+    # prefetch (stage 3, hybrid, with overlap): a unit's gather starts this many positions before
+    # it is read (FSDP's forward and backward prefetch; 1 by default, as FSDP's)
+    if prefetch is not None and (isinstance(prefetch, bool) or int(prefetch) != prefetch or prefetch < 0):
+        raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+    if prefetch and not overlap:
+        raise ValueError(f"prefetch {prefetch} needs overlap (a gather runs beside compute only then); "
+                         "drop --no-overlap or use --prefetch 0")
+    prefetch = (1 if prefetch is None else int(prefetch)) if overlap and P.gather_params else 0
+    # buckets (stages 0-2): consecutive units' gradients reduced by one call (plan.reduce_buckets).
+    # None: without overlap, up to the ring's tree_bytes (16 MiB), where the Ring sums a bucket in
+    # the order it sums each unit, so the stages stay bitwise equal; one call, and one wait for the
+    # slowest rank, per bucket instead of per unit (on one host that measured neutral: docs/runtime.md).
+    # With overlap, each unit alone, started as its backward ends (as FSDP's are)
+    if reduce_bucket is not None and (isinstance(reduce_bucket, bool) or int(reduce_bucket) != reduce_bucket
+                                      or reduce_bucket < 0):
+        raise ValueError(f"reduce_bucket must be an int >= 0 (bytes), got {reduce_bucket!r}")
+    if reduce_bucket and P.gather_params:
+        raise ValueError(f"reduce_bucket applies to stages 0-2; stage {P.stage} reduces each unit's "
+                         "gradient as its backward ends (FSDP's order): drop the bucket size")
+    if reduce_bucket is None:
+        reduce_bucket = 0 if overlap or P.gather_params else tree_bytes
+    return prefetch, int(reduce_bucket)

@@ -1,0 +1,68 @@
+"""The update: AdamW on every master piece this rank holds, then the params published from master.
+
+What it is
+    ``apply(engine, coef, lr)`` runs one step's update after the global norm and the overflow check
+    (engine.py): the gradient pieces scaled by ``coef`` (1 / (scale x K x n), times the clip), AdamW on
+    each (optim.py), then the cast of master into the storage-dtype params and, where params are held
+    in full (stages 1-2), their all-gathers, started or blocking. It has three forms, one result:
+
+        in RAM        piece by piece, NumPy (or CuPy) AdamW, then state.publish casts and gathers
+        offloaded     streamed through a few tile buffers (stream.py): the fused AdamW reads master,
+                      m, v from their files, writes them back and casts the params in the same pass
+        ahead         the offloaded update on its own thread, unit by unit, beside the next forward,
+                      which waits for a unit only where it gathers it (stream.UpdateAhead)
+
+    ``drain_ahead(engine)`` waits for an update running ahead and agrees on its error (collective).
+
+What it is not
+    No norm, no clipping decision, no loss scaling (engine.py), no AdamW arithmetic (optim.py,
+    csrc/adam.c), no files or threads (offload.py, stream.py).
+"""
+from __future__ import annotations
+
+import time
+
+from ringzero.runtime import stream
+
+
+def apply(engine, coef, lr: float):
+    """One step's AdamW on this rank's pieces, and the params published (see the module docstring)."""
+    engine.adam.begin_step()
+    if engine.update_ahead is not None:          # beside the next forward, unit by unit
+        engine.update_ahead.start(engine, coef, lr)
+    elif engine.offload_stream is not None:      # streamed from the files; params cast in the same pass
+        _offloaded(engine, coef, lr)
+    else:
+        piece = engine.state.piece
+        for u, r, g in engine._grad_pieces():
+            g *= coef
+            engine.adam.update(piece("master", u, r), piece("adam_m", u, r), piece("adam_v", u, r),
+                               g, lr, engine._decay[(u, r)])
+    # with overlap (stages 1-2) the params' all-gathers run while the next forward computes;
+    # whoever reads params before it waits for them (engine.wait_params)
+    t1 = time.perf_counter()
+    streamed = engine.offload_stream is not None
+    engine.update_gathers.started(engine.state.publish(
+        engine.ring, start=engine.overlap, cast=not streamed,
+        buckets=() if streamed else engine.workspaces.gather_buckets()))
+    P = engine.policy
+    if not engine.overlap and P.full_params and not P.full_optimizer:
+        dt = time.perf_counter() - t1            # stages 1-2: the blocking gathers (and casts)
+        for k in ("param_gather_s", "param_gather_exposed_s", "comm_s"):
+            engine.timeline[k] += dt
+
+
+def _offloaded(engine, coef, lr: float):
+    """The streamed update (stream.py); an I/O error on any rank is one OffloadError on every rank."""
+    err = None
+    try:
+        stream.update(engine, coef, lr)
+    except OSError as e:
+        err = e.strerror or str(e)
+    stream.agree(engine, err)
+
+
+def drain_ahead(engine):
+    """Wait for an update started beside this forward (UpdateAhead); agree on its error. Collective."""
+    if engine.update_ahead:
+        stream.agree(engine, engine.update_ahead.drain())
