@@ -170,7 +170,8 @@ def test_end_to_end_bf16_grad_accum(comm, tmp_path_factory):
             v["measured_bytes"] == v["formula_bytes"] for v in summ["memory"].values())
         ok &= all(s["loss_scale"] == 1.0 for s in steps) and len(summ["peak_rss_bytes"]) == 2
         man = json.load(open(os.path.join(d, "ck", "step-000040", "manifest.json")))
-        ok &= man["config"]["gpt"] == {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "vocab": 256}
+        ok &= man["config"]["gpt"] == {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "vocab": 256,
+                                         "real_vocab": None}
         ok &= man["classes"]["params"] == "bfloat16"
         msg = f"loss {first:.3f} -> {last:.3f}, summary {summ}"
     assert_all(comm, ok, msg)
