@@ -17,6 +17,7 @@ setup(
         Extension(
             "ringzero.comm._f16",
             sources=["ringzero/comm/csrc/f16.c"],
+            depends=["ringzero/comm/csrc/f16_bits.h"],
             extra_compile_args=["-O3", "-fno-fast-math"],
             optional=True,
         ),
@@ -32,6 +33,7 @@ setup(
         Extension(
             "ringzero.runtime._adam",
             sources=["ringzero/runtime/csrc/adam.c"],
+            depends=["ringzero/comm/csrc/f16_bits.h"],   # the fp16 conversions, shared with f16.c
             # as _fused: no contraction, no fast-math, so it rounds as the NumPy update does
             extra_compile_args=["-O3", "-fno-fast-math", "-ffp-contract=off", "-fno-math-errno"],
             optional=True,

@@ -22,7 +22,7 @@ MPI_KIND="${RINGZERO_MPI:-wheel}"
 PYBIN="${RINGZERO_PYTHON:-python3}"
 
 PEER="${RINGZERO_PEER:-0}"
-_stamp_src() { cat "$ROOT/setup.cfg" "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT/ringzero/comm/csrc/"*.c "$ROOT/ringzero/nn/csrc/"*.c "$ROOT/ringzero/runtime/csrc/"*.c 2>/dev/null; echo "$MPI_KIND"; }
+_stamp_src() { cat "$ROOT/setup.cfg" "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT/ringzero/comm/csrc/"*.[ch] "$ROOT/ringzero/nn/csrc/"*.[ch] "$ROOT/ringzero/runtime/csrc/"*.[ch] 2>/dev/null; echo "$MPI_KIND"; }
 
 ensure_venv() {
     local want have=""

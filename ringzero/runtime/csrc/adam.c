@@ -48,45 +48,8 @@
 #define BLK 512
 enum { K_F32 = 0, K_F16 = 1, K_BF16 = 2, K_NONE = 3 };
 
-static inline float bits_to_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-static inline uint32_t f32_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-
-/* ---- fp16 <-> fp32, NumPy's rules (as comm/csrc/f16.c) --------------------- */
-static inline uint32_t h2f_bits(uint16_t h)
-{
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-    if (e == 0x1f) return sign | 0x7f800000u | (m << 13);
-    if (e != 0) return sign | ((e + 112u) << 23) | (m << 13);
-    if (m == 0) return sign;
-    uint32_t ef = 113u;
-    while (!(m & 0x400u)) { m <<= 1; ef--; }
-    return sign | (ef << 23) | ((m & 0x3ffu) << 13);
-}
-
-static inline uint16_t f2h_bits(uint32_t f)
-{
-    uint16_t sign = (uint16_t)((f >> 16) & 0x8000u);
-    uint32_t a = f & 0x7fffffffu;
-    if (a >= 0x7f800000u) {
-        if (a == 0x7f800000u) return sign | 0x7c00u;
-        uint16_t r = (uint16_t)(0x7c00u | ((a & 0x7fffffu) >> 13));
-        if (r == 0x7c00u) r++;
-        return sign | r;
-    }
-    if (a >= 0x477ff000u) return sign | 0x7c00u;
-    if (a < 0x38800000u) {
-        uint32_t e = a >> 23, shift = 126u - e;
-        if (shift > 24u) return sign;
-        uint32_t mant = (a & 0x7fffffu) | 0x800000u;
-        uint32_t q = mant >> shift, rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1u);
-        if (rem > half || (rem == half && (q & 1u))) q++;
-        return sign | (uint16_t)q;
-    }
-    uint32_t r = a - 0x38000000u, h = r >> 13, rem = r & 0x1fffu;
-    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++;
-    return sign | (uint16_t)h;
-}
+/* ---- fp16 <-> fp32, NumPy's rules: the Ring's own conversions ------------- */
+#include "../../comm/csrc/f16_bits.h"
 
 /* ---- bf16: widen is a shift; narrow rounds to nearest even (ml_dtypes) ------- */
 static inline uint16_t f2bf_bits(uint32_t f)
