@@ -139,6 +139,22 @@ def test_model_preset_and_overrides():
                                                   real_vocab=None)
 
 
+def test_preset_learning_rates(tmp_path):
+    """Without --lr a preset trains at GPT-3's rate for its size (table 2.1: 125M 6e-4, 350M 3e-4,
+    760M 2.5e-4, 1.3B 2e-4); --lr and a TOML lr win; the small default keeps 4e-3."""
+    from ringzero.app.train import parse_config
+    from ringzero.nn.gpt import PRESETS
+    gpt3 = {"gpt2": 6e-4, "gpt2-medium": 3e-4, "gpt2-large": 2.5e-4, "gpt2-xl": 2e-4}
+    assert set(gpt3) == set(PRESETS)
+    for name, lr in gpt3.items():
+        assert parse_config(["--model", name])[0].lr == lr, name
+        assert parse_config(["--model", name, "--lr", "1e-3"])[0].lr == 1e-3, name
+    toml = tmp_path / "c.toml"
+    toml.write_text('model = "gpt2-xl"\nlr = 5e-5\n')
+    assert parse_config(["--config", str(toml)])[0].lr == 5e-5
+    assert parse_config([])[0].lr == 4e-3
+
+
 def test_gpt2_preset_passes_check(tmp_path):
     rc, err, new = _check(["--model", "gpt2", "--steps", "3", "--grad-accum", "2", "--precision", "bf16"],
                           tmp_path)
