@@ -33,6 +33,23 @@ def test_tiers_by_hand(stage, off, ram, disk):
     assert t == {"ram": ram, "disk": disk}
 
 
+def test_mem_budget_counts_what_stays_in_ram():
+    """--mem-budget (state.check_budget) against 16Ψ/Nd, 4Ψ/Nd and 2Ψ/Nd written here: stage 3 whose
+    16Ψ/Nd is over the budget is refused without offload and passes once --offload moves enough to disk."""
+    from ringzero.runtime.flat import Layout, ParamSpec, Unit
+    from ringzero.runtime.state import MemoryBudgetError, check_budget
+    L = Layout((Unit("u", (ParamSpec("w", (1000, 1000)),)),), shards=ND)
+    psi = L.padded
+    budget_ = 3 * psi // ND                          # between 2Ψ/Nd and 4Ψ/Nd
+    for off in ((), ("optimizer",)):
+        with pytest.raises(MemoryBudgetError) as e:
+            check_budget(L, "3", ND, budget_, offload=off)
+        need = (16 if not off else 4) * psi // ND
+        assert f"needs {need / MiB:.1f} MiB of model state per rank in memory" in str(e.value), str(e.value)
+    assert "more on disk" in str(e.value) and f"{12 * psi // ND / MiB:.1f} MiB more on disk" in str(e.value)
+    check_budget(L, "3", ND, budget_, offload=("optimizer", "params"))   # 2Ψ/Nd: fits
+
+
 def test_offload_io_by_hand():
     io = budget.offload_io_bytes("3", PSI, ND, offload="optimizer")
     assert io["read"] == io["written"] == 12 * PSI // ND                        # 12Ψ/Nd each way

@@ -87,7 +87,7 @@ def prepare(cfg: Config, n: int, rank: int | None = None):
     if budget is not None and group is not None:      # else the engine checks once it knows the node
         try:
             check_budget(Layout(model.units, shards=group), cfg.stage, n, budget, group if hybrid else None,
-                         cfg.precision, cfg.grad_accum)
+                         cfg.precision, cfg.grad_accum, offload_policy(cfg).tiers)
         except MemoryBudgetError as e:
             raise ConfigError(f"--mem-budget {cfg.mem_budget}: {e}") from None
     return corpus, model, budget, src

@@ -119,10 +119,10 @@ class Zero:
         self.ring = topo.ring
         self.layout = L = Layout(model.units, shards=topo.shard_size)
         U = len(L.units)
+        self.offload = offload or OffloadPolicy()
         if mem_budget is not None:       # refuse before allocating anything
             check_budget(L, self.stage, topo.world_size, mem_budget, P.ranks_per_node(topo.shard_size),
-                         precision, self.grad_accum)
-        self.offload = offload or OffloadPolicy()
+                         precision, self.grad_accum, self.offload.tiers)
         _make_state(self, device)
         with alloc_guard("the initial weights (an fp32 host copy of the master's size)"):
             if init is None:

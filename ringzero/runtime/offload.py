@@ -96,8 +96,13 @@ class OffloadPolicy:
     def on_disk(self, buffer: str) -> bool:
         return buffer in self.buffers_on_disk
 
+    @property
+    def tiers(self) -> tuple:
+        """The --offload words in effect, budget.py's terms: (), ("optimizer",) or ("optimizer", "params")."""
+        return tuple(w for w, on in (("optimizer", self.optimizer), ("params", self.params)) if on)
+
     def describe(self) -> str:
-        return "+".join(w for w, on in (("optimizer", self.optimizer), ("params", self.params)) if on) or "none"
+        return "+".join(self.tiers) or "none"
 
     def check(self, stage_policy, device: str = "cpu"):
         """Refuse what the stage or device cannot offload, in one line."""

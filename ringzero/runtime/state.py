@@ -230,22 +230,26 @@ def storage_dtype(precision: str):
 
 
 def check_budget(layout: Layout, stage: str, world: int, budget: int, ranks_per_node=None,
-                 precision: str = "fp16", grad_accum: int = 1):
-    """Refuse, before anything is allocated, a stage whose model state per rank
-    (the stage formula on the padded Ψ, at this precision and K) exceeds ``budget`` bytes."""
+                 precision: str = "fp16", grad_accum: int = 1, offload=()):
+    """Refuse, before anything is allocated, a stage whose model state per rank in memory
+    (the stage formula on the padded Ψ, at this precision and K, less the classes ``offload``
+    moves to disk: budget.state_by_tier) exceeds ``budget`` bytes."""
+    from ringzero.runtime.budget import state_by_tier, tier_totals
     kw = dict(precision=precision, grad_accum=grad_accum)
-    need = accounting.model_state_total(stage, layout.padded, world, ranks_per_node, **kw)
+    tiers = tier_totals(state_by_tier(stage, layout.padded, world, ranks_per_node, offload=offload, **kw))
+    need = tiers["ram"]
     if need <= budget:
         return
+    on_disk = f", {tiers['disk'] / 2**20:.1f} MiB more on disk (--offload)" if tiers["disk"] else ""
+    head = (f"stage {stage} needs {need / 2**20:.1f} MiB of model state per rank in memory (Ψ={layout.numel:,}, "
+            f"Nd={world}){on_disk}, budget is {budget / 2**20:.1f} MiB")
     fits = accounting.stages_that_fit(budget, layout.padded, world, ranks_per_node, **kw)
     if not fits:
         least = accounting.model_state_total("3", layout.padded, world, **kw)
         raise MemoryBudgetError(
-            f"budget {budget / 2**20:.1f} MiB per rank is below the smallest stage's need: stage 3 "
-            f"needs {least / 2**20:.1f} MiB at Nd={world} (Ψ={layout.numel:,}); add ranks or shrink the model")
-    raise MemoryBudgetError(
-        f"stage {stage} needs {need / 2**20:.1f} MiB of model state per rank (Ψ={layout.numel:,}, "
-        f"Nd={world}), budget is {budget / 2**20:.1f} MiB; stages that fit: {', '.join(fits)}")
+            f"{head}: below the smallest stage's need (stage 3: {least / 2**20:.1f} MiB without offload); "
+            "add ranks, offload (--offload optimizer,params) or shrink the model")
+    raise MemoryBudgetError(f"{head}; stages that fit: {', '.join(fits)}")
 
 
 def cast_into(dst, src):
