@@ -112,13 +112,16 @@ def verdict(cfg: Config, model, rooms: list, node_of: list, n: int):
     cuda = cfg.device == "cuda"            # rooms: free device bytes per rank; else limits.Room
     per_rank = [x if cuda else x.rank_room for x in rooms]
     worst_rank = min(((v, r) for r, v in enumerate(per_rank) if v is not None), default=None)
+    short = min(((v - need.at(r), r) for r, v in enumerate(per_rank) if v is not None), default=None)
     node_rooms = {}
     if not cuda:
         for r, x in enumerate(rooms):
             if x.node_room is not None:
                 k = node_of[r]
                 node_rooms[k] = min(node_rooms.get(k, x.node_room), x.node_room)
-    worst_node = min(((room / count[k], k) for k, room in node_rooms.items()), default=None)
+    def node_need(k):              # rank 0's node also holds the sample's gather
+        return need.node(count[k], with_rank0=node_of[0] == k)
+    worst_node = min(((room - node_need(k), k) for k, room in node_rooms.items()), default=None)
     if need.init > need.workspace + need.activations + need.end:     # the peak is at start-up
         parts = f"model state {_mib(need.model_state)} + the initial weights' fp32 copy {_mib(need.init)}"
     else:
@@ -126,15 +129,17 @@ def verdict(cfg: Config, model, rooms: list, node_of: list, n: int):
                  f"{_mib(need.activations)}" + (f" + the sample's fp32 gather {_mib(need.end)}" if need.end else ""))
     parts += f"; {_mib(need.disk)} offloaded to disk" if need.disk else ""
     what = (f"stage {base.stage} needs {_mib(need.total)} per rank ({parts}; Ψ = {model_psi(model):,}, Nd = {n})")
-    if worst_rank is not None and need.total > worst_rank[0]:
-        r = worst_rank[1]
+    if short is not None and short[0] < 0:
+        r = short[1]
         where = (f"rank {r}'s GPU has {_mib(rooms[r])} free" if cuda else f"on rank {r} {rooms[r].describe_rank()}")
+        if r != 0 and need.end:
+            what += f"; {_mib(need.rest)} on a rank other than 0"
         line = f"{what}, more than there is: {where}"
-    elif worst_node is not None and count[worst_node[1]] * need.total > node_rooms[worst_node[1]]:
+    elif worst_node is not None and worst_node[0] < 0:
         k = worst_node[1]
         r = node_of.index(k)
         on = f"node {k}'s" if nodes > 1 else "this node's"
-        line = (f"{what}; {on} {count[k]} ranks need {_mib(count[k] * need.total)}, more than there is: "
+        line = (f"{what}; {on} {count[k]} ranks need {_mib(node_need(k))}, more than there is: "
                 f"{rooms[r].describe_node()}")
     else:
         return None

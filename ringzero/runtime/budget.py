@@ -179,13 +179,26 @@ class Need:
 
     @property
     def total(self) -> int:
+        """Rank 0's peak: the only rank the sample's gather lands on (``end``)."""
         return self.model_state + max(self.init, self.workspace + self.activations + self.end)
+
+    @property
+    def rest(self) -> int:
+        """Any other rank's peak."""
+        return self.model_state + max(self.init, self.workspace + self.activations)
+
+    def at(self, rank: int) -> int:
+        return self.total if rank == 0 else self.rest
+
+    def node(self, ranks: int, with_rank0: bool = True) -> int:
+        """The peak of a node's ``ranks`` ranks together (an upper bound: each rank's own peak)."""
+        return (self.total + (ranks - 1) * self.rest) if with_rank0 else ranks * self.rest
 
 
 def fits(need: Need, run: Run, rank_room, node_room) -> bool:
     """A rank's need within its own room (RLIMIT_DATA) and the node's ranks' within the node's."""
     return ((rank_room is None or need.total <= rank_room)
-            and (node_room is None or run.ppn * need.total <= node_room))
+            and (node_room is None or need.node(run.ppn) <= node_room))
 
 
 def candidates(base: Run, offload_ok: bool, max_nodes: int = 1024):
