@@ -18,7 +18,9 @@ What it is
       CuPy does; ``set`` from pinned memory is asynchronous on the current
       stream (the host array is read when the stream is next synchronized or
       used), so code that reuses a pinned buffer before synchronizing gets
-      wrong results (from pageable memory CUDA copies before returning);
+      wrong results (from pageable memory CUDA copies before returning;
+      pinned means inside a live pinned allocation: freed, its addresses
+      are pageable again, as after cudaFreeHost);
     - ``__cuda_array_interface__`` (how mpi4py hands a device buffer to MPI)
       refuses while the stream has unsynchronized work: handing a buffer to
       MPI without ``stream.synchronize()`` first is a race on a GPU;

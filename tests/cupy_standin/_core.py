@@ -28,7 +28,7 @@ class _State:
         self.allocs = 0
         self.matmul_nd_copies = 0
         self.host_reads = 0           # device->host reads that block: float(a), int(a), a.get()
-        self.pinned = []              # (ptr, nbytes) of pinned host allocations
+        self.pinned = {}              # ptr -> nbytes of the LIVE pinned host allocations (see _cuda.py)
 
     device = property(lambda self: getattr(self.tls, "device", 0),
                       lambda self, d: setattr(self.tls, "device", d))

@@ -3,6 +3,7 @@ pool, scatter_add and cuBLAS's strided-batched GEMM on raw pointers (see __init_
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import numpy as np
 
@@ -22,9 +23,18 @@ class PinnedMemoryPointer(bytearray):
 
 
 def alloc_pinned_memory(size):
+    """Page-locked bytes, registered while they live.
+
+    Freed, the bytes go back to malloc, which hands the same addresses to the next NumPy array
+    of about that size; that array is pageable (on a GPU too: cudaFreeHost unpins, and CuPy's
+    pinned pool never lends its blocks to malloc), so its ``set`` must copy at once. Hence the
+    finalizer: a registry that kept dead ranges made such a ``set`` an async DMA that read the
+    array only at the next synchronize, after its owner had legitimately reused it."""
     m = PinnedMemoryPointer(int(size))
     if size:
-        _S.pinned.append((m.ptr, len(m)))
+        ptr = m.ptr
+        _S.pinned[ptr] = len(m)
+        weakref.finalize(m, _S.pinned.pop, ptr, None)
     return m
 
 
@@ -40,9 +50,13 @@ def zeros_pinned(shape, dtype=float, order="C"):
     return out
 
 
+def _pinned_at(ptr) -> bool:
+    """Does byte ptr lie in a live pinned allocation? (a copy: a finalizer may run mid-loop)"""
+    return any(q <= ptr < q + n for q, n in _S.pinned.copy().items())
+
+
 def _pinned(arr) -> bool:
-    p = arr.__array_interface__["data"][0]
-    return any(q <= p < q + n for q, n in _S.pinned)
+    return _pinned_at(arr.__array_interface__["data"][0])
 
 
 class _PointerAttributes:
@@ -51,9 +65,8 @@ class _PointerAttributes:
 
 
 def pointerGetAttributes(ptr):
-    for p, n in _S.pinned:
-        if p <= ptr < p + n:
-            return _PointerAttributes(1)        # memoryTypeHost
+    if _pinned_at(ptr):
+        return _PointerAttributes(1)            # memoryTypeHost
     return _PointerAttributes(2 if _inside(ptr, 1) else 0)
 
 
