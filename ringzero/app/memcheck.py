@@ -10,7 +10,8 @@ What it is
         a node     its ranks' sum                                 <=  min(MemAvailable, cgroup's room)
 
     The need is runtime/budget.py's (the engine's own layout, plan and stage table; offloaded classes
-    count on disk) plus the GPT's activation estimate (tools/activations.py ``training_bytes``). A run
+    count on disk; on --device cuda the need is the device's, and the offloaded classes leave it)
+    plus the GPT's activation estimate (tools/activations.py ``training_bytes``). A run
     that does not fit raises ConfigError: one line with both numbers and the first run that would fit
     (``budget.first_fit``), printed once by rank 0 (exits.py). ``need_of(cfg, model, run)`` is the
     arithmetic alone, for ``python -m ringzero.estimate`` and the tests.
@@ -71,7 +72,12 @@ def need_of(cfg: Config, model, run: budget.Run, nodes: int = 1) -> budget.Need:
     prefetch = (1 if cfg.prefetch is None else cfg.prefetch) if overlap and P.gather_params else 0
     rb = cfg.reduce_bucket_mb
     bucket = (0 if overlap or P.gather_params else TREE_BYTES) if rb is None else int(rb * 2 ** 20)
-    by = budget.state_by_tier(run.stage, L.padded, run.nd, rpn, cfg.precision, cfg.grad_accum, run.offload)
+    cuda = cfg.device == "cuda"
+    if cuda and "params" in run.offload:
+        raise ValueError("--offload params runs on --device cpu only")    # first_fit passes over it
+    to = "disk" if getattr(cfg, "offload_dir", "") else "ram"
+    by = budget.state_by_tier(run.stage, L.padded, run.nd, rpn, cfg.precision, cfg.grad_accum, run.offload,
+                              cfg.device, to)
     tiers = budget.tier_totals(by)
     ws = budget.workspace_bytes(L, P, sd, cd, cfg.grad_accum, overlap, prefetch, bucket,
                                 [model.backward_reads_params(u) for u in range(len(L.units))])
@@ -79,6 +85,13 @@ def need_of(cfg: Config, model, run: budget.Run, nodes: int = 1) -> budget.Need:
     act = training_bytes(model.cfg, cfg.batch // cfg.grad_accum, cfg.seq_len, run.checkpointing, cd.itemsize)
     init = 4 * (L.padded if P.full_optimizer else L.shard_numel)     # ShardedState.init_master's fp32 host copy
     end = 4 * L.padded if run.sample else 0                           # the sample's engine.full_params()
+    if cuda:
+        # the device's need (the rooms are free device bytes): the offloaded classes, AdamW's scratch and
+        # the update's pinned tile buffers are host memory (host_tier.py), so is the initial weights' copy
+        if run.offload:
+            ws -= 4 * max(L.piece_numel)
+            init = 0
+        return budget.Need(tiers["device"], ws, act, tiers["disk"], init, end)
     # the streamed update's host buffers (stream.TileStream): at most `buffers` tiles of each offloaded class
     staging = _stream_bytes(tiers["disk"], np.dtype(sd).itemsize)
     return budget.Need(tiers["ram"] + staging, ws, act, tiers["disk"], init, end)
