@@ -198,3 +198,61 @@ def test_trainer_offloads_to_the_host_on_device(comm, cp, capsys, tmp_path_facto
         ok &= "offload optimizer in host memory" in out and "(limit 0.06 MiB), pageable" in out
         ok &= rows["master_fp32"][5] == "ram" and rows["params_fp16"][5] == "device"
     assert_all(comm, ok, out[-3000:])
+
+
+def test_pinning_refused_by_the_driver_falls_back_to_pageable(cp, monkeypatch):
+    """cudaHostAlloc failing (the host's locked-memory limit): the array is pageable, counted so."""
+    from ringzero.runtime.host_tier import PinnedArena
+
+    def refuse(nbytes):
+        raise MemoryError("out of memory to allocate pinned memory")
+    arena = PinnedArena(1 << 20)
+    a = arena.zeros(1000, np.float32, "master")
+    monkeypatch.setattr(cp.cuda, "alloc_pinned_memory", refuse)
+    b = arena.zeros(1000, np.float32, "adam_m")
+    assert arena.kinds == {"master": "pinned", "adam_m": "pageable"} and (arena.pinned, arena.pageable) == (4000, 4000)
+    assert not a.any() and not b.any() and a.size == b.size == 1000
+
+
+def test_bad_device_offload_flags_one_line_exit_2():
+    """On the command line, before any mpirun or CuPy: one line, exit 2."""
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    for args, want in ((["--offload", "optimizer,params", "--stage", "3"], "--offload params runs on --device cpu"),
+                       (["--offload", "optimizer", "--offload-pin-limit", "2X"], "--offload-pin-limit: ")):
+        p = subprocess.run([sys.executable, "-m", "ringzero.train", "--device", "cuda", "--steps", "1", *args],
+                           capture_output=True, text=True, timeout=120, env=env)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1 and want in lines[0], p.stderr
+
+
+def test_mem_budget_on_a_device_counts_device_memory():
+    """--mem-budget on "cuda": 16Ψ/Nd at stage 3 is over a budget between 4Ψ/Nd and 16Ψ/Nd; with
+    the optimizer in host memory 4Ψ/Nd stays on the device and fits (the formula written here)."""
+    from ringzero.runtime.flat import Layout, ParamSpec, Unit
+    from ringzero.runtime.state import MemoryBudgetError, check_budget
+    nd = 4
+    L = Layout((Unit("u", (ParamSpec("w", (1000, 1000)),)),), shards=nd)
+    budget_ = 8 * L.padded // nd
+    with pytest.raises(MemoryBudgetError) as e:
+        check_budget(L, "3", nd, budget_, device="cuda")
+    assert f"needs {16 * L.padded // nd / 2**20:.1f} MiB of model state per rank in device memory" in str(e.value)
+    check_budget(L, "3", nd, budget_, offload=("optimizer",), device="cuda", offload_to="ram")
+    with pytest.raises(MemoryBudgetError) as e:
+        check_budget(L, "3", nd, 3 * L.padded // nd, offload=("optimizer",), device="cuda", offload_to="ram")
+    assert f"{12 * L.padded // nd / 2**20:.1f} MiB more in host memory" in str(e.value), str(e.value)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("where", ["host", "disk"])
+def test_device_offload_hybrid_is_bitwise_on_device(comm, cp, where, tmp_path):
+    """Hybrid (sharded within a node, replicated across): the host tier gives the device run's bits."""
+    kw = dict(precision="fp16", ranks_per_node=1 if comm.size % 2 else 2)
+    ref = _engine(comm, "hybrid", **kw)
+    want = _steps(comm, cp, ref, 0, 3)
+    eng = _engine(comm, "hybrid", _off(str(tmp_path) if where == "disk" else None), **kw)
+    got = _steps(comm, cp, eng, 0, 3)
+    on = "disk" if where == "disk" else "ram"
+    ok = got == want and _state(eng) == _state(ref) and eng.state.tier("master") == on
+    assert_all(comm, ok, f"hybrid {where}: {got} vs {want}")
+    eng.close()

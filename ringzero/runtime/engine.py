@@ -126,7 +126,7 @@ class Zero:
         self.offload = offload or OffloadPolicy()
         if mem_budget is not None:       # refuse before allocating anything
             check_budget(L, self.stage, topo.world_size, mem_budget, P.ranks_per_node(topo.shard_size),
-                         precision, self.grad_accum, self.offload.tiers)
+                         precision, self.grad_accum, self.offload.tiers, device, self.offload.where)
         _make_state(self, device)
         with alloc_guard("the initial weights (an fp32 host copy of the master's size)"):
             if init is None:
@@ -152,8 +152,7 @@ class Zero:
             self.workspaces = Workspaces(L, P, self.plan, self.state, topo, self.compute_dtype, self.grad_accum,
                                          overlap=self.overlap, reduce_bucket=self.reduce_bucket)
         self.timeline = {}                   # the last step's seconds: compute, reduction, and what was hidden
-        # offload: the update runs on the host (a device run's too: host_tier.py)
-        self.adam = AdamW(adam or AdamConfig(), max(L.piece_numel), np if self.offload.enabled else xp)
+        self.adam = AdamW(adam or AdamConfig(), max(L.piece_numel), np if self.offload.enabled else xp)  # offload: host
         self.scaler = scaler or LossScaler(dynamic=(precision == "fp16"),
                                            init=2.0 ** 16 if precision == "fp16" else 1.0)
         self._grad_scratch = aligned_empty(xp, max(L.piece_numel), np.float32)  # one unscaled grad piece

@@ -62,10 +62,9 @@ class PinnedArena:
     def empty(self, n: int, dtype, name: str = "") -> np.ndarray:
         dt = np.dtype(dtype)
         nbytes = int(n) * dt.itemsize
-        if nbytes and self.pinned + nbytes <= self.limit:
-            import cupy
-            mem = cupy.cuda.alloc_pinned_memory(nbytes)       # the array keeps it alive (its base)
-            out = np.ndarray((int(n),), dt, buffer=mem)
+        mem = self._pin(nbytes) if nbytes and self.pinned + nbytes <= self.limit else None
+        if mem is not None:
+            out = np.ndarray((int(n),), dt, buffer=mem)       # the array keeps the pinned block alive
             self.pinned += nbytes
             kind = "pinned"
         else:
@@ -76,6 +75,16 @@ class PinnedArena:
         if name:
             self.kinds[name] = kind
         return out
+
+    @staticmethod
+    def _pin(nbytes: int):
+        """A page-locked block, or None where the driver refuses one (the host's locked-memory limit
+        reached: the array is then pageable, as past the bound)."""
+        import cupy
+        try:
+            return cupy.cuda.alloc_pinned_memory(nbytes)
+        except (MemoryError, RuntimeError):         # CuPy's OutOfMemoryError, CUDARuntimeError
+            return None
 
     def zeros(self, n: int, dtype, name: str = "") -> np.ndarray:
         out = self.empty(n, dtype, name)

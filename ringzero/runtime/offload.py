@@ -47,14 +47,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ringzero.runtime.host_tier import DEFAULT_PIN_LIMIT
+
 OPTIMIZER = ("master", "adam_m", "adam_v")     # the engine buffers "optimizer" moves
 FAULT_ENV = "RINGZERO_FAULT_OFFLOAD"            # tests: see fault()
 
 
 class OffloadError(ValueError):
     """The disk tier cannot be used or failed: a bad DIR, a full disk, an I/O error mid-update."""
-
-
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class OffloadPolicy:
     drop_cache: bool = True     # posix_fadvise(DONTNEED) behind the stream: the page cache stays small
     ahead: bool = False         # params sharded: the update runs beside the next forward, unit by unit
     device: str = "cpu"         # the engine's: on "cuda" without dir, the classes live in host memory
-    pin_limit: int = 2 << 30    # "cuda": host bytes pinned per rank at most, past it pageable (host_tier.py)
+    pin_limit: int = DEFAULT_PIN_LIMIT   # "cuda": host bytes pinned per rank at most, past it pageable
 
     def __post_init__(self):
         if self.params and not self.optimizer:

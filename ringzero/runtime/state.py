@@ -242,18 +242,24 @@ def storage_dtype(precision: str):
 
 
 def check_budget(layout: Layout, stage: str, world: int, budget: int, ranks_per_node=None,
-                 precision: str = "fp16", grad_accum: int = 1, offload=()):
+                 precision: str = "fp16", grad_accum: int = 1, offload=(), device: str = "cpu",
+                 offload_to: str = "disk"):
     """Refuse, before anything is allocated, a stage whose model state per rank in memory
     (the stage formula on the padded Ψ, at this precision and K, less the classes ``offload``
-    moves to disk: budget.state_by_tier) exceeds ``budget`` bytes."""
+    moves to disk: budget.state_by_tier) exceeds ``budget`` bytes. On a device run the memory
+    is the device's, and the offloaded classes go to ``offload_to`` ("ram": host memory, or "disk")."""
     from ringzero.runtime.budget import state_by_tier, tier_totals
     kw = dict(precision=precision, grad_accum=grad_accum)
-    tiers = tier_totals(state_by_tier(stage, layout.padded, world, ranks_per_node, offload=offload, **kw))
-    need = tiers["ram"]
+    tiers = tier_totals(state_by_tier(stage, layout.padded, world, ranks_per_node, offload=offload,
+                                      device=device, offload_to=offload_to, **kw))
+    need = tiers["ram" if device == "cpu" else "device"]
     if need <= budget:
         return
     on_disk = f", {tiers['disk'] / 2**20:.1f} MiB more on disk (--offload)" if tiers["disk"] else ""
-    head = (f"stage {stage} needs {need / 2**20:.1f} MiB of model state per rank in memory (Ψ={layout.numel:,}, "
+    if device != "cpu" and tiers["ram"]:
+        on_disk += f", {tiers['ram'] / 2**20:.1f} MiB more in host memory (--offload)"
+    head = (f"stage {stage} needs {need / 2**20:.1f} MiB of model state per rank in "
+            f"{'memory' if device == 'cpu' else 'device memory'} (Ψ={layout.numel:,}, "
             f"Nd={world}){on_disk}, budget is {budget / 2**20:.1f} MiB")
     fits = accounting.stages_that_fit(budget, layout.padded, world, ranks_per_node, **kw)
     if not fits:
