@@ -256,3 +256,27 @@ def test_device_offload_hybrid_is_bitwise_on_device(comm, cp, where, tmp_path):
     ok = got == want and _state(eng) == _state(ref) and eng.state.tier("master") == on
     assert_all(comm, ok, f"hybrid {where}: {got} vs {want}")
     eng.close()
+
+
+def test_memcheck_on_a_device_checks_the_host_tier_against_the_host():
+    """The host tier's bytes (12Ψ/Nd of master, m, v, plus the larger of the initial fp32 copy, 4Ψ/Nd,
+    and the update's buffers, written out here) against a node's MemAvailable: refused one line
+    under it, with --offload-dir as the hint; passed above it."""
+    from ringzero.app import memcheck
+    from ringzero.app.config import Config
+    from ringzero.nn.gpt import GPT, GPTConfig
+    from ringzero.runtime.flat import Layout
+    from ringzero.runtime.limits import Room
+    model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=256, block_size=64, vocab=256))
+    cfg = Config(device="cuda", stage="3", batch=1, seq_len=64, sample_chars=0, precision="fp16", offload="optimizer")
+    L = Layout(model.units, shards=2)
+    piece = max(L.piece_numel)
+    want = 12 * L.shard_numel + max(4 * L.shard_numel, 2 * 3 * min(1 << 18, piece) * 2 + 4 * piece)
+    assert memcheck.host_tier_need(cfg, model, memcheck.base_run(cfg, 2, 2)) == want
+
+    def room(avail):
+        return Room(avail, None, None, 0)
+    line = memcheck.host_verdict(cfg, model, [room(2 * want - 1)] * 2, [0, 0], 2)
+    assert line and "this node's 2 ranks need" in line and "MemAvailable is" in line and "--offload-dir" in line
+    assert "\n" not in line
+    assert memcheck.host_verdict(cfg, model, [room(2 * want)] * 2, [0, 0], 2) is None
