@@ -68,9 +68,13 @@ class Config:
                                 "--no-mem-check (or RINGZERO_MEM_CHECK=0) skips it")
     offload: str = opt("", 'state classes kept in files under --offload-dir and streamed through the update: '
                            '"optimizer" (fp32 master, Adam m, v) or "optimizer,params" (stage 3/hybrid: the '
-                           'params shard too); "" = all in RAM (docs/offload.md)')
+                           'params shard too); "" = all in RAM; with --device cuda: "optimizer" in host memory, '
+                           'or in files with --offload-dir (docs/offload.md)')
     offload_dir: str = opt("", "the folder of the offload files (one per class per rank, freed at exit); "
                                "a local disk with room for the offloaded state")
+    offload_pin_limit: str = opt("2GiB", "--device cuda with --offload: host bytes per rank the offloaded state "
+                                         "and the update's tile buffers may pin (page-locked, for async copies); "
+                                         "past it, pageable memory; 0 pins nothing")
     offload_ahead: bool = opt(False, "stage 3/hybrid with --offload: the update streams unit by unit beside the "
                                      "next step's forward, which starts on unit 0 while later units are updated "
                                      "(the same bits)")
@@ -267,9 +271,15 @@ def validate(cfg: Config):
 
 def offload_policy(cfg: Config):
     """The OffloadPolicy of --offload and --offload-dir (runtime/offload.py)."""
+    from ringzero.runtime.host_tier import parse_pin_limit
     from ringzero.runtime.offload import OffloadError, OffloadPolicy
     try:
-        return OffloadPolicy.parse(cfg.offload, cfg.offload_dir, ahead=bool(cfg.offload_ahead))
+        pin = parse_pin_limit(cfg.offload_pin_limit)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        return OffloadPolicy.parse(cfg.offload, cfg.offload_dir, ahead=bool(cfg.offload_ahead),
+                                   device=cfg.device, pin_limit=pin)
     except OffloadError as e:
         raise ConfigError(str(e)) from None
 
@@ -288,7 +298,8 @@ def _validate_offload(cfg: Config):
         return
     try:
         pol.check(StagePolicy.of(cfg.stage), cfg.device)
-        check_dir(pol.dir)
+        if pol.dir:                      # a device run without it: host memory
+            check_dir(pol.dir)
     except OffloadError as e:
         raise ConfigError(str(e)) from None
 

@@ -10,7 +10,9 @@ What it is
         a node     its ranks' sum                                 <=  min(MemAvailable, cgroup's room)
 
     The need is runtime/budget.py's (the engine's own layout, plan and stage table; offloaded classes
-    count on disk) plus the GPT's activation estimate (tools/activations.py ``training_bytes``). A run
+    count on disk; on --device cuda the need is the device's, and the offloaded classes leave it:
+    ``host_verdict`` checks those against the host's room instead, where they are host arrays)
+    plus the GPT's activation estimate (tools/activations.py ``training_bytes``). A run
     that does not fit raises ConfigError: one line with both numbers and the first run that would fit
     (``budget.first_fit``), printed once by rank 0 (exits.py). ``need_of(cfg, model, run)`` is the
     arithmetic alone, for ``python -m ringzero.estimate`` and the tests.
@@ -71,7 +73,12 @@ def need_of(cfg: Config, model, run: budget.Run, nodes: int = 1) -> budget.Need:
     prefetch = (1 if cfg.prefetch is None else cfg.prefetch) if overlap and P.gather_params else 0
     rb = cfg.reduce_bucket_mb
     bucket = (0 if overlap or P.gather_params else TREE_BYTES) if rb is None else int(rb * 2 ** 20)
-    by = budget.state_by_tier(run.stage, L.padded, run.nd, rpn, cfg.precision, cfg.grad_accum, run.offload)
+    cuda = cfg.device == "cuda"
+    if cuda and "params" in run.offload:
+        raise ValueError("--offload params runs on --device cpu only")    # first_fit passes over it
+    to = "disk" if getattr(cfg, "offload_dir", "") else "ram"
+    by = budget.state_by_tier(run.stage, L.padded, run.nd, rpn, cfg.precision, cfg.grad_accum, run.offload,
+                              cfg.device, to)
     tiers = budget.tier_totals(by)
     ws = budget.workspace_bytes(L, P, sd, cd, cfg.grad_accum, overlap, prefetch, bucket,
                                 [model.backward_reads_params(u) for u in range(len(L.units))])
@@ -79,6 +86,13 @@ def need_of(cfg: Config, model, run: budget.Run, nodes: int = 1) -> budget.Need:
     act = training_bytes(model.cfg, cfg.batch // cfg.grad_accum, cfg.seq_len, run.checkpointing, cd.itemsize)
     init = 4 * (L.padded if P.full_optimizer else L.shard_numel)     # ShardedState.init_master's fp32 host copy
     end = 4 * L.padded if run.sample else 0                           # the sample's engine.full_params()
+    if cuda:
+        # the device's need (the rooms are free device bytes): the offloaded classes, AdamW's scratch and
+        # the update's pinned tile buffers are host memory (host_tier.py), so is the initial weights' copy
+        if run.offload:
+            ws -= 4 * max(L.piece_numel)
+            init = 0
+        return budget.Need(tiers["device"], ws, act, tiers["disk"], init, end)
     # the streamed update's host buffers (stream.TileStream): at most `buffers` tiles of each offloaded class
     staging = _stream_bytes(tiers["disk"], np.dtype(sd).itemsize)
     return budget.Need(tiers["ram"] + staging, ws, act, tiers["disk"], init, end)
@@ -155,6 +169,48 @@ def verdict(cfg: Config, model, rooms: list, node_of: list, n: int):
     return f"memory: {line}; {hint}; --no-mem-check skips this check"
 
 
+def host_tier_need(cfg: Config, model, run: budget.Run) -> int:
+    """One rank's host bytes for a device run's host tier (--offload optimizer on cuda, no --offload-dir):
+    master, Adam m and v, then the larger of the initial weights' fp32 copy and the update's buffers
+    (the pinned grads and params tiles, AdamW's scratch): host_tier.py's allocations."""
+    from ringzero.runtime.flat import Layout
+    from ringzero.runtime.offload import OffloadPolicy
+    from ringzero.runtime.policy import StagePolicy
+    from ringzero.runtime.state import storage_dtype
+    P = StagePolicy.of(run.stage)
+    group = (cfg.ranks_per_node or run.ppn) if P.hybrid else run.nd
+    L = Layout(model.units, shards=group)
+    by = budget.state_by_tier(run.stage, L.padded, run.nd, group if P.hybrid else None, cfg.precision,
+                              cfg.grad_accum, run.offload, "cuda", "ram")
+    pol, piece = OffloadPolicy(), max(L.piece_numel)
+    tiles = 2 * pol.buffers * min(pol.tile, piece) * storage_dtype(cfg.precision).itemsize
+    init = 4 * (L.padded if P.full_optimizer else L.shard_numel)
+    return budget.tier_totals(by)["ram"] + max(init, tiles + 4 * piece)
+
+
+def host_verdict(cfg: Config, model, hosts: list, node_of: list, n: int):
+    """The refusal line (str) when a device run's host tier does not fit its host (a rank's RLIMIT_DATA,
+    a node's MemAvailable or cgroup), or None. ``hosts``: each rank's limits.Room. Pure."""
+    from collections import Counter
+    count = Counter(node_of)
+    run = base_run(cfg, n, max(count.values()))
+    need = host_tier_need(cfg, model, run)
+    what = (f"memory: --offload {','.join(sorted(run.offload))} on --device cuda keeps {_mib(need)} per rank in "
+            "host memory (master, Adam m and v, the update's buffers)")
+    hint = "HINT: --offload-dir DIR keeps them on disk; --no-mem-check skips this check"
+    for r, h in enumerate(hosts):
+        if h.rank_room is not None and need > h.rank_room:
+            return f"{what}, more than there is: on rank {r} {h.describe_rank()}; {hint}"
+    for k in sorted(count):
+        on = [hosts[r] for r in range(n) if node_of[r] == k and hosts[r].node_room is not None]
+        room = min(on, key=lambda h: h.node_room) if on else None
+        if room is not None and count[k] * need > room.node_room:
+            where = f"node {k}'s" if len(count) > 1 else "this node's"
+            return (f"{what}; {where} {count[k]} ranks need {_mib(count[k] * need)}, more than there is: "
+                    f"{room.describe_node()}; {hint}")
+    return None
+
+
 def model_psi(model) -> int:
     from ringzero.runtime.flat import Layout
     return Layout(model.units).numel
@@ -166,17 +222,24 @@ def check(cfg: Config, model, comm):
         return
     from ringzero.comm.nodes import NodeMap
     from ringzero.runtime.limits import MEM_AVAILABLE_ENV, Room
-    err = None
+    err = host = None
+    # a device run's host tier (--offload without --offload-dir on cuda): the host's room too
+    host_tier = cfg.device == "cuda" and bool(getattr(cfg, "offload", "")) and not getattr(cfg, "offload_dir", "")
     try:                                  # read before any collective; a bad figure travels with the others
         mine = _room_on_device() if cfg.device == "cuda" else Room.read()
+        host = Room.read() if host_tier else None
     except ValueError as e:
         mine, err = None, f"{MEM_AVAILABLE_ENV}: {e}"
     nm = NodeMap.discover(comm) if comm.size > 1 else NodeMap.from_labels([0])
-    got = comm.allgather((mine, err)) if comm.size > 1 else [(mine, err)]
-    errs = [e for _, e in got if e]
+    got = comm.allgather((mine, host, err)) if comm.size > 1 else [(mine, host, err)]
+    errs = [e for _, _, e in got if e]
     if errs:
         raise ConfigError(errs[0])
-    rooms = [x for x, _ in got]
+    if host_tier:
+        line = host_verdict(cfg, model, [h for _, h, _ in got], list(nm.node_of), comm.size)
+        if line:
+            raise ConfigError(line)
+    rooms = [x for x, _, _ in got]
     if cfg.device == "cuda" and any(x is None for x in rooms):
         return                            # no figure to compare with
     line = verdict(cfg, model, rooms, list(nm.node_of), comm.size)

@@ -43,17 +43,28 @@ def start_report(say, cfg: Config, corpus, engine, H: float) -> dict:
             f"; global batch {cfg.batch * n} sequences)")
     say(f"ringzero | held-out unigram entropy {H:.3f} nats (target: final eval loss <= {0.6 * H:.3f})")
     off = engine.offload.enabled
-    say("model state per rank       measured       formula" + ("   tier   RAM           disk (blocks)" if off else ""))
+    # the tiers shown: RAM and disk; a device run's offload the device first (host_tier.py)
+    dev = off and engine.device_link is not None
+    cols = ("device", "ram", "disk") if dev else ("ram", "disk")
+    say("model state per rank       measured       formula" + (("   tier     device        RAM           disk (blocks)"
+                                                                 if dev else "   tier   RAM           disk (blocks)")
+                                                                if off else ""))
     for c, d in mem["classes"].items():
         say(f"  {accounting.class_name(c, pr):<18} {_mib(d['measured_bytes'])} {_mib(d['formula_bytes'])}"
-            + (f"   {d['tier']:<5} {_mib(d['ram_bytes'])} {_mib(d['disk_bytes'])}" if off else ""))
+            + (f"   {d['tier']:<{7 if dev else 5}}" + "".join(f" {_mib(d[f'{t}_bytes'])}" for t in cols)
+               if off else ""))
     say(f"  {'total':<18} {_mib(mem['model_state_measured'])} {_mib(mem['model_state_formula'])}"
-        + (f"         {_mib(mem['tiers']['ram'])} {_mib(mem['tiers']['disk'])}" if off else ""))
+        + (" " * (11 if dev else 9) + " ".join(_mib(mem['tiers'][t]) for t in cols) if off else ""))
     if off:
-        say(f"  offload {mem['offload']} in {engine.offload.dir}: the update streams tiles of "
+        where = f"in {engine.offload.dir}" if engine.offload.dir else "in host memory"
+        say(f"  offload {mem['offload']} {where}: the update streams tiles of "
             f"{engine.offload_stream.tile:,} elements through {engine.offload.buffers} buffers "
             f"({_mib(mem['offload_buffers']).strip()})"
             + (", beside the next forward (ahead)" if engine.offload.ahead else ""))
+        if engine.pinned:
+            say(f"  host memory pinned {_mib(mem['host_pinned']).strip()} (limit "
+                f"{_mib(engine.pinned.limit).strip()}), pageable {_mib(mem['host_pageable']).strip()}; "
+                "grads and params tiles cross the link on a CuPy stream each")
     say("  workspace (not model state): " + ", ".join(f"{k} {_mib(v).strip()}" for k, v in mem["workspace"].items()))
     others = []
     for st in accounting.STAGES:
@@ -91,7 +102,7 @@ def end_report(say, cfg: Config, engine, loop, eval_loss: float, H: float) -> di
         f = traffic["formula_internode_bytes_per_step"]
         say(f"  across nodes ({traffic['node_map']})  measured {traffic['measured_internode_bytes_per_step']:,} B   "
             + (f"formula {traffic['internode_formula']} = {f:,} B" if f is not None else "no formula"))
-    if engine.offload.enabled and engine.last_step_io:
+    if engine.offload.enabled and engine.state.files and engine.last_step_io:
         io = engine.io_report()
         def plan(k):       # the plan's exact figure where it differs (params: the last unit is gathered once)
             return "" if io[f"{k}_plan_bytes"] == io[f"{k}_formula_bytes"] else f", plan {io[f'{k}_plan_bytes']:,} B"

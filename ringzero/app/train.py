@@ -86,8 +86,9 @@ def prepare(cfg: Config, n: int, rank: int | None = None):
     group = (cfg.ranks_per_node or None) if hybrid else n    # ranks sharing one copy
     if budget is not None and group is not None:      # else the engine checks once it knows the node
         try:
+            off = offload_policy(cfg)
             check_budget(Layout(model.units, shards=group), cfg.stage, n, budget, group if hybrid else None,
-                         cfg.precision, cfg.grad_accum, offload_policy(cfg).tiers)
+                         cfg.precision, cfg.grad_accum, off.tiers, cfg.device, off.where)
         except MemoryBudgetError as e:
             raise ConfigError(f"--mem-budget {cfg.mem_budget}: {e}") from None
     return corpus, model, budget, src

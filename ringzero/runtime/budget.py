@@ -2,8 +2,9 @@
 
 What it is
     ``state_by_tier(stage, psi, nd, ..., offload)``: accounting.py's bytes per state class, each placed on
-    a tier: ``ram`` (host memory; device memory on a GPU run) or ``disk`` (an offloaded class lives in
-    files under --offload-dir, streamed through a few host buffers). ``offload`` is a plain set of
+    a tier: ``ram`` (host memory), ``disk`` (an offloaded class lives in files under --offload-dir,
+    streamed through a few host buffers) or, on a GPU run, ``device`` (what is not offloaded; the
+    offloaded classes are then on ``ram``, host_tier.py, or ``disk``). ``offload`` is a plain set of
     tier names:
 
         optimizer   master, Adam m and v (12Ψ per parameter at stage 0, 12Ψ/Nd from stage 1)
@@ -58,18 +59,21 @@ def offloaded(stage, offload) -> frozenset:
 
 
 def state_by_tier(stage, psi: int, nd: int, ranks_per_node=None, precision: str = "fp16",
-                  grad_accum: int = 1, offload=()) -> dict:
-    """{class: (bytes per rank, tier)}, tier "ram" or "disk"; the bytes are accounting's."""
+                  grad_accum: int = 1, offload=(), device: str = "cpu", offload_to: str = "disk") -> dict:
+    """{class: (bytes per rank, tier)}; the bytes are accounting's. On "cpu" a class is on "ram" or, offloaded,
+    "disk". On a device ("cuda") it is on "device", or, offloaded, on ``offload_to``: "ram" (host memory,
+    host_tier.py) or "disk" (--offload-dir)."""
     by = acc.model_state_bytes(stage, psi, nd, ranks_per_node, precision, grad_accum)
     moved = offloaded(stage, offload)
-    return {c: (b, "disk" if c in moved else "ram") for c, b in by.items()}
+    home = "ram" if device == "cpu" else "device"
+    return {c: (b, (offload_to if device != "cpu" else "disk") if c in moved else home) for c, b in by.items()}
 
 
 def tier_totals(by_tier: dict) -> dict:
-    """{"ram": bytes, "disk": bytes} of a state_by_tier dict."""
+    """{"ram": bytes, "disk": bytes} of a state_by_tier dict, and "device" on a device run."""
     out = {"ram": 0, "disk": 0}
     for b, tier in by_tier.values():
-        out[tier] += b
+        out[tier] = out.get(tier, 0) + b
     return out
 
 

@@ -16,6 +16,7 @@ What it is
         optim.py      AdamW and the loss scaler, on this rank's pieces
         update.py     the update: AdamW on this rank's pieces (in RAM, streamed, or ahead), then publish
         offload.py    the disk tier: which classes live in files (OffloadPolicy), the files
+        host_tier.py  a device run's offload: host arrays (pinned up to a bound), the link's copies
         stream.py     the offloaded update: tiles through a few buffers, a reader and a writer thread
         reports.py    memory and traffic, measured beside the formulas
 
@@ -35,7 +36,9 @@ What it is
 
     Offload (``offload=OffloadPolicy(...)``, docs/offload.md): master, m and v
     (and at stage 3 the params shard) live in files; the update streams them
-    in tiles and writes the cast params in the same pass. Where state lives
+    in tiles and writes the cast params in the same pass. On a device run they
+    live in host memory (or the files) and each tile's gradient and params cross
+    the link (host_tier.py). Where state lives
     changes, the arithmetic does not: losses and weights are bitwise those
     without offload.
 
@@ -60,6 +63,7 @@ from ringzero.comm.backend import select_device, xp_for
 from ringzero.comm.ring import Ring
 from ringzero.runtime import norms, passes, reports, stream, update
 from ringzero.runtime.flat import Layout
+from ringzero.runtime.host_tier import DeviceLink, PinnedArena
 from ringzero.runtime.inflight import UpdateGathers
 from ringzero.runtime.limits import alloc_guard
 from ringzero.runtime.offload import OffloadError, OffloadPolicy, check_offload
@@ -122,7 +126,7 @@ class Zero:
         self.offload = offload or OffloadPolicy()
         if mem_budget is not None:       # refuse before allocating anything
             check_budget(L, self.stage, topo.world_size, mem_budget, P.ranks_per_node(topo.shard_size),
-                         precision, self.grad_accum, self.offload.tiers)
+                         precision, self.grad_accum, self.offload.tiers, device, self.offload.where)
         _make_state(self, device)
         with alloc_guard("the initial weights (an fp32 host copy of the master's size)"):
             if init is None:
@@ -148,7 +152,7 @@ class Zero:
             self.workspaces = Workspaces(L, P, self.plan, self.state, topo, self.compute_dtype, self.grad_accum,
                                          overlap=self.overlap, reduce_bucket=self.reduce_bucket)
         self.timeline = {}                   # the last step's seconds: compute, reduction, and what was hidden
-        self.adam = AdamW(adam or AdamConfig(), max(L.piece_numel), xp)
+        self.adam = AdamW(adam or AdamConfig(), max(L.piece_numel), np if self.offload.enabled else xp)  # offload: host
         self.scaler = scaler or LossScaler(dynamic=(precision == "fp16"),
                                            init=2.0 ** 16 if precision == "fp16" else 1.0)
         self._grad_scratch = aligned_empty(xp, max(L.piece_numel), np.float32)  # one unscaled grad piece
@@ -254,7 +258,7 @@ class Zero:
         """master -> storage-dtype params (own pieces), all-gathered where params are full."""
         self.wait_params()
         if self.offload_stream is not None:          # master on disk: the cast streams it in tiles
-            stream.cast_params(self.state, self.offload_stream, self.offload_tiles)
+            stream.cast_params(self.state, self.offload_stream, self.offload_tiles, self.device_link)
         self.state.publish(self.ring, cast=self.offload_stream is None)
 
     # ------------------------------------------------------------------ offload
@@ -343,9 +347,13 @@ def _make_state(self, device):
     if off.enabled:                  # a bad DIR or a small disk: refused before any file is made
         check_offload(self, off, device)
     err = None
+    # a device run's offload: host arrays (and the update's pinned tile buffers), pinned up to the bound
+    self.pinned = PinnedArena(off.pin_limit) if off.enabled and xp is not np else None
+    self.device_link = (DeviceLink(self.storage_dtype, min(off.tile, max(L.piece_numel)), off.buffers, self.pinned)
+                        if self.pinned is not None else None)        # its tile buffers pinned first
     try:                             # offload: a file whose blocks cannot be reserved, on any rank
         self.state = ShardedState(L, P, topo.shard_rank, self.storage_dtype, xp, self.grad_accum,
-                                  off if off.enabled else None)
+                                  off if off.enabled else None, self.pinned)
     except OffloadError as e:
         err = str(e)
     if off.enabled:
@@ -354,6 +362,8 @@ def _make_state(self, device):
     # offload: the update streams this rank's pieces through a few tile buffers (stream.py)
     self.offload_stream = stream.TileStream(self.state, off) if off.enabled else None
     self.offload_tiles = stream.tiles(self.state, self._decay, off.tile) if off.enabled else []
+    if self.device_link is not None:
+        self.device_link.bind(self.state)
     self.update_ahead = stream.UpdateAhead(U) if off.enabled and off.ahead else None
     self.last_step_io = {}               # {class: (bytes read, bytes written)} of the offload files, last step
     self.last_update_io = {}             # the same, of the last offloaded update alone (stream.update)

@@ -29,6 +29,9 @@ What it is
     a third. The test hooks: ``fault`` (RINGZERO_FAULT_OFFLOAD) and RINGZERO_OFFLOAD_FREE
     (the free bytes check_space sees).
 
+    A device run (``device="cuda"``) may leave out DIR: the offloaded classes are then host
+    arrays, pinned up to ``pin_limit`` (host_tier.py); ``where`` says which tier they are on.
+
 What it is not
     No schedule: the update's tiles and threads are stream.py's; which
     buffers a stage holds is state.py's. No O_DIRECT (the page cache is kept
@@ -43,6 +46,8 @@ import weakref
 from dataclasses import dataclass
 
 import numpy as np
+
+from ringzero.runtime.host_tier import DEFAULT_PIN_LIMIT
 
 OPTIMIZER = ("master", "adam_m", "adam_v")     # the engine buffers "optimizer" moves
 FAULT_ENV = "RINGZERO_FAULT_OFFLOAD"            # tests: see fault()
@@ -62,13 +67,17 @@ class OffloadPolicy:
     buffers: int = 3            # tiles in flight: tile i+1 read, i updated, i-1 written
     drop_cache: bool = True     # posix_fadvise(DONTNEED) behind the stream: the page cache stays small
     ahead: bool = False         # params sharded: the update runs beside the next forward, unit by unit
+    device: str = "cpu"         # the engine's: on "cuda" without dir, the classes live in host memory
+    pin_limit: int = DEFAULT_PIN_LIMIT   # "cuda": host bytes pinned per rank at most, past it pageable
 
     def __post_init__(self):
         if self.params and not self.optimizer:
             raise OffloadError("offload params needs optimizer too (the update that writes the params "
                                "reads master from the same tier): use --offload optimizer,params")
-        if self.enabled and not self.dir:
+        if self.enabled and not self.dir and self.device == "cpu":
             raise OffloadError("offload needs a folder for its files: give --offload-dir DIR")
+        if self.pin_limit < 0:
+            raise OffloadError(f"offload pin_limit must be >= 0 bytes, got {self.pin_limit}")
         if self.tile < 1024 or self.buffers < 3:
             raise OffloadError(f"offload tile must be >= 1024 elements and buffers >= 3, got tile "
                                f"{self.tile}, buffers {self.buffers}")
@@ -89,12 +98,26 @@ class OffloadPolicy:
         return self.optimizer
 
     @property
+    def buffers_offloaded(self) -> tuple:
+        """The engine buffers this policy moves off their tier (to files, or to the host of a device run)."""
+        return (OPTIMIZER if self.optimizer else ()) + (("params",) if self.params else ())
+
+    @property
     def buffers_on_disk(self) -> tuple:
         """The engine buffers this policy keeps in files."""
-        return (OPTIMIZER if self.optimizer else ()) + (("params",) if self.params else ())
+        return self.buffers_offloaded if self.dir else ()
 
     def on_disk(self, buffer: str) -> bool:
         return buffer in self.buffers_on_disk
+
+    def in_host_memory(self, buffer: str) -> bool:
+        """A device run without --offload-dir: the class is a host array (host_tier.py)."""
+        return not self.dir and self.device != "cpu" and buffer in self.buffers_offloaded
+
+    @property
+    def where(self) -> str:
+        """The tier the offloaded classes are on: "disk" (files under dir) or "ram" (host memory)."""
+        return "disk" if self.dir else "ram"
 
     @property
     def tiers(self) -> tuple:
@@ -108,8 +131,13 @@ class OffloadPolicy:
         """Refuse what the stage or device cannot offload, in one line."""
         if not self.enabled:
             return
-        if device != "cpu":
-            raise OffloadError(f"--offload runs on --device cpu only, got --device {device}")
+        if device == "cpu" and not self.dir:
+            raise OffloadError("offload needs a folder for its files: give --offload-dir DIR")
+        if device != "cpu" and self.params:
+            raise OffloadError(f"--offload params runs on --device cpu only (on --device {device} the params "
+                               "stay on the device, sharded at stage 3): use --offload optimizer")
+        if device != "cpu" and self.ahead:
+            raise OffloadError(f"--offload-ahead runs on --device cpu only, got --device {device}: drop it")
         if self.ahead and stage_policy.full_params:
             raise OffloadError(f"offload ahead needs the params sharded (stage 3 or hybrid), got stage "
                                f"{stage_policy.stage}: the stages 1-2 all-gather every updated piece first")
@@ -154,11 +182,12 @@ def check_offload(engine, off: OffloadPolicy, device: str):
     err = None
     try:
         off.check(P, device)
-        check_dir(off.dir)
-        item = {"params": np.dtype(engine.storage_dtype).itemsize}
-        per_rank = sum((L.padded if P.is_full(b) else L.shard_numel) * item.get(b, 4) for b in off.buffers_on_disk)
-        here = topo.nodes.node_of.count(topo.nodes.node_of[engine.comm.rank])
-        check_space(off.dir, per_rank * here, here)
+        if off.dir:                     # a device run without DIR: the host tier, no files
+            check_dir(off.dir)
+            item = {"params": np.dtype(engine.storage_dtype).itemsize}
+            per_rank = sum((L.padded if P.is_full(b) else L.shard_numel) * item.get(b, 4) for b in off.buffers_on_disk)
+            here = topo.nodes.node_of.count(topo.nodes.node_of[engine.comm.rank])
+            check_space(off.dir, per_rank * here, here)
     except OffloadError as e:
         err = str(e)
     first = next((e for e in allgather_obj(topo.control, err) if e), None)

@@ -26,7 +26,9 @@ What it is
     pieces by the same layout arithmetic; ``piece`` then gives a FileView, read
     and written with offload.read_into / write_from. ``tier(name)`` says where
     a class lives. The hot path never reads a file piece whole: the update
-    streams it in tiles (stream.py).
+    streams it in tiles (stream.py). On a device run without a DIR an offloaded
+    class is a host array instead (``hosted``, from host_tier.PinnedArena);
+    ``xp_of(name)`` is then NumPy for it.
 
     Also here: ``cast_into`` (the one dtype-changing copy),
     ``storage_dtype`` (a precision's dtype) and ``check_budget`` (refuse a
@@ -57,7 +59,7 @@ class ShardedState:
     """The five state buffers of one rank, and piece-wise access to them."""
 
     def __init__(self, layout: Layout, policy, shard_rank: int, storage_dtype, xp, grad_accum: int = 1,
-                 offload=None):
+                 offload=None, arena=None):
         self.layout, self.policy, self.shard_rank, self.xp = layout, policy, shard_rank, xp
         self.offload = offload
         self.dtypes = {"params": np.dtype(storage_dtype), "grads": np.dtype(storage_dtype)}
@@ -65,11 +67,16 @@ class ShardedState:
         names = BUFFERS + (("grad_accum",) if grad_accum > 1 else ())
         # a class the offload policy moves is a FileStore (offload.py): the same elements at the
         # same offsets, in a file, sliced by the same layout arithmetic
-        self.bufs, self.files = {}, {}
+        # a device run's class offloaded without a DIR is a host array from ``arena`` (host_tier.py:
+        # pinned up to the user's bound), in ``hosted``
+        self.bufs, self.files, self.hosted = {}, {}, set()
         for name in names:
             n = layout.padded if policy.is_full(name) else layout.shard_numel
             if offload is not None and offload.on_disk(name):
                 self.bufs[name] = self.files[name] = FileStore(offload.dir, name, self.dtypes[name], n)
+            elif offload is not None and arena is not None and offload.in_host_memory(name):
+                self.bufs[name] = arena.zeros(n, self.dtypes[name], name)
+                self.hosted.add(name)
             else:
                 self.bufs[name] = zeros(xp, n, self.dtypes[name], name)   # AllocationError names the buffer
         self.params, self.grads = self.bufs["params"], self.bufs["grads"]
@@ -78,7 +85,12 @@ class ShardedState:
 
     def tier(self, name: str) -> str:
         """Where buffer ``name`` lives: "ram", "device" or "disk"."""
-        return "disk" if name in self.files else ("ram" if self.on_host else "device")
+        return "disk" if name in self.files else ("ram" if self.on_host or name in self.hosted else "device")
+
+    def xp_of(self, name: str):
+        """The array module of buffer ``name``: NumPy for a host array or a file (a device run's
+        offloaded classes), else xp."""
+        return np if name in self.hosted or name in self.files else self.xp
 
     def close(self):
         """Close the offload files (the kernel frees them: offload.py)."""
@@ -105,7 +117,7 @@ class ShardedState:
             return
         host = (L.init_full(np.empty(L.padded, np.float32), seed) if self.policy.is_full("master")
                 else L.init_shard(np.empty(L.shard_numel, np.float32), seed, self.shard_rank))
-        self.master[...] = self.xp.asarray(host)
+        self.master[...] = host if self.xp_of("master") is np else self.xp.asarray(host)
 
     def piece(self, name: str, u: int, r: int):
         """Piece (u, r) of buffer ``name``: a view, whether held in full or as the shard."""
@@ -178,7 +190,7 @@ class ShardedState:
                 if on_disk(seg):
                     seg = seg.read()
             else:
-                seg = self.xp.empty(L.unit_padded[u], buf.dtype)
+                seg = self.xp_of(name).empty(L.unit_padded[u], buf.dtype)
                 own = L.own(seg, u, self.shard_rank)
                 read_into(L.unit_shard(buf, u), own)
                 ring.all_gather(own, seg)
@@ -230,18 +242,24 @@ def storage_dtype(precision: str):
 
 
 def check_budget(layout: Layout, stage: str, world: int, budget: int, ranks_per_node=None,
-                 precision: str = "fp16", grad_accum: int = 1, offload=()):
+                 precision: str = "fp16", grad_accum: int = 1, offload=(), device: str = "cpu",
+                 offload_to: str = "disk"):
     """Refuse, before anything is allocated, a stage whose model state per rank in memory
     (the stage formula on the padded Ψ, at this precision and K, less the classes ``offload``
-    moves to disk: budget.state_by_tier) exceeds ``budget`` bytes."""
+    moves to disk: budget.state_by_tier) exceeds ``budget`` bytes. On a device run the memory
+    is the device's, and the offloaded classes go to ``offload_to`` ("ram": host memory, or "disk")."""
     from ringzero.runtime.budget import state_by_tier, tier_totals
     kw = dict(precision=precision, grad_accum=grad_accum)
-    tiers = tier_totals(state_by_tier(stage, layout.padded, world, ranks_per_node, offload=offload, **kw))
-    need = tiers["ram"]
+    tiers = tier_totals(state_by_tier(stage, layout.padded, world, ranks_per_node, offload=offload,
+                                      device=device, offload_to=offload_to, **kw))
+    need = tiers["ram" if device == "cpu" else "device"]
     if need <= budget:
         return
     on_disk = f", {tiers['disk'] / 2**20:.1f} MiB more on disk (--offload)" if tiers["disk"] else ""
-    head = (f"stage {stage} needs {need / 2**20:.1f} MiB of model state per rank in memory (Ψ={layout.numel:,}, "
+    if device != "cpu" and tiers["ram"]:
+        on_disk += f", {tiers['ram'] / 2**20:.1f} MiB more in host memory (--offload)"
+    head = (f"stage {stage} needs {need / 2**20:.1f} MiB of model state per rank in "
+            f"{'memory' if device == 'cpu' else 'device memory'} (Ψ={layout.numel:,}, "
             f"Nd={world}){on_disk}, budget is {budget / 2**20:.1f} MiB")
     fits = accounting.stages_that_fit(budget, layout.padded, world, ranks_per_node, **kw)
     if not fits:

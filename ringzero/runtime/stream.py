@@ -31,6 +31,9 @@ What it is
     is elementwise, the tiles and the fusion change where each element is
     computed, never its bits (tests/test_offload.py). ``cast_params(state)`` is
     the same stream for params = cast(master) alone (start, resume).
+    On a device run (``engine.device_link``, host_tier.py) the gradient tile
+    comes device->host into a pinned slot and the params tile goes back, on
+    a CuPy stream each, beside the host's AdamW of the tile between.
     ``UpdateAhead`` runs ``update`` on a thread of its own, beside the next
     step's forward, which waits for each unit where it gathers it (offload
     ``ahead``, stage 3 and hybrid).
@@ -184,15 +187,28 @@ def update(engine, coef, lr: float, unit_done=None):
         if not left[t.u] and unit_done is not None:
             unit_done(t.u)
 
+    link = engine.device_link            # a device run: grads come over, params go back (host_tier.py)
+
     def compute(t: Tile, slot):
         n = t.hi - t.lo
-        g = st.piece("grads", t.u, t.r)[t.lo:t.hi]
-        p = st.piece("params", t.u, t.r)[t.lo:t.hi]
-        out = slot["params"][:n] if isinstance(p, FileView) else p
+        if link is not None:
+            g, out = link.take(t)
+        else:
+            g = st.piece("grads", t.u, t.r)[t.lo:t.hi]
+            p = st.piece("params", t.u, t.r)[t.lo:t.hi]
+            out = slot["params"][:n] if isinstance(p, FileView) else p
         mvs = [slot[c][:n] if c in slot else st.piece(c, t.u, t.r)[t.lo:t.hi] for c in OPTIMIZER]
         adam.update_tile(*mvs, g, coef, lr, t.runs, out)
+        if link is not None:
+            link.give(t)
     before = {n: (f.bytes_read, f.bytes_written) for n, f in st.files.items()}
-    stream.run(engine.offload_tiles, compute, armed=True, written=written)
+    if link is not None:
+        link.begin(engine.offload_tiles)
+    try:
+        stream.run(engine.offload_tiles, compute, armed=True, written=written)
+    finally:
+        if link is not None:
+            link.finish()
     # what the update itself moved (with ahead, the forward reads params from the same file meanwhile)
     engine.last_update_io = {n: (f.bytes_read - before[n][0], f.bytes_written - before[n][1])
                              for n, f in st.files.items()}
@@ -247,15 +263,27 @@ class UpdateAhead:
         self._ex.shutdown(wait=True)
 
 
-def cast_params(state, stream, tiles_):
-    """params = cast(master) on every piece this rank owns, master read from its file (publish's cast)."""
+def cast_params(state, stream, tiles_, link=None):
+    """params = cast(master) on every piece this rank owns, master read from its file or host array
+    (publish's cast); a device run's params go to the device through ``link`` (host_tier.DeviceLink)."""
     from ringzero.runtime.state import cast_into
 
     def compute(t: Tile, slot):
         n = t.hi - t.lo
+        m = slot["master"][:n] if "master" in slot else state.piece("master", t.u, t.r)[t.lo:t.hi]
+        if link is not None:
+            cast_into(link.take(t)[1], m)
+            link.give(t)
+            return
         p = state.piece("params", t.u, t.r)[t.lo:t.hi]
-        cast_into(slot["params"][:n] if on_disk(p) else p, slot["master"][:n])
-    stream.run(tiles_, compute, reads=("master",), writes=("params",))
+        cast_into(slot["params"][:n] if on_disk(p) else p, m)
+    if link is not None:
+        link.begin(tiles_, grads=False)
+    try:
+        stream.run(tiles_, compute, reads=("master",), writes=("params",))
+    finally:
+        if link is not None:
+            link.finish()
 
 
 def agree(engine, err: str | None, what: str = ""):
