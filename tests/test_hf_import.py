@@ -162,3 +162,27 @@ def test_trainer_check_accepts_and_refuses(tmp_path):
         r = trainer_check(*base, *extra)      # a flag given twice: the last wins
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and want in lines[0], (extra, r.stderr)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("stage,offload", [("1", "optimizer"), ("3", "optimizer"), ("3", "optimizer,params")])
+def test_import_into_offloaded_master(comm, tmp_path_factory, stage, offload):
+    """--init-from with --offload: every master piece written into its file; gathered, the
+    model's arrays are the file's (BY_HAND), at every world size."""
+    from ringzero.nn.gpt import GPT
+    from ringzero.runtime.offload import OffloadPolicy
+    from ringzero.runtime.zero import Zero
+    d = comm.bcast(str(tmp_path_factory.mktemp("gpt2off")) if comm.rank == 0 else None)
+    tensors = write_gpt2(d) if comm.rank == 0 else None
+    tensors = comm.bcast(tensors)
+    off = os.path.join(d, f"off-{comm.rank}")
+    os.makedirs(off)
+    src = HFSource(d)
+    eng = Zero(GPT(src.cfg), comm, stage, precision="fp32", init=src.fill_master, timeout=60,
+               offload=OffloadPolicy.parse(offload, off))
+    src.close()
+    master = eng.full_state("master")
+    errors = comm.allgather(src.error)
+    eng.close()
+    assert errors == [None] * comm.size, errors
+    check_equal(tensors, src.cfg, eng.layout, master)

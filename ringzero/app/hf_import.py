@@ -226,17 +226,25 @@ class HFSource:
 
         An error is kept in ``self.error`` (the pieces left zero) instead of raised, so that every
         rank reaches the engine's first collective; the trainer agrees on it just after."""
+        from ringzero.runtime.offload import on_disk, write_from
         L = state.layout
-        staging = None if state.on_host else np.empty(max(L.piece_numel), np.float32)
+        # master a host array (RAM, or a device run's host tier): filled in place; on the device or
+        # in an offload file: each piece through one host staging buffer
+        in_place = state.xp_of("master") is np and "master" not in state.files
+        staging = None if in_place else np.empty(max(L.piece_numel), np.float32)
         try:
             for u in range(len(L.units)):
                 pn = L.piece_numel[u]
                 for r in state.held_ranks("master"):
                     dst = state.piece("master", u, r)
-                    host = dst if staging is None else staging[:pn]
+                    host = dst if in_place else staging[:pn]
                     fill_piece(self, L, u, r, host)
-                    if staging is not None:
-                        dst.set(host)
+                    if on_disk(dst):
+                        write_from(dst, host)
+                    elif not in_place:
+                        dst.set(host)          # from pageable memory: copied before set returns
+            if "master" in state.files:
+                state.files["master"].flush()   # on the disk, and out of the page cache (as init_master)
         except Exception as e:
             self.error = f"--init-from {self.path!r}: reading the weights: {type(e).__name__}: {e}".replace("\n", " ")
 
