@@ -77,6 +77,7 @@ def command(mode, n, cap, dims, a, work) -> list:
 def probe(mode, n, cap, dims, a) -> bool:
     """True if every rank of one run trains --steps steps under the cap (exit 0)."""
     work = tempfile.mkdtemp(prefix="capacity-")
+    os.makedirs(os.path.join(work, "offload"))         # --offload-dir must exist (the trainer checks it)
     try:
         env = dict(os.environ, **THREAD_ENV, RINGZERO_MEM_CHECK="0")
         try:
@@ -87,6 +88,9 @@ def probe(mode, n, cap, dims, a) -> bool:
             return False
         if a.verbose:
             print(f"    {mode} n={n} cap {cap} {dims}: rc {p.returncode}")
+        if p.returncode == 2:          # the trainer refused its flags: a broken probe, not a verdict
+            last = p.stdout.decode(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+            raise SystemExit(f"capacity: the probe's command was refused (exit 2): {last[0]}")
         return p.returncode == 0
     finally:
         shutil.rmtree(work, ignore_errors=True)
