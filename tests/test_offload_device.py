@@ -78,7 +78,10 @@ def test_device_offload_is_bitwise_on_device(comm, cp, stage, precision, k, wher
     want = _steps(comm, cp, ref, 0, 3)
     # host: the first class pinned, the rest past the limit (pageable); disk: the files, slots pinned
     dev = _engine(comm, stage, None, **kw)
-    limit = dev.state.master.nbytes + 6 * 1024 * 4       # the tile buffers, master: pinned; m, v: not
+    # the update's tile buffers (grads and params slots, 3 each, of min(tile, the largest piece) elements of
+    # the storage dtype: host_tier.DeviceLink) and master pinned; m and v past the limit
+    slots = 2 * 3 * min(1024, max(dev.layout.piece_numel)) * np.dtype(dev.storage_dtype).itemsize
+    limit = dev.state.master.nbytes + slots
     eng = _engine(comm, stage, _off(str(tmp_path) if where == "disk" else None, pin_limit=limit), **kw)
     got = _steps(comm, cp, eng, 0, 3)
     tiers = {c: eng.state.tier(c) for c in CLASSES}

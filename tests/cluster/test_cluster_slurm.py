@@ -12,7 +12,7 @@ submits ``launch/slurm.sbatch`` as a user would, or runs ``srun`` itself:
 - ``--stage hybrid`` through the script, with srun and with mpirun inside the
   allocation: the losses bit for bit and the traffic per step of the one-host
   run with ``--ranks-per-node 2``;
-- the time limit: ``--time=1 --signal=TERM@30`` (stage hybrid); every rank saves and exits
+- the time limit: ``--time=2 --signal=TERM@30`` (stage hybrid); every rank saves and exits
   143, the job is FAILED 143:0, and the job resubmitted after it
   (``--dependency=afterany``) with ``--resume latest`` follows the one-host
   run that never stopped bit for bit;
@@ -105,11 +105,11 @@ def _exit_lines(out):
 def test_time_limit_saves_exits_143_and_the_resubmitted_job_resumes_bitwise(slurm, tmp_path):  # noqa: F811
     base = _base(tmp_path, "hybrid")          # bitwise the one-host run with --ranks-per-node 2
     jid, rc, _ = slurm.sbatch(tmp_path, base + ["--steps", "1000000", "--save-dir", "ck", "--metrics", "cut.jsonl"],
-                              # slurmctld checks time limits every 30 s, so TERM@30 comes 30-60 s in, always
-                              # after the ranks' handlers are up (TERM@55 could come 5 s in, while a loaded
-                              # machine was still starting Python: the default action, no checkpoint) and
-                              # always 30 s before the limit itself
-                              flags=["--time=1", "--signal=TERM@30", "--no-requeue"], timeout=150)
+                              # Slurm sends the signal up to 60 s earlier than asked (its time-limit check runs
+                              # every 30 s and looks that far ahead): with --time=1 any @N could come in the first
+                              # second, before a loaded machine had started Python and the ranks' handlers (the
+                              # default action: no checkpoint). --time=2 with @30 comes 30-90 s in.
+                              flags=["--time=2", "--signal=TERM@30", "--no-requeue"], timeout=240)
     out = slurm.out(tmp_path, jid)
     assert rc == 143, out
     assert re.search(r"SIGTERM at step \d+: .*saved.*; exiting 143", out), out
