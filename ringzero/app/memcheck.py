@@ -174,6 +174,7 @@ def host_tier_need(cfg: Config, model, run: budget.Run) -> int:
     master, Adam m and v, then the larger of the initial weights' fp32 copy and the update's buffers
     (the pinned grads and params tiles, AdamW's scratch): host_tier.py's allocations."""
     from ringzero.runtime.flat import Layout
+    from ringzero.runtime.host_tier import DeviceLink
     from ringzero.runtime.offload import OffloadPolicy
     from ringzero.runtime.policy import StagePolicy
     from ringzero.runtime.state import storage_dtype
@@ -183,7 +184,8 @@ def host_tier_need(cfg: Config, model, run: budget.Run) -> int:
     by = budget.state_by_tier(run.stage, L.padded, run.nd, group if P.hybrid else None, cfg.precision,
                               cfg.grad_accum, run.offload, "cuda", "ram")
     pol, piece = OffloadPolicy(), max(L.piece_numel)
-    tiles = 2 * pol.buffers * min(pol.tile, piece) * storage_dtype(cfg.precision).itemsize
+    tiles = DeviceLink.nbytes_for(storage_dtype(cfg.precision), DeviceLink.slot_elements(pol.tile, piece),
+                                  pol.buffers)
     init = 4 * (L.padded if P.full_optimizer else L.shard_numel)
     return budget.tier_totals(by)["ram"] + max(init, tiles + 4 * piece)
 

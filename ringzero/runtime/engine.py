@@ -349,7 +349,8 @@ def _make_state(self, device):
     err = None
     # a device run's offload: host arrays (and the update's pinned tile buffers), pinned up to the bound
     self.pinned = PinnedArena(off.pin_limit) if off.enabled and xp is not np else None
-    self.device_link = (DeviceLink(self.storage_dtype, min(off.tile, max(L.piece_numel)), off.buffers, self.pinned)
+    self.device_link = (DeviceLink(self.storage_dtype, DeviceLink.slot_elements(off.tile, max(L.piece_numel)),
+                                   off.buffers, self.pinned)
                         if self.pinned is not None else None)        # its tile buffers pinned first
     try:                             # offload: a file whose blocks cannot be reserved, on any rank
         self.state = ShardedState(L, P, topo.shard_rank, self.storage_dtype, xp, self.grad_accum,

@@ -95,6 +95,16 @@ class PinnedArena:
 class DeviceLink:
     """The update's device<->host copies: pinned grads and params slots, a CuPy stream per direction."""
 
+    @staticmethod
+    def slot_elements(tile: int, largest_piece: int) -> int:
+        """Elements of one slot: a tile, or the largest piece where pieces are smaller."""
+        return min(int(tile), int(largest_piece))
+
+    @staticmethod
+    def nbytes_for(dtype, tile: int, buffers: int) -> int:
+        """Host bytes of the slots a link of this shape allocates (grads and params, ``buffers`` each)."""
+        return 2 * int(buffers) * int(tile) * np.dtype(dtype).itemsize
+
     def __init__(self, dtype, tile: int, buffers: int, arena: PinnedArena):
         import cupy
         self.cp, self.state = cupy, None          # the state: bind(), once it is allocated
