@@ -257,9 +257,12 @@ def test_step_matches_independent_adamw(comm, stage):
 
 def _no_decay(monkeypatch):
     from ringzero.runtime import optim
-    update = optim.AdamW.update
+    update, tile = optim.AdamW.update, optim.AdamW.update_tile
     monkeypatch.setattr(optim.AdamW, "update",
                         lambda self, master, m, v, g, lr, decay_segments=(): update(self, master, m, v, g, lr, ()))
+    # the fused pass (the RAM update where the C extension was built): every run undecayed
+    monkeypatch.setattr(optim.AdamW, "update_tile", lambda self, master, m, v, grads, coef, lr, runs, *a, **k:
+                        tile(self, master, m, v, grads, coef, lr, tuple((x, y, False) for x, y, _ in runs), *a, **k))
 
 
 def _no_clip(monkeypatch):

@@ -128,6 +128,31 @@ def test_stages_bitwise_equal(comm):
     assert_all(comm, ref[0][-1] < ref[0][0], f"loss did not fall: {ref[0][0]} -> {ref[0][-1]}")
 
 
+@pytest.mark.parametrize("precision,K", [("fp16", 1), ("fp32", 1), ("fp16", 2)])
+def test_fused_ram_update_is_the_numpy_update(comm, monkeypatch, precision, K):
+    """The update in RAM runs the C pass (optim.update_tile) where it was built: 8 steps of it give
+    the bits of the NumPy AdamW it replaces (widen, scale, ten passes), at every stage."""
+    from ringzero.runtime import optim
+    if not optim.HAVE_C:
+        pytest.skip("ringzero.runtime._adam was not built")
+    data = batches(comm, comm.size, comm.rank)
+    calls, tile = [], optim.AdamW.update_tile
+    monkeypatch.setattr(optim.AdamW, "update_tile", lambda self, *a, **k: calls.append(1) or tile(self, *a, **k))
+    bad = []
+    for st in ("0", "1", "2", "3"):
+        got = []
+        for have_c in (True, False):
+            monkeypatch.setattr(optim, "HAVE_C", have_c)
+            eng = engine(comm, st, precision=precision, grad_accum=K)
+            got.append((train(eng, data, 8), _global(eng, "master"), _global(eng, "adam_v")))
+        (la, ma, va), (lb, mb, vb) = got
+        if la != lb or not np.array_equal(ma.view(np.uint32), mb.view(np.uint32)) \
+                or not np.array_equal(va.view(np.uint32), vb.view(np.uint32)):
+            bad.append(st)
+    assert_all(comm, calls, "the RAM update never ran the fused pass")
+    assert_all(comm, not bad, f"{precision} K={K}: the fused update differs from NumPy's at stages {bad}")
+
+
 def test_two_runs_bitwise_equal(comm):
     data = batches(comm, comm.size, comm.rank)
     a, b = engine(comm, "3"), engine(comm, "3")

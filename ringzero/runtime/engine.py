@@ -363,6 +363,8 @@ def _make_state(self, device):
     # offload: the update streams this rank's pieces through a few tile buffers (stream.py)
     self.offload_stream = stream.TileStream(self.state, off) if off.enabled else None
     self.offload_tiles = stream.tiles(self.state, self._decay, off.tile) if off.enabled else []
+    # in RAM: each piece one tile, its decay runs cut for the fused update (update._in_ram)
+    self.ram_tiles = [] if off.enabled else stream.tiles(self.state, self._decay, max(L.piece_numel))
     if self.device_link is not None:
         self.device_link.bind(self.state)
     self.update_ahead = stream.UpdateAhead(U) if off.enabled and off.ahead else None

@@ -6,7 +6,8 @@ What it is
     each (optim.py), then the cast of master into the storage-dtype params and, where params are held
     in full (stages 1-2), their all-gathers, started or blocking. It has three forms, one result:
 
-        in RAM        piece by piece, NumPy (or CuPy) AdamW, then state.publish casts and gathers
+        in RAM        piece by piece: on the host the fused C pass (optim.update_tile) where it was
+                      built, else NumPy (or CuPy) AdamW; then state.publish casts and gathers
         offloaded     streamed through a few tile buffers (stream.py): the fused AdamW reads master,
                       m, v from their files, writes them back and casts the params in the same pass
         ahead         the offloaded update on its own thread, unit by unit, beside the next forward,
@@ -22,7 +23,9 @@ from __future__ import annotations
 
 import time
 
-from ringzero.runtime import stream
+import numpy as np
+
+from ringzero.runtime import optim, stream
 
 
 def apply(engine, coef, lr: float):
@@ -33,11 +36,7 @@ def apply(engine, coef, lr: float):
     elif engine.offload_stream is not None:      # streamed from the files; params cast in the same pass
         _offloaded(engine, coef, lr)
     else:
-        piece = engine.state.piece
-        for u, r, g in engine._grad_pieces():
-            g *= coef
-            engine.adam.update(piece("master", u, r), piece("adam_m", u, r), piece("adam_v", u, r),
-                               g, lr, engine._decay[(u, r)])
+        _in_ram(engine, coef, lr)
     # with overlap (stages 1-2) the params' all-gathers run while the next forward computes;
     # whoever reads params before it waits for them (engine.wait_params)
     t1 = time.perf_counter()
@@ -50,6 +49,23 @@ def apply(engine, coef, lr: float):
         dt = time.perf_counter() - t1            # stages 1-2: the blocking gathers (and casts)
         for k in ("param_gather_s", "param_gather_exposed_s", "comm_s"):
             engine.timeline[k] += dt
+
+
+def _in_ram(engine, coef, lr: float):
+    """The update on the pieces in RAM. On the host with the C pass built: one fused pass a piece
+    (widen and scale the gradient, AdamW; optim.update_tile, the bits of the NumPy steps) instead of
+    the cast into scratch and AdamW's ten NumPy passes over master, m, v and scratch."""
+    piece, adam = engine.state.piece, engine.adam
+    if engine.xp is np and optim.HAVE_C:
+        for t in engine.ram_tiles:               # one tile a piece, r outer (stream.tiles)
+            u, r = t.u, t.r
+            adam.update_tile(piece("master", u, r), piece("adam_m", u, r), piece("adam_v", u, r),
+                             piece("grads", u, r), coef, lr, t.runs)
+        return
+    for u, r, g in engine._grad_pieces():
+        g *= coef
+        adam.update(piece("master", u, r), piece("adam_m", u, r), piece("adam_v", u, r),
+                    g, lr, engine._decay[(u, r)])
 
 
 def _offloaded(engine, coef, lr: float):

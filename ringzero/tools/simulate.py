@@ -93,6 +93,7 @@ def measure_compute(cfg, batch: int, seq: int, reps: int = 5, cores: int | None 
     engine runs on CPU), and the runtime's casts and update per element."""
     from ringzero.comm import kernels
     from ringzero.nn.gpt import GPT
+    from ringzero.runtime import optim
     from ringzero.runtime.optim import AdamConfig, AdamW
     m = GPT(cfg)
     L = Layout(m.units)
@@ -122,7 +123,8 @@ def measure_compute(cfg, batch: int, seq: int, reps: int = 5, cores: int | None 
     a16, a32 = np.zeros(n, np.float16), np.zeros(n, np.float32)
     cast = (_median_time(lambda: kernels.f16_to_f32(a16, a32), reps)
             + _median_time(lambda: kernels.f32_to_f16(a32, a16), reps)) / (2 * n)
-    # the update path of Zero.step per element: widen grad + dot, widen + scale + AdamW, narrow
+    # the update path of Zero.step per element: widen grad + dot, widen + scale + AdamW (one fused
+    # pass where the C extension was built, as update._in_ram), narrow
     k = L.padded
     gr16, gw = np.zeros(k, np.float16), np.empty(k, np.float32)
     mst, mm, vv = np.zeros(k, np.float32), np.zeros(k, np.float32), np.zeros(k, np.float32)
@@ -132,10 +134,13 @@ def measure_compute(cfg, batch: int, seq: int, reps: int = 5, cores: int | None 
     def upd():
         kernels.f16_to_f32(gr16, gw)
         float(np.dot(gw, gw))
-        kernels.f16_to_f32(gr16, gw)
-        np.multiply(gw, np.float32(0.5), out=gw)
         opt.begin_step()
-        opt.update(mst, mm, vv, gw, 1e-4, ((0, k),))
+        if optim.HAVE_C:
+            opt.update_tile(mst, mm, vv, gr16, np.float32(0.5), 1e-4)
+        else:
+            kernels.f16_to_f32(gr16, gw)
+            np.multiply(gw, np.float32(0.5), out=gw)
+            opt.update(mst, mm, vv, gw, 1e-4, ((0, k),))
         kernels.f32_to_f16(mst, out16)
     update = _median_time(upd, reps) / k
     return Compute(fwd, bwd, cast, update, cores,
