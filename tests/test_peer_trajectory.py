@@ -24,6 +24,8 @@ What it is not
     (tests/test_step_reference.py is that): here the torch peer is what is
     under test, ringzero the reference it must follow. Skipped without torch
     (RINGZERO_PEER=1 installs it) and above 4 ranks (every rank imports torch).
+    Across emulated nodes, tests/cluster/test_cluster_peer.py runs this module with
+    RINGZERO_PEER_MASTER and RINGZERO_PEER_IFNAME naming rank 0's node and the nodes' interface.
 """
 import argparse
 import datetime
@@ -58,14 +60,16 @@ def gloo():
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
+    # one host: loopback; across emulated nodes (tests/cluster): rank 0's node address and interface
+    master = os.environ.get("RINGZERO_PEER_MASTER", "127.0.0.1")
     port = None
     if comm.rank == 0:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            s.bind((master, 0))
             port = s.getsockname()[1]
     port = comm.bcast(port, root=0)
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank,
+    os.environ["GLOO_SOCKET_IFNAME"] = os.environ.get("RINGZERO_PEER_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=comm.rank,
                             world_size=comm.size, timeout=datetime.timedelta(seconds=120))
     sys.path.insert(0, BENCH)
     import train_peer_worker

@@ -1,0 +1,29 @@
+"""The torch peer of benchmarks/train_peer.py follows ringzero across emulated nodes.
+
+tests/test_peer_trajectory.py (GPT-2's width, 6 steps, DDP and FSDP FULL_SHARD on
+gloo against ringzero's stage 2) run as one MPI job across 2 nodes x 2 ranks
+(``./launch/cluster``): gloo on the nodes' links, ringzero's ring across them.
+The peer's losses and final weights must follow ringzero's within that module's
+tolerances, as they do on one host (train_peer.py's --cluster ratios rest on it), and the
+module's own check that the comparison can fail must fail there too.
+"""
+import sys
+
+import cluster_cli as cc
+import pytest
+
+pytestmark = pytest.mark.cluster
+
+
+def test_peer_follows_ringzero_across_two_nodes(tmp_path):
+    cc.skip_unless_possible()
+    pytest.importorskip("torch")
+    module = f"{cc.TESTS}/test_peer_trajectory.py"
+    env = cc.env(RINGZERO_PEER_MASTER=f"198.18.{cc.NET}.1", RINGZERO_PEER_IFNAME="eth0")
+    p = cc.run(2, 2, [sys.executable, "-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider",
+                      "-rA", module],
+               tmp_path / "logs", env_=env, timeout=420, cwd=tmp_path)
+    assert p.returncode == 0, cc.tail(p)
+    # every rank ran the four cases: DDP and FULL_SHARD follow, and the comparison fails a peer
+    # that draws its own init or decays every parameter (a skip, e.g. no torch on a node, is no pass)
+    assert p.stdout.count("4 passed") == 4, cc.tail(p)
