@@ -268,3 +268,29 @@ def test_model_state_bytes_equal_the_formula(comm, stage):
     res = eng.step(x % 64, y % 64, lr=1e-3)
     ok = got == want and all(d["formula_bytes"] == want[c] for c, d in rep.items()) and np.isfinite(res.loss)
     assert_all(comm, ok, f"stage {stage}: memory {got}, expected {want}, loss {res.loss}")
+
+
+# ------------------------------------------------------------------------------ the device path, on the stand-in
+@pytest.mark.standin
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_device_path_on_the_cupy_standin(monkeypatch, dtype):
+    """Under the strict CuPy stand-in (tests/cupy_standin/: no implicit host conversion, no NumPy
+    operand in a device op), a Llama step computes what the host does: loss and gradients equal the
+    float64 host step within the dtype's rounding. Proves the calls are CuPy's, not GPU numerics."""
+    import cupy_standin
+    cp = cupy_standin.install(monkeypatch)
+    cfg = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn=40, vocab=64, block_size=16,
+                      qkv_bias=True, tied=False, rope_scaling=RopeScaling(4.0, 1.0, 4.0, 8))
+    L = Layout(llama_units(cfg))
+    host = np.zeros(L.padded)
+    L.init_full(host, seed=2)
+    x, y = (a % 64 for a in H.batch(4, 2))
+    g64 = np.zeros_like(host)
+    ref = Llama(cfg).loss_and_grad(L.views(host), L.views(g64), x, y)
+    dev = cp.asarray(host.astype(dtype))
+    gdev = cp.zeros(L.padded, dtype)
+    loss = Llama(cfg).loss_and_grad(L.views(dev), L.views(gdev), cp.asarray(x), cp.asarray(y))
+    got = gdev.get().astype(np.float64)
+    tol = 1e-5 if dtype == np.float32 else 3e-2
+    assert abs(loss - ref) <= tol * abs(ref)
+    assert np.linalg.norm(got - g64) <= tol * np.linalg.norm(g64)
