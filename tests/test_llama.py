@@ -67,6 +67,28 @@ def test_preset_psi_is_transformers_count(name):
     assert Layout(llama_units(c)).numel == m.num_parameters()
 
 
+def closed_form(c):
+    """Ψ of a Llama counted by hand: per block 2 norms (2C), q|k|v (C·(H+2K)·D, + (H+2K)·D with bias),
+    proj (H·D·C), gate|up and down (3·C·F); plus wte (V·C), lnf (C) and an untied head (V·C)."""
+    C, D, W = c.n_embd, c.head_dim, (c.n_head + 2 * c.n_kv_head) * c.head_dim
+    block = 2 * C + C * W + (W if c.qkv_bias else 0) + c.n_head * D * C + 3 * C * c.ffn
+    return c.n_layer * block + c.vocab * C + C + (0 if c.tied else c.vocab * C)
+
+
+@pytest.mark.parametrize("stage", ["0", "1", "2", "3"])
+@pytest.mark.parametrize("name", ["smollm2-135m", "tinyllama-1.1b"])
+def test_bytes_model_state_at_nd2(name, stage):
+    """Formula on the padded Ψ == the bytes a rank holds, counted from the Layout's shards (byte vocab)."""
+    from ringzero.runtime import accounting as acc
+    c = model_config(name, 256)
+    lay = Layout(llama_units(c), shards=2)
+    full, shard = lay.padded, lay.shard_numel
+    held = {"0": dict(p=full, g=full, o=full), "1": dict(p=full, g=full, o=shard),
+            "2": dict(p=full, g=shard, o=shard), "3": dict(p=shard, g=shard, o=shard)}[stage]
+    assert acc.model_state_total(stage, lay.padded, 2) == 2 * held["p"] + 2 * held["g"] + 12 * held["o"]
+    assert lay.numel == closed_form(c) and closed_form(PRESETS[name]) == Layout(llama_units(PRESETS[name])).numel
+
+
 def test_model_config_and_registry():
     c = model_config("smollm2-135m", 256, n_layer=2)
     assert (c.n_layer, c.vocab, c.n_embd, c.head_dim, c.tied) == (2, 256, 576, 64, True)
