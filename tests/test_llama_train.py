@@ -69,6 +69,12 @@ def test_bad_input_one_line_exit_2(tmp_path, args, needle):
     assert not new
 
 
+def summary_cfg(cfg):
+    """The model config the trainer built for cfg on the byte corpus (vocab 256)."""
+    from ringzero.app.config import model_config
+    return model_config(cfg, 256)
+
+
 def _text(path, n=60_000):
     rng = np.random.default_rng(0)
     words = ["def ", "return ", "self.", "value", "(x)", ":\n", "    ", "import ", "numpy", " = "]
@@ -100,6 +106,14 @@ def test_end_to_end(comm, tmp_path_factory, stage, extra):
         man = json.load(open(os.path.join(save, "step-000030", "manifest.json")))
         rec = man["config"]["model_config"]
         ok &= rec["family"] == "llama" and rec["n_kv_head"] == 3 and "gpt" not in man["config"]
+        # the sampler rebuilds the Llama from the manifest, and its weights score the held-out text as the run did
+        from ringzero.nn.llama import Llama
+        from ringzero.tools.sample import generate, load
+        model, P, _, _ = load(os.path.join(save, "step-000030"), "master")
+        ok &= type(model) is Llama and model.cfg == summary_cfg(cfg)
+        out = generate(model, P, np.frombuffer(b"def ", np.uint8).astype(np.int64), 8, 0.0, None,
+                       np.random.default_rng(0))
+        ok &= out.shape == (12,) and int(out.max()) < 256
         msg = f"loss {first:.3f} -> {last:.3f}, memory {summ['memory']}, manifest model {rec}"
     assert_all(comm, ok, msg)
     assert np.isfinite(summary["eval_loss"])

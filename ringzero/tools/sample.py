@@ -54,7 +54,16 @@ def config_from_manifest(m: dict) -> GPTConfig:
     The layout gives vocab and width (wte is (V, C)), the context (wpe is
     (T, C)) and the block count; it cannot give the head count, which comes
     from the trainer's config (``n_head``) or its preset name (``model``).
+    A manifest that records its model (``model_config``: the family and its
+    fields, nn/families.py) gives that config whole: a Llama's, or a GPT's.
     """
+    rec = (m.get("config") or {}).get("model_config")
+    if isinstance(rec, dict):
+        from ringzero.nn import families
+        try:
+            return families.from_dict(rec)
+        except (TypeError, ValueError) as e:
+            raise SampleError(f"the manifest's model_config makes no model: {e}") from None
     shapes = {p.name: p.shape for u in units_from_description(m["layout"]) for p in u.params}
     if "wte" not in shapes or "wpe" not in shapes:
         raise SampleError(f"the checkpoint holds no GPT (no 'wte'/'wpe' among its {len(shapes)} "
@@ -94,7 +103,8 @@ def load(path: str, weights: str = "params"):
     m = ck.read_manifest(p)
     ck.check_layout(m, p)                         # a well-formed manifest before reading it
     cfg = config_from_manifest(m)
-    model = GPT(cfg)
+    from ringzero.nn.families import build
+    model = build(cfg)                            # a GPT or a Llama
     new = Layout(model.units, shards=1)
     old = ck.check_layout(m, p, new)              # and the rebuilt model matches its table
     err = ck.verify(p, m, [ck.shard_file(weights, k) for k in range(old.shards)])
@@ -280,7 +290,8 @@ def main(argv=None) -> int:
         as_bytes = tok is None and byte_level(model.cfg, m)
         ids = _prompt(a, model, m, tok, as_bytes)
         c = model.cfg
-        print(f"ringzero.sample: {path}: GPT L={c.n_layer} C={c.n_embd} H={c.n_head} T={c.block_size} "
+        print(f"ringzero.sample: {path}: {type(model).__name__} L={c.n_layer} C={c.n_embd} H={c.n_head} "
+              f"T={c.block_size} "
               f"V={c.n_tokens}{f' (padded {c.vocab})' if c.vocab != c.n_tokens else ''}, {what}, read in "
               f"{time.perf_counter() - t0:.2f} s", file=sys.stderr)
     except (SampleError, ck.CheckpointError, OSError) as e:
