@@ -152,3 +152,15 @@ def test_gqa_makes_no_per_query_head_copy_of_k_or_v(rng):
         tracemalloc.stop()
     repeated = B * T * H * D * 4
     assert peak < repeated // 2, f"{peak:,} B allocated in a step; one K repeated per query head is {repeated:,} B"
+
+
+def test_rotary_tables_one_per_dtype_sliced_by_length(rng):
+    """Shorter sequences read a prefix of the longest table (generation: one table, not one per length),
+    and a prefix rotates exactly as the table made for that length would."""
+    rot = Rotary(8, 100.0)
+    x = rng.standard_normal((1, 20, 2, 8))
+    full = rot.forward(x.copy())
+    assert len(rot._tables) == 1
+    short = Rotary(8, 100.0).forward(x[:, :7].copy())
+    assert np.array_equal(rot.forward(x[:, :7].copy()), short) and np.array_equal(full[:, :7], short)
+    assert len(rot._tables) == 1
