@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+from ringzero.comm import quant
 from ringzero.comm.quant import Quant, Quantizer, wire_views
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -19,6 +20,16 @@ import cupy_standin  # noqa: E402
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 LENGTHS = (0, 1, 2, 7, 13, 31, 97, 4099)
+
+
+@pytest.fixture(params=["c", "numpy"])
+def qpath(request, monkeypatch):
+    """Both host paths: the C kernels (comm/csrc/quant.c) and the NumPy fallback."""
+    if request.param == "c" and not quant.HAVE_C:
+        pytest.skip("ringzero.comm._quant was not built")
+    if request.param == "numpy":
+        monkeypatch.setattr(quant, "HAVE_C", False)
+    return request.param
 
 
 def ref_quant(x, bits, block):
@@ -62,7 +73,7 @@ def run(x, bits, block, out_dtype=None):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_bf16_weights_come_back_within_half_a_step(bits):
+def test_bf16_weights_come_back_within_half_a_step(bits, qpath):
     """DeepSpeed's bf16 bug: bf16 in, bf16 out, each element within half a quantization step (+ the bf16 cast)."""
     rng = np.random.default_rng(1)
     w = (rng.standard_normal(5000) * 0.02).astype(BF16)       # weights at init scale
@@ -81,7 +92,7 @@ def test_bf16_weights_come_back_within_half_a_step(bits):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("block", [1, 3, 64, 2048])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_quantize_matches_reference_bitwise(bits, block, dtype):
+def test_quantize_matches_reference_bitwise(bits, block, dtype, qpath):
     rng = np.random.default_rng(7)
     for L in LENGTHS:
         x = (rng.standard_normal(L) * 3).astype(dtype)
@@ -95,7 +106,7 @@ def test_quantize_matches_reference_bitwise(bits, block, dtype):
         assert np.all(np.abs(back - x32) <= step / 2 + 4 * np.spacing(np.abs(x32))), f"bound L={L}"
 
 
-def test_ties_round_to_even_and_clamp():
+def test_ties_round_to_even_and_clamp(qpath):
     # block of 7 with absmax 7: scale 1 (int4), so the codes are the values rounded half to even
     x = np.array([7, 0.5, 1.5, 2.5, -0.5, -1.5, -3.5], np.float32)
     codes, scales, back = run(x, 4, 7)
@@ -107,7 +118,7 @@ def test_ties_round_to_even_and_clamp():
     assert np.all(np.abs(c8) <= 127)
 
 
-def test_zero_and_nonfinite_blocks():
+def test_zero_and_nonfinite_blocks(qpath):
     x = np.zeros(10, np.float32)
     x[5] = np.inf
     x[8] = 3
@@ -121,7 +132,7 @@ def test_zero_and_nonfinite_blocks():
     assert np.all(np.abs(b[2:] - xn[2:]) <= s[1] / 2)
 
 
-def test_dequantize_accumulates_in_float32():
+def test_dequantize_accumulates_in_float32(qpath):
     rng = np.random.default_rng(3)
     x = rng.standard_normal(300).astype(np.float32)
     s = Quant(4, 32)
@@ -144,7 +155,7 @@ def test_wire_layout_and_views():
     assert Quant(8, 2048).bytes_per_element() == 1 + 4 / 2048
 
 
-def test_hot_path_allocates_once():
+def test_hot_path_allocates_once(qpath):
     s = Quant(8, 64)
     q = Quantizer(s)
     x = np.ones(1000, np.float16)
@@ -196,3 +207,37 @@ def test_cupy_standin_gives_the_numpy_bits(monkeypatch, bits):
             assert np.array_equal(out.get(), back)
             with pytest.raises(TypeError, match="all NumPy or all CuPy"):
                 q.quantize(x, dc, ds)
+
+
+def test_c_and_numpy_agree_on_every_bit(monkeypatch):
+    """The C kernels against the NumPy path on hard inputs: subnormals, huge values, NaN, Inf, -0, ties."""
+    if not quant.HAVE_C:
+        pytest.skip("ringzero.comm._quant was not built")
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal(20000) * np.exp(rng.uniform(-90, 80, 20000))).astype(np.float32)
+    x[::97] = 0
+    x[5::101] = -0.0
+    x[7::499] = np.float32(1e-45)
+    x[3000:3010] = [np.inf, 1, 2, 3, -np.inf, 5, 6, 7, 8, 9]
+    x[5000:5005] = [np.nan, 1, 2, 3, 4]
+    x[7000:7064] = np.arange(64) * 0.5           # ties
+    for bits in (8, 4):
+        for block in (1, 7, 64, 2048):
+            for dt in ("float32", "float16", "bfloat16"):
+                xd = x.astype(dt) if dt != "float16" else np.clip(x, -6e4, 6e4).astype(dt)
+                got = []
+                for c in (True, False):
+                    monkeypatch.setattr(quant, "HAVE_C", c)
+                    got.append(run(xd, bits, block, np.float32) + run(xd, bits, block)[2:])
+                for a, b in zip(*got):
+                    assert a.tobytes() == b.tobytes(), f"bits={bits} block={block} {dt}"
+                monkeypatch.setattr(quant, "HAVE_C", True)
+                q, s = Quantizer(Quant(bits, block)), Quant(bits, block)
+                codes, scales = np.empty(s.code_bytes(len(x)), s.codes_dtype()), np.empty(s.nblocks(len(x)), np.float32)
+                q.quantize(xd, codes, scales)
+                acc_c = np.ones(len(x), np.float32)
+                q.dequantize(codes, scales, acc_c, add=True)
+                q.use_c = False
+                acc_n = np.ones(len(x), np.float32)
+                q.dequantize(codes, scales, acc_n, add=True)
+                assert acc_c.tobytes() == acc_n.tobytes()

@@ -34,18 +34,32 @@ What it is
     and is widened exactly to float32 first: DeepSpeed's bf16 bug (PR #8215, bf16 weights read
     as if fp16 and silently corrupted) is the first test of tests/test_quant.py.
 
+    On the host the work is done by the optional C extension ``ringzero.comm._quant``
+    (comm/csrc/quant.c, built beside _f16) when it was built, and by NumPy otherwise; both give
+    the same bits (tests/test_quant.py runs both). ``HAVE_C`` says which; RINGZERO_NO_C=1 forces
+    NumPy, as in comm/kernels.py. CuPy arrays take the xp path (``get_array_module``).
+
 What it is not
-    Asymmetric (zero-point) or stochastic rounding, or fp8. The C kernels (the same optional build
-    as comm/csrc/f16.c) and CUDA kernels are not here yet: this is the xp path, NumPy or CuPy by
-    ``get_array_module``, and the reference the kernels must equal bit for bit.
+    Asymmetric (zero-point) or stochastic rounding, or fp8. No CUDA kernels yet: on a GPU the xp
+    path runs as a dozen CuPy elementwise passes.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from ringzero.comm.backend import get_array_module
+
+try:  # the optional C extension (setup.py, optional=True): the same bits as the NumPy path below
+    from ringzero.comm import _quant as _c
+except ImportError:
+    _c = None
+if os.environ.get("RINGZERO_NO_C", "0") == "1":   # force the NumPy path (as comm/kernels.py)
+    _c = None
+HAVE_C = _c is not None
+_DT = {"float32": 0, "float16": 1, "bfloat16": 2}    # quant.c's dtype codes
 
 _QMAX = {8: 127, 4: 7}
 _IN = ("float32", "float16", "bfloat16")
@@ -117,6 +131,7 @@ class Quantizer:
         self.spec = spec
         self._ws = {}         # array module name -> (w, a, d): float32 work buffers, grow-only
         self.growths = 0      # how many times the scratch grew (a hot path's test reads it)
+        self.use_c = HAVE_C   # the host's C kernels (False: the NumPy path, as RINGZERO_NO_C=1)
 
     def _scratch(self, xp, L):
         nb = self.spec.nblocks(L)
@@ -145,6 +160,10 @@ class Quantizer:
         _check_1d("scales", scales, ("float32",), s.nblocks(L))
         xp = get_array_module(x, codes, scales)
         if L == 0:
+            return codes, scales
+        if xp is np and self.use_c:
+            _c.quantize(x if x.dtype.name != "bfloat16" else x.view(np.uint16), _DT[x.dtype.name], s.block,
+                        s.bits, codes, scales)
             return codes, scales
         w, a, d, nb, P = self._scratch(xp, L)
         B, qmax = s.block, float(s.qmax)
@@ -188,6 +207,14 @@ class Quantizer:
         _check_1d("scales", scales, ("float32",), s.nblocks(L))
         xp = get_array_module(codes, scales, out)
         if L == 0:
+            return out
+        if xp is np and self.use_c:
+            if add or out.dtype == np.float32:
+                _c.dequantize(codes, scales, s.block, s.bits, out, add)
+            else:                                   # fp16 / bf16: float32 values, then NumPy's cast
+                w = self._scratch(xp, L)[0][:L]
+                _c.dequantize(codes, scales, s.block, s.bits, w, False)
+                out[...] = w
             return out
         w, a, d, nb, P = self._scratch(xp, L)
         B = s.block
