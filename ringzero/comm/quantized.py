@@ -34,10 +34,12 @@ What it is
     ``residual`` (float32, len(send), kept by the caller between calls): error feedback on hop 1:
     send + residual is quantized, and residual becomes (send + residual) - dequant(quant(...)).
 
-    The engine's next step (the --zeropp switches) will call these where runtime/gather.py and
-    runtime/reduce.py call ``Ring.all_gather`` / ``Ring.reduce_scatter`` on a unit's flat
-    shard; hpZ is a second QuantizedComm-free all-gather over ``ring.node_group`` from a
-    secondary shard; the trainer reads ``ledger`` beside the Ring's (QLedger has its form).
+    For the engine (the --zeropp switches, next): qwZ calls ``all_gather`` where runtime/gather.py
+    calls ``Ring.all_gather`` on a unit's flat shard (one QuantizedComm per shard Ring, kept as
+    long as the Ring); qgZ calls ``reduce_scatter`` where runtime/reduce.py calls the Ring's,
+    with one residual per unit if error feedback is on; hpZ needs no new collective: the Ring's
+    own all-gather over ``ring.node_group`` from a secondary shard. The trainer sums ``ledger``
+    with the rings' (QLedger has the Ring ledger's keys, plus codes / scales, intra / inter).
 
     Errors: bad arguments raise one line before any message. A peer whose message does not come
     within the Ring's timeout (RINGZERO_TIMEOUT) raises TimeoutError naming the op and the peers;
