@@ -260,3 +260,49 @@ def test_volume_formula_gives_the_seed_and_zeropp():
     led.sent("q_all_gather", 8, 4, False)
     assert led.total_sent() == 24 and led.total_sent_internode() == 12
     assert set(led.as_dict()) == {"q_all_gather", "q_reduce_scatter"}
+
+
+@pytest.mark.mpi
+def test_lengths_that_differ_between_ranks_raise_on_every_rank(comm):
+    n, r = comm.size, comm.rank
+    if n < 2:
+        pytest.skip("needs 2 ranks")
+    ring = Ring(comm)
+    qc = QuantizedComm(ring, weights=Quant(8, 2048))
+    m = 5 if r == 0 else 4                      # rank 0 is out of step with the rest
+    try:
+        qc.all_gather(np.ones(m, np.float32), np.empty(n * m, np.float32))
+        msg = "no error"
+    except ValueError as e:
+        msg = str(e)
+    ok = "HINT: every rank must pass the same lengths" in msg and "\n" not in msg
+    try:
+        qc.all_gather(np.ones(4, np.float32), np.empty(4 * n, np.float32))
+        ok = False                              # refused after the error
+    except RuntimeError as e:
+        ok = ok and "out of step" in str(e)
+    qc.free()
+    ring.free()
+    assert_all(comm, ok, msg)
+
+
+@pytest.mark.mpi
+def test_steady_state_allocates_nothing_new(comm):
+    n, m = comm.size, 300
+    for name, labels in maps(comm):
+        ring = Ring(comm, nodes=labels)
+        qc = QuantizedComm(ring, weights=Quant(8, 64), grads=Quant(4, 64))
+        x, full, mine = np.ones(m, np.float16), np.empty(n * m, np.float16), np.empty(m, np.float16)
+        g, res = np.ones(n * m, np.float16), np.zeros(n * m, np.float32)
+        qc.all_gather(x, full)
+        qc.reduce_scatter(g, mine, residual=res)
+        before = {k: v for k, v in qc._ws.items()}, qc.wq.growths, qc.gq.growths
+        for _ in range(3):
+            qc.all_gather(x, full)
+            qc.reduce_scatter(g, mine, residual=res)
+        after = qc._ws, qc.wq.growths, qc.gq.growths
+        ok = before[1:] == after[1:] and all(after[0][k] is v for k, v in before[0].items()) \
+            and set(before[0]) == set(after[0])
+        qc.free()
+        ring.free()
+        assert_all(comm, ok, f"{name}: scratch grew after the first call")
