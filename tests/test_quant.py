@@ -189,22 +189,36 @@ def test_bad_arguments_one_line_each():
 
 
 @pytest.mark.standin
+@pytest.mark.parametrize("kernels", [True, False], ids=["cuda-kernels", "xp"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_cupy_standin_gives_the_numpy_bits(monkeypatch, bits):
+def test_cupy_standin_gives_the_numpy_bits(monkeypatch, bits, kernels):
+    if kernels and not cupy_standin._kernel.have_compiler():
+        pytest.skip("the stand-in's ElementwiseKernel needs a C++ compiler")
     cp = cupy_standin.install(monkeypatch)
     rng = np.random.default_rng(5)
     for L in (1, 13, 4099):
         for dt in ("float32", "float16"):
             x = (rng.standard_normal(L) * 2).astype(dt)
+            x[L // 2] = 0.5 * x.max()                 # whatever the max, some ties
+            if L > 200:
+                x[100:200] = 0                        # a zero block
+                x[300] = np.inf                       # a non-finite block
+                x[450] = np.nan
+                x[500:503] = [127 if bits == 8 else 7, 2.5, -3.5]   # scale 1: exact ties, to even
             codes, scales, back = run(x, bits, 100)
             s = Quant(bits, 100)
             q = Quantizer(s)
+            q.use_cuda = kernels
             dc, ds = cp.empty(s.code_bytes(L), s.codes_dtype()), cp.empty(s.nblocks(L), cp.float32)
             q.quantize(cp.asarray(x), dc, ds)
             out = cp.empty(L, dt)
             q.dequantize(dc, ds, out)
-            assert np.array_equal(dc.get(), codes) and np.array_equal(ds.get(), scales)
-            assert np.array_equal(out.get(), back)
+            assert dc.get().tobytes() == codes.tobytes() and ds.get().tobytes() == scales.tobytes()
+            assert out.get().tobytes() == back.tobytes()
+            acc = cp.ones(L, cp.float32)
+            q.dequantize(dc, ds, acc, add=True)
+            assert acc.get().tobytes() == (np.ones(L, np.float32) + back.astype(np.float32)).tobytes() \
+                or dt == "float16"
             with pytest.raises(TypeError, match="all NumPy or all CuPy"):
                 q.quantize(x, dc, ds)
 

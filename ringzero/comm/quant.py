@@ -37,11 +37,11 @@ What it is
     On the host the work is done by the optional C extension ``ringzero.comm._quant``
     (comm/csrc/quant.c, built beside _f16) when it was built, and by NumPy otherwise; both give
     the same bits (tests/test_quant.py runs both). ``HAVE_C`` says which; RINGZERO_NO_C=1 forces
-    NumPy, as in comm/kernels.py. CuPy arrays take the xp path (``get_array_module``).
+    NumPy, as in comm/kernels.py. CuPy arrays of float32 / float16 go to the CUDA kernels of
+    comm/quant_cuda.py (the same bits again); ``use_cuda = False`` takes the xp path instead.
 
 What it is not
-    Asymmetric (zero-point) or stochastic rounding, or fp8. No CUDA kernels yet: on a GPU the xp
-    path runs as a dozen CuPy elementwise passes.
+    Asymmetric (zero-point) or stochastic rounding, or fp8.
 """
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ringzero.comm import quant_cuda
 from ringzero.comm.backend import get_array_module
 
 try:  # the optional C extension (setup.py, optional=True): the same bits as the NumPy path below
@@ -132,6 +133,7 @@ class Quantizer:
         self._ws = {}         # array module name -> (w, a, d): float32 work buffers, grow-only
         self.growths = 0      # how many times the scratch grew (a hot path's test reads it)
         self.use_c = HAVE_C   # the host's C kernels (False: the NumPy path, as RINGZERO_NO_C=1)
+        self.use_cuda = True  # CuPy arrays: quant_cuda's kernels (False: the xp path, a dozen CuPy passes)
 
     def _scratch(self, xp, L):
         nb = self.spec.nblocks(L)
@@ -164,6 +166,9 @@ class Quantizer:
         if xp is np and self.use_c:
             _c.quantize(x if x.dtype.name != "bfloat16" else x.view(np.uint16), _DT[x.dtype.name], s.block,
                         s.bits, codes, scales)
+            return codes, scales
+        if xp is not np and self.use_cuda and quant_cuda.takes(x):
+            quant_cuda.quantize(s, x, codes, scales)
             return codes, scales
         w, a, d, nb, P = self._scratch(xp, L)
         B, qmax = s.block, float(s.qmax)
@@ -215,6 +220,9 @@ class Quantizer:
                 w = self._scratch(xp, L)[0][:L]
                 _c.dequantize(codes, scales, s.block, s.bits, w, False)
                 out[...] = w
+            return out
+        if xp is not np and self.use_cuda and quant_cuda.takes(out):
+            quant_cuda.dequantize(s, codes, scales, out, add)
             return out
         w, a, d, nb, P = self._scratch(xp, L)
         B = s.block

@@ -50,7 +50,7 @@ What it is not
     The engine integration, the watchdog's stall lines, the nonblocking forms or a pipeline: each
     call posts all its messages and waits. CuPy buffers are quantized and summed on the device and
     the wire buffers staged through pinned host memory (small: a quarter or an eighth of fp32).
-    The C and CUDA kernels are not here yet (quant.py's xp path does the arithmetic).
+    The arithmetic is quant.py's (C kernels on the host, CUDA kernels for CuPy).
 """
 from __future__ import annotations
 
