@@ -306,3 +306,24 @@ def test_steady_state_allocates_nothing_new(comm):
         qc.free()
         ring.free()
         assert_all(comm, ok, f"{name}: scratch grew after the first call")
+
+
+@pytest.mark.mpi
+def test_a_peer_that_never_comes_is_a_timeout_not_a_hang(comm):
+    n, r = comm.size, comm.rank
+    if n < 2:
+        pytest.skip("needs 2 ranks")
+    ring = Ring(comm, timeout=1.0)
+    qc = QuantizedComm(ring)
+    msg = "not asked"
+    if r == 0:                                   # the others never make the call
+        try:
+            qc.all_gather(np.ones(8, np.float32), np.empty(8 * n, np.float32))
+            msg = "no error"
+        except TimeoutError as e:
+            msg = str(e)
+    comm.Barrier()
+    qc.free()
+    ring.free()
+    ok = r != 0 or ("no message within 1 s" in msg and "HINT" in msg and "\n" not in msg)
+    assert_all(comm, ok, msg)
