@@ -37,8 +37,9 @@ What it is
     For the engine (the --zeropp switches, next): qwZ calls ``all_gather`` where runtime/gather.py
     calls ``Ring.all_gather`` on a unit's flat shard (one QuantizedComm per shard Ring, kept as
     long as the Ring); qgZ calls ``reduce_scatter`` where runtime/reduce.py calls the Ring's,
-    with one residual per unit if error feedback is on; hpZ needs no new collective: the Ring's
-    own all-gather over ``ring.node_group`` from a secondary shard. The trainer sums ``ledger``
+    with one residual per unit if error feedback is on; hpZ needs no new collective: a plain
+    Ring over the node's ranks (``Ring(ring.node_group.comm)``) all-gathers the backward's weights
+    from a secondary shard of 1/P that each rank keeps after the forward's gather. The trainer sums ``ledger``
     with the rings' (QLedger has the Ring ledger's keys, plus codes / scales, intra / inter).
 
     Errors: bad arguments raise one line before any message. A peer whose message does not come
