@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ringzero.comm import quant_cuda
+from ringzero.comm import kernels, quant_cuda
 from ringzero.comm.backend import get_array_module
 
 try:  # the optional C extension (setup.py, optional=True): the same bits as the NumPy path below
@@ -103,6 +103,14 @@ class Quant:
     def bytes_per_element(self) -> float:
         """Wire bytes per element for long buffers: codes plus the scales' share."""
         return self.bits / 8 + 4 / self.block
+
+
+def _narrow(w, out):
+    """out[...] = w (float32), rounded to nearest even: fp16 on the host by kernels.f32_to_f16 (F16C, NumPy's bits)."""
+    if out.dtype == np.float16 and isinstance(out, np.ndarray):
+        kernels.f32_to_f16(w, out)
+    else:
+        out[...] = w
 
 
 def wire_views(spec: Quant, buf, L: int) -> tuple:
@@ -164,6 +172,8 @@ class Quantizer:
         if L == 0:
             return codes, scales
         if xp is np and self.use_c:
+            if x.dtype == np.float16 and kernels.HAVE_F16C:     # widen with F16C first (exact): faster
+                x = kernels.f16_to_f32(x, self._scratch(xp, L)[0][:L])
             _c.quantize(x if x.dtype.name != "bfloat16" else x.view(np.uint16), _DT[x.dtype.name], s.block,
                         s.bits, codes, scales)
             return codes, scales
@@ -219,7 +229,7 @@ class Quantizer:
             else:                                   # fp16 / bf16: float32 values, then NumPy's cast
                 w = self._scratch(xp, L)[0][:L]
                 _c.dequantize(codes, scales, s.block, s.bits, w, False)
-                out[...] = w
+                _narrow(w, out)
             return out
         if xp is not np and self.use_cuda and quant_cuda.takes(out):
             quant_cuda.dequantize(s, codes, scales, out, add)
@@ -247,5 +257,5 @@ class Quantizer:
         if add:
             xp.add(out, w[:L], out=out)
         else:
-            out[...] = w[:L]
+            _narrow(w[:L], out)
         return out

@@ -4,11 +4,12 @@
  * and lengths before calling in here. The arithmetic is quant.py's, one IEEE float32 operation
  * at a time, so the bits are the NumPy path's:
  *     scale = absmax(block) / qmax            (NaN if the block holds one; Inf if an Inf)
- *     code  = clamp(rintf(x / scale), -qmax, qmax), or 0 where scale is 0 or not finite
+ *     code  = rint(clamp(x / scale, -qmax, qmax)), or 0 where scale is 0 or not finite
  *     value = (float)code * scale;  out = value, or out = out + value (no fused multiply-add:
  *             setup.py builds with -ffp-contract=off)
- * rintf rounds ties to even in the default rounding mode, as NumPy's rint. int4 codes are packed
- * two per byte, element 2i in the low nibble, as (c & 15).
+ * rint rounds ties to even (RZ_MAGIC below), as NumPy's rint. int4 codes are packed two per byte,
+ * element 2i in the low nibble, as (c & 15). Each block is widened once into a scratch of one
+ * block (fp16, bf16) and its loops vectorize; the per-call scratch is the only allocation.
  *
  * What it is not: a dtype dispatcher or a ufunc. Inputs are float32, float16 (widened with
  * f16_bits.h, exact) or bfloat16 (the high half of a float32, exact) by a dtype code; the
@@ -23,41 +24,68 @@
 
 #include "f16_bits.h"
 
-/* element i of x as float32: dt 0 float32, 1 float16, 2 bfloat16 */
-static inline float load(const void *x, int dt, Py_ssize_t i)
+/* rint for |q| <= qmax: adding and subtracting 1.5 * 2^23 rounds to an integer, ties to even, in
+ * the default rounding mode (the same as rintf, which is a libm call without SSE4.1; this
+ * vectorizes). Exact for |q| < 2^22; q is clamped to [-127, 127] first, which commutes with the
+ * rounding since the bounds are integers. */
+#define RZ_MAGIC 12582912.0f
+
+/* block j's elements as float32: x itself (dt 0), or widened into tmp (bf16: the high half) */
+static const float *widen(const void *x, int dt, Py_ssize_t j, Py_ssize_t n, float *tmp)
 {
-    if (dt == 0) return ((const float *)x)[i];
-    if (dt == 1) return bits_to_f32(h2f_bits(((const uint16_t *)x)[i]));
-    return bits_to_f32((uint32_t)((const uint16_t *)x)[i] << 16);
+    if (dt == 0) return (const float *)x + j;
+    const uint16_t *h = (const uint16_t *)x + j;
+    if (dt == 1) for (Py_ssize_t i = 0; i < n; i++) tmp[i] = bits_to_f32(h2f_bits(h[i]));
+    else for (Py_ssize_t i = 0; i < n; i++) tmp[i] = bits_to_f32((uint32_t)h[i] << 16);
+    return tmp;
 }
 
-static void quantize(const void *x, int dt, Py_ssize_t L, Py_ssize_t B, int bits, void *codes, float *scales)
+static float block_scale(const float *p, Py_ssize_t n, float qmax)
+{
+    /* |x|'s bits order as |x| does (sign cleared), so an integer max finds max |x| and vectorizes;
+     * bits above Inf's are a NaN's */
+    uint32_t mb = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t u = f32_to_bits(p[i]) & 0x7fffffffu;
+        mb = u > mb ? u : mb;
+    }
+    if (mb > 0x7f800000u)                        /* the block's first NaN, as NumPy's max keeps it */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint32_t u = f32_to_bits(p[i]) & 0x7fffffffu;
+            if (u > 0x7f800000u) { mb = u; break; }
+        }
+    return bits_to_f32(mb) / qmax;
+}
+
+static void quantize(const void *x, int dt, Py_ssize_t L, Py_ssize_t B, int bits, void *codes, float *scales,
+                     float *tmp, int8_t *c)
 {
     const float qmax = bits == 8 ? 127.0f : 7.0f;
-    int8_t *c8 = codes;
     uint8_t *c4 = codes;
     if (bits == 4) memset(c4, 0, (size_t)(L + 1) / 2);
     for (Py_ssize_t j = 0, b = 0; j < L; j += B, b++) {
-        Py_ssize_t e = j + B < L ? j + B : L;
-        float m = 0.0f, nanv = 0.0f;
-        int nan = 0;
-        for (Py_ssize_t i = j; i < e; i++) {
-            float a = fabsf(load(x, dt, i));
-            if (a != a) { if (!nan) nanv = a; nan = 1; }   /* the block's first NaN, as NumPy's max keeps */
-            else if (a > m) m = a;
-        }
-        float s = (nan ? nanv : m) / qmax;
+        Py_ssize_t n = j + B < L ? B : L - j;
+        const float *p = widen(x, dt, j, n, tmp);
+        float s = block_scale(p, n, qmax);
         scales[b] = s;
-        int zero = !(s > 0.0f) || isinf(s);
-        for (Py_ssize_t i = j; i < e; i++) {
-            float q = 0.0f;
-            if (!zero) {
-                q = rintf(load(x, dt, i) / s);
-                q = q > qmax ? qmax : (q < -qmax ? -qmax : q);
+        int8_t *o = bits == 8 ? (int8_t *)codes + j : c;
+        if (!(s > 0.0f) || isinf(s)) memset(o, 0, (size_t)n);   /* zero and non-finite blocks: codes 0 */
+        else
+            for (Py_ssize_t i = 0; i < n; i++) {
+                float q = p[i] / s;
+                q = q > qmax ? qmax : q;
+                q = q < -qmax ? -qmax : q;
+                o[i] = (int8_t)((q + RZ_MAGIC) - RZ_MAGIC);
             }
-            int c = (int)q;
-            if (bits == 8) c8[i] = (int8_t)c;
-            else c4[i >> 1] |= (uint8_t)((c & 15) << ((i & 1) * 4));
+        if (bits == 4) {                         /* pack: element 2i low nibble, 2i+1 high */
+            Py_ssize_t i = 0;
+            if (j & 1) c4[j >> 1] |= (uint8_t)((o[i++] & 15) << 4);     /* a block that starts mid-byte */
+            uint8_t *cb = c4 + ((j + i) >> 1);
+            Py_ssize_t pairs = (n - i) / 2;
+            for (Py_ssize_t k = 0; k < pairs; k++)
+                cb[k] = (uint8_t)((o[i + 2 * k] & 15) | ((o[i + 2 * k + 1] & 15) << 4));
+            i += 2 * pairs;
+            if (i < n) cb[pairs] = (uint8_t)(o[i] & 15);
         }
     }
 }
@@ -70,15 +98,27 @@ static void dequantize(const void *codes, const float *scales, Py_ssize_t L, Py_
     for (Py_ssize_t j = 0, b = 0; j < L; j += B, b++) {
         Py_ssize_t e = j + B < L ? j + B : L;
         float s = scales[b];
-        for (Py_ssize_t i = j; i < e; i++) {
-            int c;
-            if (bits == 8) c = c8[i];
-            else {
-                c = (c4[i >> 1] >> ((i & 1) * 4)) & 15;
-                c = c >= 8 ? c - 16 : c;
+        if (bits == 8 && add) for (Py_ssize_t i = j; i < e; i++) out[i] = out[i] + (float)c8[i] * s;
+        else if (bits == 8) for (Py_ssize_t i = j; i < e; i++) out[i] = (float)c8[i] * s;
+        else {
+            Py_ssize_t i = j;
+            if (i & 1) {                         /* a block that starts mid-byte: its first element */
+                float v = (float)((int8_t)c4[i >> 1] >> 4) * s;
+                out[i] = add ? out[i] + v : v;
+                i++;
             }
-            float v = (float)c * s;
-            out[i] = add ? out[i] + v : v;
+            const uint8_t *cb = c4 + (i >> 1);
+            Py_ssize_t pairs = (e - i) / 2;
+            for (Py_ssize_t k = 0; k < pairs; k++) {   /* low nibble, then high, each sign-extended */
+                float lo = (float)((int8_t)(cb[k] << 4) >> 4) * s, hi = (float)((int8_t)cb[k] >> 4) * s;
+                out[i + 2 * k] = add ? out[i + 2 * k] + lo : lo;
+                out[i + 2 * k + 1] = add ? out[i + 2 * k + 1] + hi : hi;
+            }
+            i += 2 * pairs;
+            if (i < e) {
+                float v = (float)((int8_t)(c4[i >> 1] << 4) >> 4) * s;
+                out[i] = add ? out[i] + v : v;
+            }
         }
     }
 }
@@ -114,9 +154,13 @@ static PyObject *py_quantize(PyObject *self, PyObject *args)
                      vc.len, vs.len);
         PyBuffer_Release(&vx); PyBuffer_Release(&vc); PyBuffer_Release(&vs); return NULL;
     }
+    Py_ssize_t nt = B < L ? B : L;                /* one block's widened values and codes */
+    float *tmp = PyMem_RawMalloc((size_t)(nt > 0 ? nt : 1) * (sizeof(float) + 1));
+    if (!tmp) { PyBuffer_Release(&vx); PyBuffer_Release(&vc); PyBuffer_Release(&vs); return PyErr_NoMemory(); }
     Py_BEGIN_ALLOW_THREADS
-    quantize(vx.buf, dt, L, B, bits, vc.buf, vs.buf);
+    quantize(vx.buf, dt, L, B, bits, vc.buf, vs.buf, tmp, (int8_t *)(tmp + (nt > 0 ? nt : 1)));
     Py_END_ALLOW_THREADS
+    PyMem_RawFree(tmp);
     PyBuffer_Release(&vx); PyBuffer_Release(&vc); PyBuffer_Release(&vs);
     Py_RETURN_NONE;
 }
