@@ -55,6 +55,7 @@ What it is not
 """
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -218,9 +219,13 @@ class QuantizedComm:
     def _wait(self, op, reqs, expect):
         statuses = [MPI.Status() for _ in reqs]
         deadline = time.monotonic() + self.timeout if self.timeout > 0 else None
-        nap = 1e-5
+        nap, spins = 5e-5, 0
         try:
             while not MPI.Request.Testall(reqs, statuses):
+                if spins < 2000:                 # first spin (yielding the core: ranks may share it), then nap
+                    spins += 1
+                    os.sched_yield()
+                    continue
                 if deadline is not None and time.monotonic() > deadline:
                     for rq in reqs:
                         rq.Cancel()
