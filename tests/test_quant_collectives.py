@@ -80,8 +80,10 @@ def ref_reduce_scatter(n, r, m, dtype, bits, block, nodes, op="sum", xs=None):
 
 
 def maps(comm):
-    """(name, labels or None): one host, and every uniform emulated node map of this size."""
-    return [("one host", None)] + layouts(comm.size)
+    """(name, labels or None): one host, every uniform emulated node map of this size, and an uneven one
+    (one hop, but some peers across the network)."""
+    n = comm.size
+    return [("one host", None)] + layouts(n) + ([("uneven", [0] * (n - 1) + [1])] if n >= 3 else [])
 
 
 def test_reference_quantizer_matches_the_loop():
