@@ -84,3 +84,13 @@ def test_cli_prints_the_table_and_refuses_bad_input():
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "got --steps 3 --block 0" in bad.stderr.strip().splitlines()[-1]
+
+
+def test_volume_table_is_the_formula(capsys):
+    qe.print_volume(1024)
+    out = capsys.readouterr().out
+    assert "none (stage 3)" in out and "3.0000Ψ" in out
+    last = [ln for ln in out.splitlines() if ln.strip().startswith("qwZ + hpZ + qgZ")][0].split()
+    # int8 and int4 at one fp32 scale per 1024 elements, over fp16's 2 bytes; hpZ: nothing crosses
+    want = [(1 + 4 / 1024) / 2, 0.0, (0.5 + 4 / 1024) / 2]
+    assert [float(t.rstrip("Ψ")) for t in last[-4:]] == pytest.approx(want + [sum(want)], abs=5e-5)

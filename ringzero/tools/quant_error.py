@@ -8,7 +8,8 @@ What it is
     (ringzero.comm.quant, the formats of qwZ and qgZ). For each it gives the relative RMS error,
     the worst element's error relative to the largest magnitude, the share of nonzero elements
     that came back 0, and the wire bytes per element. ``print_quant`` prints the table
-    (``python -m ringzero.explain quantized``).
+    (``python -m ringzero.explain quantized``), then ``print_volume``: stage 3's bytes across
+    nodes per step for each ZeRO++ switch, the seed's 3Ψ down to about 0.75Ψ (comm.qledger).
 
     What it teaches: fp16's error is relative (about 2^-12 of each value) until it underflows
     tiny gradients; blockwise int's error is absolute (half a step, max|block| / 127 or / 7), so
@@ -27,6 +28,7 @@ import sys
 
 import numpy as np
 
+from ringzero.comm.qledger import zeropp_volume
 from ringzero.comm.quant import Quant, Quantizer
 from ringzero.nn import GPT, GPTConfig
 from ringzero.runtime.flat import Layout
@@ -117,4 +119,21 @@ def print_quant(steps: int = 3, block: int = 2048, f=None):
             p(f"  {fmt:<10}{e['wire_bytes']:>11.4f}{e['rel_rms']:>16.3e}{e['max_rel_to_absmax']:>18.3e}"
               f"{100 * e['zeroed']:>13.2f}%")
     p("\n  int8 weights cost qwZ half of fp16's bytes; int4 gradients a quarter (qgZ), summed in fp32 at each hop.")
+    print_volume(block, f)
     return r
+
+
+SWITCHES = (("none (stage 3)", {}), ("qwZ", {"qwz": True}), ("hpZ", {"hpz": True}), ("qgZ", {"qgz": True}),
+            ("qwZ + hpZ + qgZ", {"qwz": True, "hpz": True, "qgz": True}))
+
+
+def print_volume(block: int = 2048, f=None):
+    """Stage 3's bytes across nodes per step, in Ψ fp16 elements, for each ZeRO++ switch (comm.qledger)."""
+    p = lambda *a: print(*a, file=f or sys.stdout)  # noqa: E731
+    p(f"\n== What crosses the nodes per step at stage 3, in units of Ψ fp16 elements (int blocks of {block}):")
+    p(f"  {'switches':<18}{'fwd all-gather':>16}{'bwd all-gather':>16}{'reduce-scatter':>16}{'total':>10}")
+    for name, kw in SWITCHES:
+        v = zeropp_volume(**kw, weights=Quant(8, block), grads=Quant(4, block))
+        p(f"  {name:<18}{v['forward_all_gather']:>15.4f}Ψ{v['backward_all_gather']:>15.4f}Ψ"
+          f"{v['reduce_scatter']:>15.4f}Ψ{v['total']:>9.4f}Ψ")
+    p("  (ZeRO++'s 3Ψ -> 0.75Ψ leaves out the fp32 scales: 4 bytes per block)")
