@@ -13,7 +13,7 @@ What it is
     short; it is padded with zeros, which change no absmax):
 
         scale[j] = fp32(max |x| over block j) / qmax            qmax = 127 (int8), 7 (int4)
-        code[i]  = clip(rint(fp32(x[i]) / scale[j]), -qmax, qmax)    (0 where scale[j] == 0)
+        code[i]  = clip(rint(fp32(x[i]) / scale[j]), -qmax, qmax)  (0: scale 0 or not finite)
         value[i] = fp32(code[i] * scale[j])
 
     Every operation is one IEEE float32 operation (the division and the product correctly
@@ -31,8 +31,8 @@ What it is
     scales as float32.
 
     bf16 arrives as ml_dtypes.bfloat16 (the dtype the runtime stores bf16 in, runtime/state.py)
-    and is widened exactly to float32 first: DeepSpeed's bf16 bug (PR #8215, bf16 weights read
-    as if fp16 and silently corrupted) is the first test of tests/test_quant.py.
+    and is widened exactly to float32 first: DeepSpeed's bf16 bug (its quantizer silently
+    corrupted bf16 weights until PR #8215) is the first test of tests/test_quant.py.
 
     On the host the work is done by the optional C extension ``ringzero.comm._quant``
     (comm/csrc/quant.c, built beside _f16) when it was built, and by NumPy otherwise; both give
