@@ -17,6 +17,10 @@
     staging      device buffers through pinned host memory when MPI is not CUDA-aware
     backend      NumPy or CuPy (the ``xp``), CUDA-awareness, pinned buffers
     kernels      the float16 loops (an optional C extension with a bitwise-equal NumPy fallback)
+    quant        blockwise int8 / int4 quantization (an optional C extension, the same bits as NumPy)
+    quant_cuda   the same as CuPy ElementwiseKernels (the C loops, no FMA)
+    quantized    ZeRO++'s quantized all-gather (qwZ) and two-hop reduce-scatter (qgZ)
+    qledger      what those move (codes / scales, inside / across nodes) and the 3Ψ -> 0.75Ψ formula
     threads      BLAS/OpenMP threads per rank
 
 Nothing here knows about models or stages.

@@ -1,4 +1,4 @@
-"""``python -m ringzero.explain precision|traffic|fragmentation|offload``: the two lessons behind ZeRO's accounting.
+"""``python -m ringzero.explain precision|traffic|fragmentation|offload|quantized``: ZeRO's accounting by experiment.
 
 What it is
     precision  Why the 12 bytes of fp32 state per parameter cannot be dropped, shown
@@ -26,6 +26,8 @@ What it is
                training step's allocations (ringzero.tools.fragmentation).
     offload    The memory tiers: which of the 16 bytes offload moves to disk, each stage's
                bytes per rank per tier, the update's I/O and its time (ringzero.tools.tiers).
+    quantized  ZeRO++'s int8 / int4 wire formats (ringzero.comm.quant) on the small GPT's real
+               weights and gradient, beside the fp16 / bf16 casts (ringzero.tools.quant_error).
 
 What it is not
     No thresholds are typed in: each is searched for by experiment; the seed
@@ -274,7 +276,19 @@ def main(argv=None):
     op.add_argument("--ranks-per-node", type=int, help="ranks sharing one node's disk (default: Nd)")
     op.add_argument("--disk-bw", default="2GB/s", help="the node's disk bandwidth (default 2GB/s)")
     op.add_argument("--precision", choices=tuple(acc.PRECISION_BYTES), default="fp16")
+    qp = sub.add_parser("quantized", help="ZeRO++'s int8 / int4 wire formats on a real gradient and weights",
+                        description="Prints the error of fp16, bf16, int8 and int4 (one fp32 scale per block, "
+                                    "ringzero.comm.quant) on the small GPT's weights and gradient after a few "
+                                    "steps: relative RMS, worst element, share flushed to zero, bytes per element.")
+    qp.add_argument("--steps", type=int, default=3, help="Adam steps before the gradient is taken (default 3)")
+    qp.add_argument("--block", type=int, default=2048, help="elements per fp32 scale (default 2048, as ZeRO++)")
     a = ap.parse_args(argv)
+    if a.what == "quantized":
+        if a.steps < 1 or a.block < 1:
+            qp.error(f"expected --steps >= 1 and --block >= 1, got --steps {a.steps} --block {a.block}")
+        from ringzero.tools.quant_error import print_quant
+        print_quant(a.steps, a.block)
+        return 0
     if a.what == "offload":
         return _offload(a, op)
     if a.what == "fragmentation":

@@ -129,3 +129,20 @@ def test_checker_reports_a_kernel_nvrtc_refuses(nv):
     src = _source(nv, "T x", "T y", "y = __rz_no_such_intrinsic(x)", "rz_bad", "", {"T": "float32"}, set())
     log = _compile(nv, src, "rz_bad", ())
     assert log and "__rz_no_such_intrinsic" in log
+
+
+def test_quant_kernels_compile_with_nvrtc(nv):
+    """comm/quant_cuda.py's kernels (ZeRO++'s int8 / int4 quantizer) for float32 and float16 arrays."""
+    from ringzero.comm import quant_cuda as qc
+    scalar_names = {"L", "B", "qmax", "add"}
+    bad, n = [], 0
+    for name, (ins, outs, op) in qc._SOURCES.items():
+        scalars = {p.split()[-1] for p in ins.split(",")} & scalar_names
+        for dt in ("float32", "float16"):
+            log = _compile(nv, _source(nv, ins, outs, op, name, "", {"X": dt, "O": dt}, scalars), name,
+                           ("--fmad=false",))
+            n += 1
+            if log:
+                bad.append(f"{name} {dt}:\n{log[:1500]}")
+    assert n == 2 * len(qc._SOURCES)
+    assert not bad, "NVRTC refused:\n" + "\n".join(bad)

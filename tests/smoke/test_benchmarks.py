@@ -35,6 +35,8 @@ PREV = "{prev}"   # replaced by the prev_comm fixture's folder
 # script -> [(ranks or None, args, a line of its table)]
 RUNS = {
     "allreduce_schedules.py": [(4, ["4K", "16K"], r"^n=4 MPI time / schedule time: 4K recursive_doubling=")],
+    "bench_quant.py": [(4, ["64K", "--nodes", "2", "--repeats", "1"],
+                        r"^reduce_scatter\s+65,536\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+98,304\s+24,672\s+32,768\s+8,224$")],
     "bench_adam.py": [(None, ["--elements", "64K", "--repeats", "1"], r"^  fused / NumPy throughput: [\d.]+x")],
     "bench_offload.py": [(2, ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--steps", "1",
                               "--probe", "1M", "--offload-dir", "/tmp"], r"^step / max\(compute, I/O\) = [\d.]+$")],

@@ -51,6 +51,7 @@ TABLES = {
     ("ringzero.explain", "fragmentation"): r"OOMs",
     ("ringzero.explain", "precision"): r"loss scaler",
     ("ringzero.explain", "offload"): r"^\s*stage\s+offload",
+    ("ringzero.explain", "quantized"): r"^\s*gradient\s+bytes/elem",
     ("ringzero.fit", None): r"α|alpha",
     ("ringzero.simulate", None): r"^\s*stage\b",
     ("ringzero.plot", None): r"\.png",
