@@ -7,11 +7,15 @@
   writer's second tile) ends the run with exit code 4 and one line on every rank,
   no traceback, no hang; the checkpoint saved before it verifies and a run resumes from it;
   the same when rank 1 is killed there (RINGZERO_FAULT_OFFLOAD=crash:1);
+- every other kind of failure on one rank (a short read, a ValueError, a generic exception), in
+  the update, in the params cast at start and in the cast after a resume: exit 4, the same one
+  line on every rank, within seconds (not the watchdog's 600 s), no traceback;
 - bad flags: --offload params at stage 2, a missing --offload-dir, a disk too small
   (one line, exit 2, nothing written).
 """
 import os
 import re
+import time
 
 import pytest
 import trainer_cli as cli
@@ -103,3 +107,41 @@ def test_bad_offload_flags_one_line_exit_2(tmp_path):
         lines = lines_of(err)
         assert rcs == {0: 2, 1: 2} and len(lines) == 1 and want in lines[0], (args, cli.tail(out, err))
         assert "Traceback" not in err
+
+
+# (RINGZERO_FAULT_OFFLOAD on rank 1, what every rank's line says): each kind, in each stream
+FAULTS = [
+    ("short:1", "the offloaded update failed: offload file of master: short read at byte"),
+    ("value:1", "the offloaded update failed: ValueError: injected by RINGZERO_FAULT_OFFLOAD=value"),
+    ("error:1", "the offloaded update failed: RuntimeError: injected by RINGZERO_FAULT_OFFLOAD=error"),
+    ("short@cast:1", "casting the params from the offloaded master (start, "),
+    ("error@cast:1", "casting the params from the offloaded master (start, "),
+    ("value@resume:1", "casting the params from the offloaded master (resume, "),
+    ("enospc@resume:1", "casting the params from the offloaded master (resume, "),
+]
+
+
+@pytest.mark.parametrize("spec,want", FAULTS, ids=[f[0] for f in FAULTS])
+def test_every_failure_on_one_rank_is_one_line_on_every_rank(tmp_path, spec, want):
+    pytest.importorskip("ml_dtypes")
+    data = cli.corpus(tmp_path / "corpus.txt")
+    save = str(tmp_path / "ck")
+    base = cli.TINY + ["--data", data, "--save-dir", save, *OFF, "--offload-dir", str(tmp_path),
+                       "--precision", "bf16"]             # bf16: no step skipped, the update runs at once
+    resume = "@resume" in spec
+    if resume:
+        rcs, out, err = cli.run(base + ["--steps", "1", "--save-every", "1"], tmp_path)
+        assert rcs == {0: 0, 1: 0}, cli.tail(out, err)
+    t0 = time.monotonic()
+    rcs, out, err = cli.run(base + ["--steps", "2"] + (["--resume", "latest"] if resume else []), tmp_path,
+                            env={"RINGZERO_FAULT_OFFLOAD": spec, "RINGZERO_TIMEOUT": "900"})
+    took = time.monotonic() - t0
+    assert rcs == {0: 4, 1: 4}, cli.tail(out, err)
+    lines = lines_of(err)
+    assert sorted(ln[:len("ringzero.train: error (rank 0)")] for ln in lines) == [
+        "ringzero.train: error (rank 0)", "ringzero.train: error (rank 1)"], cli.tail(out, err)
+    for ln in lines:
+        assert f"rank 1: {want}" in ln, ln
+    assert len({ln.split(": ", 2)[2] for ln in lines}) == 1, lines     # the same line, after "(rank N): "
+    assert "Traceback" not in err and "MPI_ABORT" not in err, cli.tail(out, err)
+    assert took < 120, f"{took:.0f} s: a rank waited (RINGZERO_TIMEOUT 900 s) instead of agreeing"

@@ -211,13 +211,15 @@ def run(cfg: Config, comm, stop=None) -> dict:
     agree(comm, lambda: memcheck.check(cfg, model, comm))
     # --init-from: each rank reads its own master pieces from the file (a resumed run reads the checkpoint)
     init = src.fill_master if src is not None and not cfg.resume else None
-    from ringzero.runtime.offload import OffloadError
+    from ringzero.runtime.offload import OffloadError, OffloadFailed
     try:     # a DIR with too little room for this node's ranks is refused here, on every rank alike
         engine = Zero(model, comm, cfg.stage, precision=cfg.precision, device=cfg.device, seed=cfg.seed, init=init,
                       adam=AdamConfig(weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip),
                       ranks_per_node=cfg.ranks_per_node or None, mem_budget=budget, grad_accum=cfg.grad_accum,
                       overlap=cfg.overlap, prefetch=cfg.prefetch, offload=offload_policy(cfg),
                       reduce_bucket=None if cfg.reduce_bucket_mb is None else int(cfg.reduce_bucket_mb * 2 ** 20))
+    except OffloadFailed:               # the params cast failed in use (not bad input): exit 4, every rank
+        raise
     except OffloadError as e:
         raise ConfigError(str(e)) from None
     if src is not None:

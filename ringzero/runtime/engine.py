@@ -258,7 +258,13 @@ class Zero:
         """master -> storage-dtype params (own pieces), all-gathered where params are full."""
         self.wait_params()
         if self.offload_stream is not None:          # master on disk: the cast streams it in tiles
-            stream.cast_params(self.state, self.offload_stream, self.offload_tiles, self.device_link)
+            first, err = self.offload_stream.casts == 0, None
+            try:
+                stream.cast_params(self.state, self.offload_stream, self.offload_tiles, self.device_link)
+            except Exception as e:   # noqa: BLE001 (any kind on any rank: agreed, one line on every rank)
+                err = stream.error_text(e)
+            stream.agree(self, err, f"casting the params from the offloaded master ({'start' if first else 'resume'}, "
+                         f"{self.offload.dir or 'host'})", failed=True)
         self.state.publish(self.ring, cast=self.offload_stream is None)
 
     # ------------------------------------------------------------------ offload

@@ -57,6 +57,11 @@ class OffloadError(ValueError):
     """The disk tier cannot be used or failed: a bad DIR, a full disk, an I/O error mid-update."""
 
 
+class OffloadFailed(OffloadError):
+    """The tier failed in use (an update, or the params cast at start or resume), agreed by every rank:
+    the state in the files is lost (exit 4), unlike a start-up refusal (a bad DIR: exit 2)."""
+
+
 @dataclass(frozen=True)
 class OffloadPolicy:
     """Which state classes live in files under ``dir``, and how the update streams them."""
@@ -195,14 +200,25 @@ def check_offload(engine, off: OffloadPolicy, device: str):
         raise OffloadError(first)
 
 
-def fault(rank: int) -> str | None:
-    """``RINGZERO_FAULT_OFFLOAD=MODE[:RANK]`` (tests): ``enospc`` makes the update's second tile
-    write fail with ENOSPC, ``crash`` ends the process there (os._exit), on world rank RANK or every rank."""
+def fault(rank: int) -> tuple:
+    """``RINGZERO_FAULT_OFFLOAD=MODE[@WHERE][:RANK]`` (tests), on world rank RANK or every rank:
+    (mode, where), or (None, None). MODE strikes at the second tile of a stream: ``enospc`` its write
+    fails with ENOSPC, ``crash`` the process ends there (os._exit); ``short`` its read comes back short
+    (the file is truncated under it), ``value`` / ``error`` its compute raises ValueError /
+    RuntimeError. WHERE: ``update`` (the default), ``cast`` (the params cast at start) or ``resume``
+    (any later cast: the one after a checkpoint is loaded)."""
     spec = os.environ.get(FAULT_ENV, "")
     if not spec:
-        return None
-    mode, _, who = spec.partition(":")
-    return mode if not who or int(who) == rank else None
+        return None, None
+    what, _, who = spec.partition(":")
+    mode, _, where = what.partition("@")
+    if mode not in FAULT_MODES or (where or "update") not in ("update", "cast", "resume"):
+        raise OffloadError(f"{FAULT_ENV}={spec!r}: expected MODE[@update|cast|resume][:RANK], MODE one of "
+                           f"{', '.join(FAULT_MODES)}")
+    return (mode, where or "update") if not who or int(who) == rank else (None, None)
+
+
+FAULT_MODES = ("enospc", "crash", "short", "value", "error")
 
 
 def _open_tmp(path: str) -> int:
