@@ -19,6 +19,7 @@ import sys
 import numpy as np
 
 from ringzero.app.config import Config
+from ringzero.runtime.offload import memory_fs
 
 
 def _mib(b) -> str:
@@ -61,6 +62,10 @@ def start_report(say, cfg: Config, corpus, engine, H: float) -> dict:
             f"{engine.offload_stream.tile:,} elements through {engine.offload.buffers} buffers "
             f"({_mib(mem['offload_buffers']).strip()})"
             + (", beside the next forward (ahead)" if engine.offload.ahead else ""))
+        fs = memory_fs(engine.offload.dir) if engine.offload.dir else None
+        if fs:
+            say(f"  note: {engine.offload.dir} is a {fs}: the offloaded files are held in memory, not on disk "
+                "(the memory check counts them as the node's memory); HINT: an --offload-dir on a disk frees it")
         if engine.pinned:
             say(f"  host memory pinned {_mib(mem['host_pinned']).strip()} (limit "
                 f"{_mib(engine.pinned.limit).strip()}), pageable {_mib(mem['host_pageable']).strip()}; "

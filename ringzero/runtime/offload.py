@@ -167,6 +167,26 @@ def check_dir(path: str):
     os.close(fd)
 
 
+# statfs f_type of the filesystems whose "files" are pages of memory (linux/magic.h)
+MEMORY_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+
+
+def memory_fs(path: str) -> str | None:
+    """"tmpfs" or "ramfs" when ``path`` is on a filesystem held in memory (statfs f_type), else None
+    (also where statfs cannot say): offloading there moves bytes from one name of RAM to another."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        buf = ctypes.create_string_buffer(256)              # struct statfs: f_type first (a long on Linux)
+        if libc.statfs(os.fsencode(path), buf) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    f_type = ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+    return MEMORY_FS.get(f_type)
+
+
 def check_space(path: str, need: int, ranks: int = 1):
     """Refuse a filesystem with less free space than ``need`` bytes (the ``ranks`` of this node together)."""
     st = os.statvfs(path)
