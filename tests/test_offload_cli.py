@@ -10,8 +10,10 @@
 - every other kind of failure on one rank (a short read, a ValueError, a generic exception), in
   the update, in the params cast at start and in the cast after a resume: exit 4, the same one
   line on every rank, within seconds (not the watchdog's 600 s), no traceback;
-- bad flags: --offload params at stage 2, a missing --offload-dir, a disk too small
-  (one line, exit 2, nothing written).
+- bad flags: --offload params at stage 2, an --offload-dir that cannot be made (under a file),
+  a disk too small (one line, exit 2, nothing written);
+- a missing --offload-dir is made (mkdir -p, as DeepSpeed makes its swap folder): the README's
+  command works as typed.
 """
 import os
 import re
@@ -98,7 +100,7 @@ def test_bad_offload_flags_one_line_exit_2(tmp_path):
     cases = [
         (["--stage", "2", "--offload", "optimizer,params", "--offload-dir", str(tmp_path)],
          "needs the params sharded (stage 3 or hybrid); stage 2 holds them in full", {}),
-        ([*OFF, "--offload-dir", str(tmp_path / "missing")], "does not exist", {}),
+        ([*OFF, "--offload-dir", os.path.join(data, "sub")], "does not exist and cannot be made", {}),
         ([*OFF], "give --offload-dir DIR", {}),
         ([*OFF, "--offload-dir", str(tmp_path)], "MiB free", {"RINGZERO_OFFLOAD_FREE": "1000"}),
     ]
@@ -145,3 +147,11 @@ def test_every_failure_on_one_rank_is_one_line_on_every_rank(tmp_path, spec, wan
     assert len({ln.split(": ", 2)[2] for ln in lines}) == 1, lines     # the same line, after "(rank N): "
     assert "Traceback" not in err and "MPI_ABORT" not in err, cli.tail(out, err)
     assert took < 120, f"{took:.0f} s: a rank waited (RINGZERO_TIMEOUT 900 s) instead of agreeing"
+
+
+def test_missing_offload_dir_is_made(tmp_path):
+    data = cli.corpus(tmp_path / "corpus.txt")
+    d = tmp_path / "not" / "yet"
+    rcs, out, err = cli.run(cli.TINY + ["--data", data, "--steps", "1", *OFF, "--offload-dir", str(d)], tmp_path)
+    assert rcs == {0: 0, 1: 0}, cli.tail(out, err)
+    assert f"made --offload-dir {d}" in out and d.is_dir() and os.listdir(d) == [], cli.tail(out, err)

@@ -209,6 +209,7 @@ def run(cfg: Config, comm, stop=None) -> dict:
     corpus, model, budget, src = agree(comm, lambda: _rank_checks(cfg, rank, n))
     # will it fit? model state + workspace + activations against the memory there is (memcheck.py)
     agree(comm, lambda: memcheck.check(cfg, model, comm))
+    agree(comm, lambda: _make_offload_dir(cfg, say))       # mkdir -p --offload-dir, on every node
     # --init-from: each rank reads its own master pieces from the file (a resumed run reads the checkpoint)
     init = src.fill_master if src is not None and not cfg.resume else None
     from ringzero.runtime.offload import OffloadError, OffloadFailed
@@ -278,6 +279,18 @@ def _rank_checks(cfg: Config, rank: int, n: int):
         e = PermissionError(errno.EACCES, os.strerror(errno.EACCES), cfg.data)
         raise ConfigError(f"--data: cannot read on this rank: {e} ({FAULT_DATA_ENV})")
     return prepare(cfg, n, rank)
+
+
+def _make_offload_dir(cfg: Config, say):
+    """--offload-dir made where it is missing (mkdir -p on each node, as DeepSpeed makes its swap folder)."""
+    if not (cfg.offload and cfg.offload_dir):
+        return
+    from ringzero.runtime.offload import OffloadError, make_dir
+    try:
+        if make_dir(cfg.offload_dir):
+            say(f"ringzero | made --offload-dir {cfg.offload_dir}")
+    except OffloadError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _open_metrics(cfg: Config, rank: int):

@@ -151,11 +151,18 @@ class OffloadPolicy:
                                f"{stage_policy.stage} holds them in full: use --offload optimizer, or --stage 3")
 
 
-def check_dir(path: str):
+def check_dir(path: str, may_make: bool = False):
     """A missing, non-folder or unwritable DIR, in one line (probed by creating a file: permission
-    bits alone do not tell a read-only filesystem, nor stop root)."""
+    bits alone do not tell a read-only filesystem, nor stop root). may_make: a missing DIR passes
+    when its nearest existing folder above can take it (the trainer makes it: ``make_dir``)."""
     if not path:
         raise OffloadError("--offload-dir is empty")
+    if not os.path.exists(path) and may_make:
+        up = _existing_above(path)
+        if not os.path.isdir(up) or not os.access(up, os.W_OK | os.X_OK):
+            raise OffloadError(f"--offload-dir {path!r} does not exist and cannot be made: {up!r} is "
+                               f"{'not a folder' if not os.path.isdir(up) else 'not writable'}")
+        return
     if not os.path.exists(path):
         raise OffloadError(f"--offload-dir {path!r} does not exist; HINT: mkdir -p it on every node")
     if not os.path.isdir(path):
@@ -165,6 +172,26 @@ def check_dir(path: str):
     except OSError as e:
         raise OffloadError(f"--offload-dir {path!r} is not writable: {e.strerror or e}") from None
     os.close(fd)
+
+
+def make_dir(path: str) -> bool:
+    """mkdir -p DIR (as DeepSpeed makes its swap folder), then check_dir; True if it was made here.
+    On every rank: each node makes its own (a race between a node's ranks is harmless)."""
+    made = not os.path.exists(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise OffloadError(f"--offload-dir {path!r} cannot be made: {e.strerror or e}") from None
+    check_dir(path)
+    return made
+
+
+def _existing_above(path: str) -> str:
+    """``path`` itself or its nearest existing folder above (of an absolute path)."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    return p
 
 
 # statfs f_type of the filesystems whose "files" are pages of memory (linux/magic.h)
@@ -179,7 +206,7 @@ def memory_fs(path: str) -> str | None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         buf = ctypes.create_string_buffer(256)              # struct statfs: f_type first (a long on Linux)
-        if libc.statfs(os.fsencode(path), buf) != 0:
+        if libc.statfs(os.fsencode(_existing_above(path)), buf) != 0:     # a DIR still to make: its parent's
             return None
     except (OSError, AttributeError):
         return None
