@@ -10,6 +10,8 @@
   (a resume may switch offload on or off), bitwise the run that never stopped;
 - a failure in the middle of an update (an injected ENOSPC in the writer) is one
   OffloadError on every rank, and the newest checkpoint still verifies and resumes;
+- the page cache: after a save and after a resume, no page of an offload file nor of this
+  rank's checkpoint files is resident (mincore), the update's and the load's writes flushed first;
 - accounting: each class's tier and bytes (the file's blocks from fstat), and
   the bytes the files read and wrote in a step beside accounting.offload_io_bytes;
 - refusals, before any file exists: a missing DIR, a DIR that is not writable, a
@@ -199,6 +201,54 @@ def test_failure_mid_update_leaves_the_checkpoint(comm, tmp_path, tmp_path_facto
     assert_all(comm, ok, f"error {err!r}")
     a.close()
     b.close()
+
+
+def resident_pages(path_or_fd) -> int:
+    """Pages of a file in the page cache (mmap + mincore through libc): the kernel's own count."""
+    import ctypes
+    import mmap
+    fd = os.open(path_or_fd, os.O_RDONLY) if isinstance(path_or_fd, str) else path_or_fd
+    try:
+        n = os.fstat(fd).st_size
+        if not n:
+            return 0
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        addr = libc.mmap(None, n, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        vec = ctypes.create_string_buffer((n + mmap.PAGESIZE - 1) // mmap.PAGESIZE)
+        try:
+            assert libc.mincore(addr, n, vec) == 0, os.strerror(ctypes.get_errno())
+        finally:
+            libc.munmap(addr, n)
+        return sum(b & 1 for b in vec.raw)
+    finally:
+        if isinstance(path_or_fd, str):
+            os.close(fd)
+
+
+def test_page_cache_dropped_after_save_and_resume(comm, tmp_path, tmp_path_factory):
+    """The offload files and the checkpoint's own leave no page in the page cache after a save, nor
+    after a resume (whose writes are flushed first: DONTNEED drops clean pages only)."""
+    from ringzero.runtime import checkpoint as ck
+    d = shared_dir(comm, tmp_path_factory, "cache")
+    a = run(comm, "3", steps=2, offload=policy(tmp_path, params=True), precision="fp32")[3]
+    path = ck.save(a, d, 2)
+    mine = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(f"-r{a.state.shard_rank:05d}.bin")]
+    after_save = {n: resident_pages(f.fd) for n, f in a.state.files.items()}
+    after_save.update({os.path.basename(f): resident_pages(f) for f in mine})
+    a.close()
+    b = engine(comm, "3", seed=77, offload=policy(tmp_path, params=True), precision="fp32")
+    ck.load(b, "latest", d)
+    after_load = {n: resident_pages(f.fd) for n, f in b.state.files.items()}
+    after_load.update({os.path.basename(f): resident_pages(f) for f in mine})
+    b.close()
+    ok = len(mine) == 4 and len(after_save) == 8 and not any(after_save.values()) and not any(after_load.values())
+    assert_all(comm, ok, f"resident pages after the save {after_save}, after the load {after_load}")
 
 
 @pytest.mark.parametrize("stage,params", [("0", False), ("2", False), ("3", False), ("3", True)])

@@ -393,6 +393,11 @@ class FileView:
         self.store.write(self.start, src)
 
 
+def drop_pages(fd: int):
+    """Let the kernel drop a whole file's clean pages from the page cache (after its fsync: all of them)."""
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
 def on_disk(x) -> bool:
     return isinstance(x, (FileView, FileStore))
 
