@@ -42,9 +42,12 @@ def engine(comm, stage, **kw):
 
 
 def run(comm, stage, steps=3, start=0, eng=None, **kw):
+    """(losses, norms, every class's bytes, engine, updated): updated says that updates ran, as
+    updates_ran checks them."""
     eng = eng or engine(comm, stage, **kw)
     data = batches(comm, comm.size, comm.rank)
-    losses, norms = [], []
+    losses, norms, skipped = [], [], []
+    master0, t0 = eng.full_state("master").tobytes(), eng.adam.t
     for s in range(start, start + steps):
         x, y = data.get(s)
         if eng.grad_accum > 1:
@@ -52,8 +55,23 @@ def run(comm, stage, steps=3, start=0, eng=None, **kw):
         r = eng.step(x, y, 3e-3)
         losses.append(r.loss)
         norms.append(r.grad_norm)
+        skipped.append(r.skipped)
     state = {c: eng.full_state(c, eng.state.dtypes[c]).tobytes() for c in CLASSES}
-    return losses, norms, state, eng
+    return losses, norms, state, eng, updates_ran(eng, skipped, t0, master0)
+
+
+def updates_ran(eng, skipped, t0, master0) -> str:
+    """"" when the steps updated the state: some step not skipped by the loss scaler (fp16 skips the
+    first steps of a small model while its scale backs off), Adam's step count up by exactly the steps
+    that were not skipped, and the master changed; else what is wrong. Compare runs only once it is ""."""
+    ran = skipped.count(False)
+    if not ran:
+        return f"every step skipped (loss scale now {eng.scaler.scale:g}): nothing was compared"
+    if eng.adam.t - t0 != ran:
+        return f"Adam's step count rose by {eng.adam.t - t0}, but {ran} steps were not skipped"
+    if eng.full_state("master").tobytes() == master0:
+        return "the master did not change"
+    return ""
 
 
 def skip_hybrid(comm, stage):
@@ -77,10 +95,11 @@ def test_offload_optimizer_is_bitwise_ram(comm, stage, precision, accum_overlap,
     ram = run(comm, stage, **kw)
     off = run(comm, stage, offload=policy(tmp_path), **kw)
     tiers = {c: off[3].state.tier(c) for c in CLASSES}
-    same = ram[0] == off[0] and ram[1] == off[1] and ram[2] == off[2]
+    same = ram[0] == off[0] and ram[1] == off[1] and ram[2] == off[2] and not ram[4] and not off[4]
     assert_all(comm, same and tiers == {"params": "ram", "master": "disk", "adam_m": "disk", "adam_v": "disk"},
                f"stage {stage} {precision} K={k} overlap={ov}: losses {ram[0]} vs {off[0]}, norms {ram[1]} vs "
-               f"{off[1]}, classes equal {[ram[2][c] == off[2][c] for c in CLASSES]}, tiers {tiers}")
+               f"{off[1]}, classes equal {[ram[2][c] == off[2][c] for c in CLASSES]}, tiers {tiers}; "
+               f"updates: RAM {ram[4] or 'ran'}, offloaded {off[4] or 'ran'}")
     off[3].close()
 
 
@@ -94,10 +113,11 @@ def test_offload_params_is_bitwise_ram(comm, stage, precision, accum_overlap, tm
     kw = dict(precision=precision, grad_accum=k, overlap=ov)
     ram = run(comm, stage, **kw)
     off = run(comm, stage, offload=policy(tmp_path, params=True), **kw)
-    same = ram[0] == off[0] and ram[1] == off[1] and ram[2] == off[2]
+    same = ram[0] == off[0] and ram[1] == off[1] and ram[2] == off[2] and not ram[4] and not off[4]
     ok = same and off[3].state.tier("params") == "disk" and off[3].state.tier("grads") == "ram"
     assert_all(comm, ok, f"stage {stage} {precision} K={k}: losses {ram[0]} vs {off[0]}, classes equal "
-                         f"{[ram[2][c] == off[2][c] for c in CLASSES]}")
+                         f"{[ram[2][c] == off[2][c] for c in CLASSES]}; updates: RAM {ram[4] or 'ran'}, "
+                         f"offloaded {off[4] or 'ran'}")
     off[3].close()
 
 

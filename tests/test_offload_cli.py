@@ -15,6 +15,7 @@
 - a missing --offload-dir is made (mkdir -p, as DeepSpeed makes its swap folder): the README's
   command works as typed.
 """
+import json
 import os
 import re
 import time
@@ -50,6 +51,17 @@ def test_offloaded_run_reports_tiers_and_io_and_equals_ram(tmp_path):
     rcs, out, err = cli.run(base + ["--metrics", str(tmp_path / "ram.jsonl")], tmp_path)
     assert rcs == {0: 0, 1: 0}, cli.tail(out, err)
     assert cli.losses(tmp_path / "off.jsonl") == cli.losses(tmp_path / "ram.jsonl")
+    for name in ("off", "ram"):          # fp16: an update ran before the last step, so its loss compared one
+        assert updates_ran(tmp_path / f"{name}.jsonl"), name
+
+
+def updates_ran(path) -> bool:
+    """A step before the last one was not skipped by the fp16 loss scaler (the metrics file's own
+    ``skipped`` and ``loss_scale``): a later loss was computed from updated weights."""
+    recs = [json.loads(ln) for ln in open(path)]
+    steps = [r for r in recs if "step" in r and not r.get("summary")]
+    return (len(steps) >= 2 and any(not r["skipped"] for r in steps[:-1])
+            and all(r["loss_scale"] > 0 for r in steps) and len({r["loss"] for r in steps}) > 1)
 
 
 def test_enospc_mid_update_exits_4_one_line_per_rank(tmp_path):
