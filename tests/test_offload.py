@@ -223,6 +223,28 @@ def test_failure_mid_update_leaves_the_checkpoint(comm, tmp_path, tmp_path_facto
     b.close()
 
 
+def test_write_slot_waits_are_counted(comm, tmp_path, monkeypatch):
+    """A slow disk for writes (each tile's write made 20 ms longer): the update waits for slots whose
+    write has not returned, and those waits are counted (slot_wait_s), apart from the read waits and
+    the last writes, in the exposed I/O they sum to."""
+    import time
+
+    from ringzero.runtime import stream
+    slow = stream.TileStream._write
+
+    def write(self, *a, **k):
+        time.sleep(0.02)
+        return slow(self, *a, **k)
+    monkeypatch.setattr(stream.TileStream, "_write", write)
+    eng = run(comm, "3", steps=1, offload=policy(tmp_path), precision="fp32")[3]
+    tl, n = eng.timeline, len(eng.offload_tiles)
+    parts = tl["offload_read_wait_s"] + tl["offload_slot_wait_s"] + tl["offload_drain_s"]
+    # n tiles, 3 slots: n - 3 reads wait for a write; each write holds its slot >= 20 ms
+    ok = n > 3 and tl["offload_slot_wait_s"] >= 0.01 * (n - 3) and abs(parts - tl["offload_exposed_s"]) < 1e-9
+    assert_all(comm, ok, f"{n} tiles: {({k: v for k, v in tl.items() if k.startswith('offload_')})}")
+    eng.close()
+
+
 def resident_pages(path_or_fd) -> int:
     """Pages of a file in the page cache (mmap + mincore through libc): the kernel's own count."""
     import ctypes

@@ -116,7 +116,9 @@ def end_report(say, cfg: Config, engine, loop, eval_loss: float, H: float) -> di
             f"{io['write_formula']} = {io['write_formula_bytes']:,} B{plan('write')})")
         tl = engine.timeline
         say(f"  last update: read {tl.get('offload_read_s', 0):.3f} s, compute {tl.get('offload_compute_s', 0):.3f} s, "
-            f"write {tl.get('offload_write_s', 0):.3f} s, I/O exposed {tl.get('offload_exposed_s', 0):.3f} s")
+            f"write {tl.get('offload_write_s', 0):.3f} s, I/O exposed {tl.get('offload_exposed_s', 0):.3f} s "
+            f"(reads {tl.get('offload_read_wait_s', 0):.3f}, write slots {tl.get('offload_slot_wait_s', 0):.3f}, "
+            f"last writes {tl.get('offload_drain_s', 0):.3f})")
     rss = peak_rss_per_rank(engine.comm)
     say(f"ringzero | peak RSS per rank: max {rss[int(np.argmax(rss))] / 2**20:.1f} MiB (rank {int(np.argmax(rss))}), "
         f"min {min(rss) / 2**20:.1f} MiB")

@@ -207,9 +207,13 @@ def run(cfg: Config, comm, stop=None) -> dict:
     # what only this rank can find out (its copy of the data, its device),
     # agreed before the engine's first collective
     corpus, model, budget, src = agree(comm, lambda: _rank_checks(cfg, rank, n))
+    # looked at before the memory check's all-gather, so before any rank of this node can make it
+    make_dir = bool(cfg.offload and cfg.offload_dir) and not os.path.exists(cfg.offload_dir)
     # will it fit? model state + workspace + activations against the memory there is (memcheck.py)
     agree(comm, lambda: memcheck.check(cfg, model, comm))
-    agree(comm, lambda: _make_offload_dir(cfg, say))       # mkdir -p --offload-dir, on every node
+    agree(comm, lambda: _make_offload_dir(cfg))            # mkdir -p --offload-dir, on every node
+    if make_dir:
+        say(f"ringzero | made --offload-dir {cfg.offload_dir}")
     # --init-from: each rank reads its own master pieces from the file (a resumed run reads the checkpoint)
     init = src.fill_master if src is not None and not cfg.resume else None
     from ringzero.runtime.offload import OffloadError, OffloadFailed
@@ -281,14 +285,13 @@ def _rank_checks(cfg: Config, rank: int, n: int):
     return prepare(cfg, n, rank)
 
 
-def _make_offload_dir(cfg: Config, say):
+def _make_offload_dir(cfg: Config):
     """--offload-dir made where it is missing (mkdir -p on each node, as DeepSpeed makes its swap folder)."""
     if not (cfg.offload and cfg.offload_dir):
         return
     from ringzero.runtime.offload import OffloadError, make_dir
     try:
-        if make_dir(cfg.offload_dir):
-            say(f"ringzero | made --offload-dir {cfg.offload_dir}")
+        make_dir(cfg.offload_dir)
     except OffloadError as e:
         raise ConfigError(str(e)) from None
 

@@ -97,7 +97,11 @@ class TileStream:
         self.fault, self.fault_at = fault(int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0"))))
         self.fault_at = self.fault_at or "update"
         self.casts = 0                                     # params casts run (the first at start)
-        self.timeline = {"read_s": 0.0, "write_s": 0.0, "exposed_s": 0.0, "compute_s": 0.0}
+        # seconds: read_s / write_s on the I/O threads; on the caller's, the arithmetic (compute_s) and
+        # what it waited for: a tile's read (read_wait_s), a slot whose write had not returned
+        # (slot_wait_s), the last writes and the sweep (drain_s); exposed_s is those three together
+        self.timeline = dict.fromkeys(("read_s", "write_s", "exposed_s", "compute_s", "read_wait_s",
+                                       "slot_wait_s", "drain_s"), 0.0)
 
     def nbytes(self) -> int:
         return sum(int(a.nbytes) for s in self.slots for a in s.values())
@@ -149,7 +153,9 @@ class TileStream:
 
         def start_read(i):
             if i - nb in pending_w:                        # slot i % nb: the write of its last tile returned
+                t0 = time.perf_counter()
                 pending_w.pop(i - nb).result()
+                self._waited("slot_wait_s", time.perf_counter() - t0)   # the disk's writes hold the update here
             pending_r[i] = self._rd.submit(self._read, tiles[i], self.slots[i % nb], reads, strike(i, ("short",)))
         try:
             if tiles:
@@ -163,7 +169,7 @@ class TileStream:
                 if strike(i, ("value", "error")):         # tests: the arithmetic raises
                     raise (ValueError if mode == "value" else RuntimeError)(f"injected by {FAULT_ENV}={mode}")
                 compute(t, self.slots[i % nb])
-                self.timeline["exposed_s"] += t1 - t0
+                self._waited("read_wait_s", t1 - t0)
                 self.timeline["compute_s"] += time.perf_counter() - t1
                 pending_w[i] = self._wr.submit(self._write, t, self.slots[i % nb], writes,
                                                strike(i, ("enospc", "crash")), tiles[i - 2] if i >= 2 else None,
@@ -174,10 +180,14 @@ class TileStream:
             if self.policy.drop_cache:     # a sweep: the pages whose write-back ended after their tile's drop
                 for name in writes:
                     self.state.files[name].drop(0, self.state.files[name].size)
-            self.timeline["exposed_s"] += time.perf_counter() - t0
+            self._waited("drain_s", time.perf_counter() - t0)
         finally:                                           # an error: every thread done with the slots first
             for f in (*pending_r.values(), *pending_w.values()):
                 f.exception()
+
+    def _waited(self, key: str, dt: float):
+        self.timeline[key] += dt
+        self.timeline["exposed_s"] += dt
 
     def reset_timeline(self) -> dict:
         out, self.timeline = self.timeline, dict.fromkeys(self.timeline, 0.0)
