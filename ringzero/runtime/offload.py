@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ringzero.runtime.host_tier import DEFAULT_PIN_LIMIT
+from ringzero.runtime.limits import existing_above, memory_fs  # noqa: F401  (memory_fs: offload's name too)
 
 OPTIMIZER = ("master", "adam_m", "adam_v")     # the engine buffers "optimizer" moves
 FAULT_ENV = "RINGZERO_FAULT_OFFLOAD"            # tests: see fault()
@@ -158,7 +159,7 @@ def check_dir(path: str, may_make: bool = False):
     if not path:
         raise OffloadError("--offload-dir is empty")
     if not os.path.exists(path) and may_make:
-        up = _existing_above(path)
+        up = existing_above(path)
         if not os.path.isdir(up) or not os.access(up, os.W_OK | os.X_OK):
             raise OffloadError(f"--offload-dir {path!r} does not exist and cannot be made: {up!r} is "
                                f"{'not a folder' if not os.path.isdir(up) else 'not writable'}")
@@ -184,34 +185,6 @@ def make_dir(path: str) -> bool:
         raise OffloadError(f"--offload-dir {path!r} cannot be made: {e.strerror or e}") from None
     check_dir(path)
     return made
-
-
-def _existing_above(path: str) -> str:
-    """``path`` itself or its nearest existing folder above (of an absolute path)."""
-    p = os.path.abspath(path)
-    while not os.path.exists(p) and os.path.dirname(p) != p:
-        p = os.path.dirname(p)
-    return p
-
-
-# statfs f_type of the filesystems whose "files" are pages of memory (linux/magic.h)
-MEMORY_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
-
-
-def memory_fs(path: str) -> str | None:
-    """"tmpfs" or "ramfs" when ``path`` is on a filesystem held in memory (statfs f_type), else None
-    (also where statfs cannot say): offloading there moves bytes from one name of RAM to another."""
-    import ctypes
-    import ctypes.util
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        buf = ctypes.create_string_buffer(256)              # struct statfs: f_type first (a long on Linux)
-        if libc.statfs(os.fsencode(_existing_above(path)), buf) != 0:     # a DIR still to make: its parent's
-            return None
-    except (OSError, AttributeError):
-        return None
-    f_type = ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
-    return MEMORY_FS.get(f_type)
 
 
 def check_space(path: str, need: int, ranks: int = 1):
