@@ -132,16 +132,20 @@ FAULTS = [
     ("error@cast:1", "casting the params from the offloaded master (start, "),
     ("value@resume:1", "casting the params from the offloaded master (resume, "),
     ("enospc@resume:1", "casting the params from the offloaded master (resume, "),
+    ("error:1 ahead", "the offloaded update failed: RuntimeError: injected by RINGZERO_FAULT_OFFLOAD=error"),
 ]
 
 
 @pytest.mark.parametrize("spec,want", FAULTS, ids=[f[0] for f in FAULTS])
 def test_every_failure_on_one_rank_is_one_line_on_every_rank(tmp_path, spec, want):
+    """" ahead": the update on its own thread beside the next forward, its error agreed at the drain."""
     pytest.importorskip("ml_dtypes")
+    spec, _, ahead = spec.partition(" ")
     data = cli.corpus(tmp_path / "corpus.txt")
     save = str(tmp_path / "ck")
     base = cli.TINY + ["--data", data, "--save-dir", save, *OFF, "--offload-dir", str(tmp_path),
                        "--precision", "bf16"]             # bf16: no step skipped, the update runs at once
+    base += ["--offload-ahead"] if ahead else []
     resume = "@resume" in spec
     if resume:
         rcs, out, err = cli.run(base + ["--steps", "1", "--save-every", "1"], tmp_path)
