@@ -8,20 +8,23 @@ First every rank writes, then reads back, a file of ``--probe`` bytes in DIR at
 the same time (pwrite + fdatasync; then posix_fadvise DONTNEED and pread, so the
 reads come from the disk), which gives the node's write and read rate with all
 its ranks at it, as the step has them. Then an engine with ``--offload`` trains
-``--steps`` steps (after one warm-up) on random tokens, and rank 0 prints, per
-step, the medians over steps of the slowest rank's:
+``--steps`` steps (after one warm-up) on random tokens, and rank 0 prints the
+median step (by the slowest rank's time) split into parts that add up to it,
+each measured on that rank in that step:
 
-    step       the wall time of engine.step
-    compute    forward + backward (less its waits for collectives) + the update's arithmetic
-    I/O        the bytes the node's ranks read and wrote in a step (the files' counters) at the
-               measured rates: what the disk alone would need
-    exposed    the update's waits for reads and writes (stream.py)
+    compute              forward + backward, less its waits for collectives
+    collectives exposed  the waits for reductions and gathers, and the step's scalar all-gather
+    update arithmetic    the fused AdamW on the tiles (stream.py's compute)
+    I/O waited           the update's waits for the disk: a tile's read, a slot whose write had not
+                         returned (the writes hold the update there), the last writes
+    update ahead waited  --ahead: the wait for the previous step's update (which ran beside
+                         the forward: its arithmetic and I/O are not on this thread)
+    rest                 the step less the above (casts, the ledgers, Python)
 
-(--ahead: the update runs beside the next forward, and a step's compute and
-exposed I/O include the previous update's.)
-
-and step / max(compute, I/O): 1 is a step bound by the slower of the two, with
-the other hidden behind it.
+then beside it the offload I/O at the measured rates (the bytes the node's ranks
+read and wrote in a step, the files' counters, at the probe's rates: what the disk
+alone would need), and step / max(compute + arithmetic, I/O): 1 is a step bound by
+the slower of the two, with the other hidden behind it.
 
 What it is not: a test (the bitwise checks are tests/test_offload.py).
 """
@@ -61,6 +64,34 @@ def probe(path: str, nbytes: int, comm) -> tuple:
         os.close(fd)
     total = nbytes * comm.size
     return total / tw, total / tr
+
+
+PARTS = ("compute", "collectives exposed", "update arithmetic", "I/O waited", "update ahead waited")
+
+
+def split(step: float, tl: dict, ahead: bool) -> dict:
+    """One rank's step of ``step`` seconds in parts that add up to it (engine.timeline's seconds; the
+    module docstring); "rest" is what is left, never below 0 unless a part were counted twice."""
+    g = tl.get
+    out = {"step": step, "compute": g("compute_s", 0.0),
+           "collectives exposed": g("reduce_exposed_s", 0.0) + g("gather_exposed_s", 0.0)
+           + g("param_gather_exposed_s", 0.0) + g("scalars_s", 0.0),
+           # --ahead: the update's own seconds ran on its thread, beside the forward
+           "update arithmetic": 0.0 if ahead else g("offload_compute_s", 0.0),
+           "I/O waited": 0.0 if ahead else g("offload_exposed_s", 0.0),
+           "update ahead waited": g("update_wait_s", 0.0),
+           "reads": g("offload_read_wait_s", 0.0), "write slots": g("offload_slot_wait_s", 0.0),
+           "last writes": g("offload_drain_s", 0.0)}
+    out["rest"] = step - sum(out[k] for k in PARTS)
+    return out
+
+
+def line(r: dict) -> str:
+    """``step 1.000 s = compute ... + rest ...``: the split as printed (and parsed by the smoke test)."""
+    io = (f" (reads {r['reads']:.3f} + write slots {r['write slots']:.3f} + last writes {r['last writes']:.3f})"
+          if r["I/O waited"] else "")
+    parts = " + ".join(f"{k} {r[k]:.3f}" + (io if k == "I/O waited" else "") for k in (*PARTS, "rest"))
+    return f"step {r['step']:.3f} s = {parts}"
 
 
 def main() -> int:
@@ -108,17 +139,18 @@ def main() -> int:
         dt = time.perf_counter() - t0
         if res.skipped:
             say(f"step {s}: skipped by the loss scaler (no update, no offload I/O)")
-        tl, io = eng.timeline, eng.io_report()
+        io = eng.io_report()
         nbytes = comm.allreduce(io["read_bytes_per_step"]), comm.allreduce(io["write_bytes_per_step"])
-        mine = np.array([dt, tl["compute_s"] + tl.get("offload_compute_s", 0.0), tl.get("offload_exposed_s", 0.0)])
-        worst = np.empty_like(mine)
-        comm.Allreduce(mine, worst, op=MPI.MAX)
+        mine = split(dt, eng.timeline, a.ahead)
+        every = comm.allgather(mine)
         if s:                                   # the first step warms up
-            rows.append((*worst, nbytes[0] / rd + nbytes[1] / wr))
-    step, compute, exposed, io_s = (float(np.median([r[i] for r in rows])) for i in range(4))
-    say(f"per step (median of {a.steps}, slowest rank): step {step:.3f} s   compute {compute:.3f} s   "
-        f"I/O at the measured rate {io_s:.3f} s   exposed I/O {exposed:.3f} s")
-    say(f"step / max(compute, I/O) = {step / max(compute, io_s):.2f}")
+            rows.append((max(every, key=lambda r: r["step"]), nbytes[0] / rd + nbytes[1] / wr))
+    row, io_s = sorted(rows, key=lambda r: r[0]["step"])[(len(rows) - 1) // 2]     # the median step
+    say(f"per step (the median of {a.steps} by the slowest rank's time; that rank's split, which adds up to it):")
+    say("  " + line(row))
+    work = row["compute"] + row["update arithmetic"]
+    say(f"  offload I/O at the measured rate {io_s:.3f} s (the node's bytes at the probe's rates)")
+    say(f"step / max(compute + arithmetic, I/O) = {row['step'] / max(work, io_s):.2f}")
     eng.close()
     return 0
 

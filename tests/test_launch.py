@@ -81,13 +81,16 @@ def test_fails_on_rank_1():
 '''
 
 
-def run_launch_test(tmp_path, sizes, *args):
+def run_launch_test(tmp_path, sizes, *args, env=None, cluster=False):
+    """launch/test on the planted tests folder (cluster: with a cluster/ folder in it, empty)."""
     if not made_by_launcher():
         pytest.skip(f"{VENV} was not made by launch/_env.sh (run the tests through ./launch/test)")
     d = tmp_path / "planted"
     d.mkdir(exist_ok=True)
     (d / "test_planted.py").write_text(PLANTED)
-    env = dict(os.environ, RINGZERO_TEST_DIR=str(d), RINGZERO_SIZES=sizes, RINGZERO_VENV=VENV)
+    if cluster:
+        (d / "cluster").mkdir(exist_ok=True)
+    env = dict(os.environ, RINGZERO_TEST_DIR=str(d), RINGZERO_SIZES=sizes, RINGZERO_VENV=VENV, **(env or {}))
     # the same install set as this venv's, so the set-up finds its stamp current
     import importlib.util
     env.setdefault("RINGZERO_PEER", "1" if importlib.util.find_spec("torch") else "0")
@@ -121,6 +124,49 @@ def test_launch_test_fails_when_no_test_ran(tmp_path):
     rc, out = run_launch_test(tmp_path, "2", "-k", "matches_nothing_at_all")
     assert rc != 0, out
     assert "NO TEST RAN" in out, out
+
+
+# ------------------------------------------- no test group drops out of CI silently
+FORCED = "forced by the test (RINGZERO_CLUSTER_WHY_NOT)"
+
+
+@pytest.mark.parametrize("ci", ["true", ""])
+def test_cluster_group_that_cannot_run_fails_under_ci(tmp_path, ci):
+    """launch/cluster --why-not finds a problem (forced here: the group itself never runs): under
+    CI=true the group fails with the reason in one line; elsewhere it is skipped with it."""
+    rc, out = run_launch_test(tmp_path, "1", env={"CI": ci, "RINGZERO_CLUSTER_WHY_NOT": FORCED}, cluster=True)
+    assert rc != 0, out                                       # the planted serial failure, either way
+    if ci:
+        assert f"!! cluster tests cannot run under CI=true: {FORCED}" in out, out
+        assert "SOME TEST GROUPS FAILED: serial cluster" in out and "3 passed, 2 failed" in out, out   # +1: cluster
+    else:
+        assert f"== cluster tests skipped: {FORCED}" in out, out
+        assert "SOME TEST GROUPS FAILED: serial\n" in out and "3 passed, 1 failed" in out, out   # cluster: none
+
+
+@pytest.mark.parametrize("ci", ["true", ""])
+def test_gpu_api_failed_install_fails_under_ci(tmp_path, ci):
+    """launch/test-gpu-api where its venv cannot be made (RINGZERO_PYTHON=false): one line, counted
+    as failed with exit 1 under CI=true, as skipped with exit 0 elsewhere."""
+    env = dict(os.environ, CI=ci, RINGZERO_PYTHON="false", RINGZERO_GPU_API_VENV=str(tmp_path / "v"))
+    p = subprocess.run([os.path.join(ROOT, "launch", "test-gpu-api")], env=env, capture_output=True, text=True,
+                       timeout=120)
+    lines = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
+    assert len(lines) == 1 and "cannot install real CuPy here (false -m venv" in lines[0], lines
+    if ci:
+        assert p.returncode == 1 and lines[0].startswith("ringzero gpu-api: 1 failed: "), lines
+    else:
+        assert p.returncode == 0 and lines[0].startswith("ringzero gpu-api: 1 skipped: "), lines
+
+
+@pytest.mark.parametrize("ci", ["true", ""])
+def test_cluster_fixtures_fail_under_ci(monkeypatch, ci):
+    """tests/cluster's skips (no root, no namespaces, Slurm not installable) fail under CI=true."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "cluster"))
+    import cluster_cli
+    monkeypatch.setenv("CI", ci)
+    with pytest.raises(pytest.fail.Exception if ci else pytest.skip.Exception, match="could not install Slurm"):
+        cluster_cli.skip_or_fail("launch/cluster: could not install Slurm: apt-get said: E: no network")
 
 
 # ------------------------------------------------------------------ threads

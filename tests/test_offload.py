@@ -10,6 +10,8 @@
   (a resume may switch offload on or off), bitwise the run that never stopped;
 - a failure in the middle of an update (an injected ENOSPC in the writer) is one
   OffloadError on every rank, and the newest checkpoint still verifies and resumes;
+- the page cache: after a save and after a resume, no page of an offload file nor of this
+  rank's checkpoint files is resident (mincore), the update's and the load's writes flushed first;
 - accounting: each class's tier and bytes (the file's blocks from fstat), and
   the bytes the files read and wrote in a step beside accounting.offload_io_bytes;
 - refusals, before any file exists: a missing DIR, a DIR that is not writable, a
@@ -40,9 +42,12 @@ def engine(comm, stage, **kw):
 
 
 def run(comm, stage, steps=3, start=0, eng=None, **kw):
+    """(losses, norms, every class's bytes, engine, updated): updated says that updates ran, as
+    updates_ran checks them."""
     eng = eng or engine(comm, stage, **kw)
     data = batches(comm, comm.size, comm.rank)
-    losses, norms = [], []
+    losses, norms, skipped = [], [], []
+    master0, t0 = eng.full_state("master").tobytes(), eng.adam.t
     for s in range(start, start + steps):
         x, y = data.get(s)
         if eng.grad_accum > 1:
@@ -50,8 +55,23 @@ def run(comm, stage, steps=3, start=0, eng=None, **kw):
         r = eng.step(x, y, 3e-3)
         losses.append(r.loss)
         norms.append(r.grad_norm)
+        skipped.append(r.skipped)
     state = {c: eng.full_state(c, eng.state.dtypes[c]).tobytes() for c in CLASSES}
-    return losses, norms, state, eng
+    return losses, norms, state, eng, updates_ran(eng, skipped, t0, master0)
+
+
+def updates_ran(eng, skipped, t0, master0) -> str:
+    """"" when the steps updated the state: some step not skipped by the loss scaler (fp16 skips the
+    first steps of a small model while its scale backs off), Adam's step count up by exactly the steps
+    that were not skipped, and the master changed; else what is wrong. Compare runs only once it is ""."""
+    ran = skipped.count(False)
+    if not ran:
+        return f"every step skipped (loss scale now {eng.scaler.scale:g}): nothing was compared"
+    if eng.adam.t - t0 != ran:
+        return f"Adam's step count rose by {eng.adam.t - t0}, but {ran} steps were not skipped"
+    if eng.full_state("master").tobytes() == master0:
+        return "the master did not change"
+    return ""
 
 
 def skip_hybrid(comm, stage):
@@ -75,10 +95,11 @@ def test_offload_optimizer_is_bitwise_ram(comm, stage, precision, accum_overlap,
     ram = run(comm, stage, **kw)
     off = run(comm, stage, offload=policy(tmp_path), **kw)
     tiers = {c: off[3].state.tier(c) for c in CLASSES}
-    same = ram[0] == off[0] and ram[1] == off[1] and ram[2] == off[2]
+    same = ram[0] == off[0] and ram[1] == off[1] and ram[2] == off[2] and not ram[4] and not off[4]
     assert_all(comm, same and tiers == {"params": "ram", "master": "disk", "adam_m": "disk", "adam_v": "disk"},
                f"stage {stage} {precision} K={k} overlap={ov}: losses {ram[0]} vs {off[0]}, norms {ram[1]} vs "
-               f"{off[1]}, classes equal {[ram[2][c] == off[2][c] for c in CLASSES]}, tiers {tiers}")
+               f"{off[1]}, classes equal {[ram[2][c] == off[2][c] for c in CLASSES]}, tiers {tiers}; "
+               f"updates: RAM {ram[4] or 'ran'}, offloaded {off[4] or 'ran'}")
     off[3].close()
 
 
@@ -92,10 +113,11 @@ def test_offload_params_is_bitwise_ram(comm, stage, precision, accum_overlap, tm
     kw = dict(precision=precision, grad_accum=k, overlap=ov)
     ram = run(comm, stage, **kw)
     off = run(comm, stage, offload=policy(tmp_path, params=True), **kw)
-    same = ram[0] == off[0] and ram[1] == off[1] and ram[2] == off[2]
+    same = ram[0] == off[0] and ram[1] == off[1] and ram[2] == off[2] and not ram[4] and not off[4]
     ok = same and off[3].state.tier("params") == "disk" and off[3].state.tier("grads") == "ram"
     assert_all(comm, ok, f"stage {stage} {precision} K={k}: losses {ram[0]} vs {off[0]}, classes equal "
-                         f"{[ram[2][c] == off[2][c] for c in CLASSES]}")
+                         f"{[ram[2][c] == off[2][c] for c in CLASSES]}; updates: RAM {ram[4] or 'ran'}, "
+                         f"offloaded {off[4] or 'ran'}")
     off[3].close()
 
 
@@ -199,6 +221,76 @@ def test_failure_mid_update_leaves_the_checkpoint(comm, tmp_path, tmp_path_facto
     assert_all(comm, ok, f"error {err!r}")
     a.close()
     b.close()
+
+
+def test_write_slot_waits_are_counted(comm, tmp_path, monkeypatch):
+    """A slow disk for writes (each tile's write made 20 ms longer): the update waits for slots whose
+    write has not returned, and those waits are counted (slot_wait_s), apart from the read waits and
+    the last writes, in the exposed I/O they sum to."""
+    import time
+
+    from ringzero.runtime import stream
+    slow = stream.TileStream._write
+
+    def write(self, *a, **k):
+        time.sleep(0.02)
+        return slow(self, *a, **k)
+    monkeypatch.setattr(stream.TileStream, "_write", write)
+    eng = run(comm, "3", steps=1, offload=policy(tmp_path), precision="fp32")[3]
+    tl, n = eng.timeline, len(eng.offload_tiles)
+    parts = tl["offload_read_wait_s"] + tl["offload_slot_wait_s"] + tl["offload_drain_s"]
+    # n tiles, 3 slots: n - 3 reads wait for a write; each write holds its slot >= 20 ms
+    ok = n > 3 and tl["offload_slot_wait_s"] >= 0.01 * (n - 3) and abs(parts - tl["offload_exposed_s"]) < 1e-9
+    assert_all(comm, ok, f"{n} tiles: {({k: v for k, v in tl.items() if k.startswith('offload_')})}")
+    eng.close()
+
+
+def resident_pages(path_or_fd) -> int:
+    """Pages of a file in the page cache (mmap + mincore through libc): the kernel's own count."""
+    import ctypes
+    import mmap
+    fd = os.open(path_or_fd, os.O_RDONLY) if isinstance(path_or_fd, str) else path_or_fd
+    try:
+        n = os.fstat(fd).st_size
+        if not n:
+            return 0
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        addr = libc.mmap(None, n, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        vec = ctypes.create_string_buffer((n + mmap.PAGESIZE - 1) // mmap.PAGESIZE)
+        try:
+            assert libc.mincore(addr, n, vec) == 0, os.strerror(ctypes.get_errno())
+        finally:
+            libc.munmap(addr, n)
+        return sum(b & 1 for b in vec.raw)
+    finally:
+        if isinstance(path_or_fd, str):
+            os.close(fd)
+
+
+def test_page_cache_dropped_after_save_and_resume(comm, tmp_path, tmp_path_factory):
+    """The offload files and the checkpoint's own leave no page in the page cache after a save, nor
+    after a resume (whose writes are flushed first: DONTNEED drops clean pages only)."""
+    from ringzero.runtime import checkpoint as ck
+    d = shared_dir(comm, tmp_path_factory, "cache")
+    a = run(comm, "3", steps=2, offload=policy(tmp_path, params=True), precision="fp32")[3]
+    path = ck.save(a, d, 2)
+    mine = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(f"-r{a.state.shard_rank:05d}.bin")]
+    after_save = {n: resident_pages(f.fd) for n, f in a.state.files.items()}
+    after_save.update({os.path.basename(f): resident_pages(f) for f in mine})
+    a.close()
+    b = engine(comm, "3", seed=77, offload=policy(tmp_path, params=True), precision="fp32")
+    ck.load(b, "latest", d)
+    after_load = {n: resident_pages(f.fd) for n, f in b.state.files.items()}
+    after_load.update({os.path.basename(f): resident_pages(f) for f in mine})
+    b.close()
+    ok = len(mine) == 4 and len(after_save) == 8 and not any(after_save.values()) and not any(after_load.values())
+    assert_all(comm, ok, f"resident pages after the save {after_save}, after the load {after_load}")
 
 
 @pytest.mark.parametrize("stage,params", [("0", False), ("2", False), ("3", False), ("3", True)])

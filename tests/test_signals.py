@@ -7,6 +7,8 @@
   mpirun itself (Open MPI forwards it) does the same with 138.
 - the agreement (MPI, in process): only the last rank "receives" the signal,
   at step 3; every rank stops after the same step, all or none save.
+- ``./launch/train`` as users type it: SIGTERM to the script, or Ctrl-C to its process group, saves
+  a checkpoint and exits 138 (the script passes SIGUSR1 through mpirun, which forwards it).
 - the handler (serial): a process blocked inside MPI (a Recv never
   matched) records the first signal and exits 143 at the second.
 """
@@ -86,6 +88,48 @@ def test_sigusr1_to_mpirun_is_forwarded_and_saves(tmp_path):
     out, err = p.communicate(timeout=300)
     assert p.returncode == 138, cli.tail(out, err)       # mpirun: its ranks' code
     assert "SIGUSR1 at step" in out and "exiting 138" in out, cli.tail(out, err)
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+def test_launch_train_turns_sigterm_and_ctrl_c_into_a_save(tmp_path, how):
+    """./launch/train as users type it, stopped after its first steps by SIGTERM to the script, or by
+    Ctrl-C (SIGINT to its process group, as a terminal sends it): the script passes SIGUSR1 through
+    mpirun, every rank saves at the same step boundary, and the job exits 138 with its line."""
+    from ringzero.runtime import checkpoint as cp
+    if not os.path.exists(os.path.join(sys.prefix, ".ringzero-stamp")):
+        pytest.skip(f"{sys.prefix} was not made by launch/_env.sh (launch/train would make another venv)")
+    data = cli.corpus(tmp_path / "corpus.txt")
+    ck, metrics = str(tmp_path / "ck"), tmp_path / "m.jsonl"
+    env = dict(cli._clean_env(), RINGZERO_VENV=sys.prefix)
+    train = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "train")
+    # SIGTERM: through `timeout`, as a scheduler's wrapper would pass it on; Ctrl-C: the script alone in
+    # its process group, as a terminal's foreground job
+    wrap = ["timeout", "300"] if how == "SIGTERM" else []
+    p = subprocess.Popen([*wrap, train, "-n", "2", *cli.TINY, "--data", data, "--steps", "100000",
+                          "--save-dir", ck, "--metrics", str(metrics)], cwd=tmp_path, env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    t0 = time.monotonic()
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):    # its first steps ran
+        assert p.poll() is None, "the job ended before its first steps: " + cli.tail(*p.communicate())
+        assert time.monotonic() - t0 < 120, "no first steps after 120 s"
+        time.sleep(0.05)
+    if how == "SIGTERM":
+        os.kill(p.pid, signal.SIGTERM)                # timeout passes it to launch/train
+    else:
+        os.killpg(p.pid, signal.SIGINT)               # the terminal's foreground group: the script
+    try:
+        out, err = p.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise
+    assert p.returncode == 138, cli.tail(out, err)
+    n = len(cli.losses(metrics))
+    path = os.path.join(ck, f"step-{n:06d}")
+    assert f"ringzero | SIGUSR1 at step {n}: saved {path}; exiting 138" in out, cli.tail(out, err)
+    sig = "SIGTERM" if how == "SIGTERM" else "SIGINT"
+    assert f"ringzero | launch/train: {sig}: passed to the ranks as SIGUSR1 through mpirun" in err, cli.tail(out, err)
+    assert cp.latest(ck) == path and cp.verify(path, cp.read_manifest(path)) is None
+    assert "Traceback" not in err, cli.tail(out, err)
 
 
 def _children(pid):

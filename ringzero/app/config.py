@@ -296,7 +296,7 @@ def offload_policy(cfg: Config):
 
 
 def _validate_offload(cfg: Config):
-    """--offload: its words, its stage and device, and a DIR that exists and takes a file."""
+    """--offload: its words, its stage and device, and a DIR that takes a file (or can be made: train.py makes it)."""
     from ringzero.runtime.offload import OffloadError, check_dir
     from ringzero.runtime.policy import StagePolicy
     pol = offload_policy(cfg)
@@ -310,7 +310,7 @@ def _validate_offload(cfg: Config):
     try:
         pol.check(StagePolicy.of(cfg.stage), cfg.device)
         if pol.dir:                      # a device run without it: host memory
-            check_dir(pol.dir)
+            check_dir(pol.dir, may_make=True)
     except OffloadError as e:
         raise ConfigError(str(e)) from None
 

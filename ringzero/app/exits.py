@@ -11,8 +11,9 @@ What it is
     Exit codes of ``python -m ringzero.train``: 0 done; 2 bad input (flags,
     config, data, device, metrics file, a checkpoint that fails its checks
     on resume, an offload folder missing, read-only or too small); 3 a checkpoint
-    save failed, the previous one intact; 4 the offload tier failed mid-run (a full
-    disk: one line from every rank), the newest checkpoint intact; 128+N
+    save failed, the previous one intact; 4 the offload tier failed in use (a full
+    disk, a short read, any exception of an offloaded update or of the params cast
+    at start or resume: the same line from every rank), the newest checkpoint intact; 128+N
     stopped by signal N after saving (SIGINT 130, SIGUSR1 138, SIGTERM 143);
     4 an allocation failed on a rank (one line from each rank it failed on,
     naming the buffer, its bytes and the limits; mpirun ends the others);

@@ -7,7 +7,7 @@ What it is
     rank reaches the same verdict from the same figures:
 
         a rank     model state in RAM + workspace + activations  <=  RLIMIT_DATA - VmData
-        a node     its ranks' sum                                 <=  min(MemAvailable, cgroup's room)
+        a node     its ranks' sum (+ the files of a tmpfs/ramfs --offload-dir)  <=  min(MemAvailable, cgroup's room)
 
     The need is runtime/budget.py's (the engine's own layout, plan and stage table; offloaded classes
     count on disk; on --device cuda the need is the device's, and the offloaded classes leave it:
@@ -95,7 +95,14 @@ def need_of(cfg: Config, model, run: budget.Run, nodes: int = 1) -> budget.Need:
         return budget.Need(tiers["device"], ws, act, tiers["disk"], init, end)
     # the streamed update's host buffers (stream.TileStream): at most `buffers` tiles of each offloaded class
     staging = _stream_bytes(tiers["disk"], np.dtype(sd).itemsize)
-    return budget.Need(tiers["ram"] + staging, ws, act, tiers["disk"], init, end)
+    # an --offload-dir on tmpfs/ramfs: its "disk" bytes are the node's memory (counted by Need.node)
+    shm = tiers["disk"] if tiers["disk"] and _memory_fs(getattr(cfg, "offload_dir", "")) else 0
+    return budget.Need(tiers["ram"] + staging, ws, act, tiers["disk"], init, end, shm)
+
+
+def _memory_fs(path: str) -> str | None:
+    from ringzero.runtime.offload import memory_fs
+    return memory_fs(path) if path else None
 
 
 def _stream_bytes(on_disk: int, storage_itemsize: int) -> int:
@@ -141,7 +148,11 @@ def verdict(cfg: Config, model, rooms: list, node_of: list, n: int):
     else:
         parts = (f"model state {_mib(need.model_state)} + workspace {_mib(need.workspace)} + activations "
                  f"{_mib(need.activations)}" + (f" + the sample's fp32 gather {_mib(need.end)}" if need.end else ""))
-    parts += f"; {_mib(need.disk)} offloaded to disk" if need.disk else ""
+    if need.shm:
+        parts += (f"; {_mib(need.disk)} offloaded to --offload-dir {cfg.offload_dir}, a "
+                  f"{_memory_fs(cfg.offload_dir)} (memory, not disk): counted in the node's memory")
+    elif need.disk:
+        parts += f"; {_mib(need.disk)} offloaded to disk"
     what = (f"stage {base.stage} needs {_mib(need.total)} per rank ({parts}; Ψ = {model_psi(model):,}, Nd = {n})")
     if short is not None and short[0] < 0:
         r = short[1]

@@ -19,6 +19,7 @@ import sys
 import numpy as np
 
 from ringzero.app.config import Config
+from ringzero.runtime.offload import memory_fs
 
 
 def _mib(b) -> str:
@@ -63,6 +64,10 @@ def start_report(say, cfg: Config, corpus, engine, H: float) -> dict:
             f"{engine.offload_stream.tile:,} elements through {engine.offload.buffers} buffers "
             f"({_mib(mem['offload_buffers']).strip()})"
             + (", beside the next forward (ahead)" if engine.offload.ahead else ""))
+        fs = memory_fs(engine.offload.dir) if engine.offload.dir else None
+        if fs:
+            say(f"  note: {engine.offload.dir} is a {fs}: the offloaded files are held in memory, not on disk "
+                "(the memory check counts them as the node's memory); HINT: an --offload-dir on a disk frees it")
         if engine.pinned:
             say(f"  host memory pinned {_mib(mem['host_pinned']).strip()} (limit "
                 f"{_mib(engine.pinned.limit).strip()}), pageable {_mib(mem['host_pageable']).strip()}; "
@@ -113,7 +118,9 @@ def end_report(say, cfg: Config, engine, loop, eval_loss: float, H: float) -> di
             f"{io['write_formula']} = {io['write_formula_bytes']:,} B{plan('write')})")
         tl = engine.timeline
         say(f"  last update: read {tl.get('offload_read_s', 0):.3f} s, compute {tl.get('offload_compute_s', 0):.3f} s, "
-            f"write {tl.get('offload_write_s', 0):.3f} s, I/O exposed {tl.get('offload_exposed_s', 0):.3f} s")
+            f"write {tl.get('offload_write_s', 0):.3f} s, I/O exposed {tl.get('offload_exposed_s', 0):.3f} s "
+            f"(reads {tl.get('offload_read_wait_s', 0):.3f}, write slots {tl.get('offload_slot_wait_s', 0):.3f}, "
+            f"last writes {tl.get('offload_drain_s', 0):.3f})")
     rss = peak_rss_per_rank(engine.comm)
     say(f"ringzero | peak RSS per rank: max {rss[int(np.argmax(rss))] / 2**20:.1f} MiB (rank {int(np.argmax(rss))}), "
         f"min {min(rss) / 2**20:.1f} MiB")

@@ -218,17 +218,24 @@ def run(cfg: Config, comm, stop=None) -> dict:
     # what only this rank can find out (its copy of the data, its device),
     # agreed before the engine's first collective
     corpus, model, budget, src = agree(comm, lambda: _rank_checks(cfg, rank, n))
+    # looked at before the memory check's all-gather, so before any rank of this node can make it
+    make_dir = bool(cfg.offload and cfg.offload_dir) and not os.path.exists(cfg.offload_dir)
     # will it fit? model state + workspace + activations against the memory there is (memcheck.py)
     agree(comm, lambda: memcheck.check(cfg, model, comm))
+    agree(comm, lambda: _make_offload_dir(cfg))            # mkdir -p --offload-dir, on every node
+    if make_dir:
+        say(f"ringzero | made --offload-dir {cfg.offload_dir}")
     # --init-from: each rank reads its own master pieces from the file (a resumed run reads the checkpoint)
     init = src.fill_master if src is not None and not cfg.resume else None
-    from ringzero.runtime.offload import OffloadError
+    from ringzero.runtime.offload import OffloadError, OffloadFailed
     try:     # a DIR with too little room for this node's ranks is refused here, on every rank alike
         engine = Zero(model, comm, cfg.stage, precision=cfg.precision, device=cfg.device, seed=cfg.seed, init=init,
                       adam=AdamConfig(weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip),
                       ranks_per_node=cfg.ranks_per_node or None, mem_budget=budget, grad_accum=cfg.grad_accum,
                       overlap=cfg.overlap, prefetch=cfg.prefetch, offload=offload_policy(cfg),
                       reduce_bucket=None if cfg.reduce_bucket_mb is None else int(cfg.reduce_bucket_mb * 2 ** 20))
+    except OffloadFailed:               # the params cast failed in use (not bad input): exit 4, every rank
+        raise
     except OffloadError as e:
         raise ConfigError(str(e)) from None
     if src is not None:
@@ -287,6 +294,17 @@ def _rank_checks(cfg: Config, rank: int, n: int):
         e = PermissionError(errno.EACCES, os.strerror(errno.EACCES), cfg.data)
         raise ConfigError(f"--data: cannot read on this rank: {e} ({FAULT_DATA_ENV})")
     return prepare(cfg, n, rank)
+
+
+def _make_offload_dir(cfg: Config):
+    """--offload-dir made where it is missing (mkdir -p on each node, as DeepSpeed makes its swap folder)."""
+    if not (cfg.offload and cfg.offload_dir):
+        return
+    from ringzero.runtime.offload import OffloadError, make_dir
+    try:
+        make_dir(cfg.offload_dir)
+    except OffloadError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _open_metrics(cfg: Config, rank: int):

@@ -180,6 +180,7 @@ class Need:
     disk: int = 0                # offloaded state classes, per rank
     init: int = 0                # fp32 master-sized host buffer of init_master (4Ψ at stage 0, 4Ψ/Nd above)
     end: int = 0                 # after the last step, beside the workspaces (4Ψ: the sample's gather)
+    shm: int = 0                 # of ``disk``, the bytes on a tmpfs/ramfs: the node's memory, not a disk's
 
     @property
     def total(self) -> int:
@@ -195,8 +196,10 @@ class Need:
         return self.total if rank == 0 else self.rest
 
     def node(self, ranks: int, with_rank0: bool = True) -> int:
-        """The peak of a node's ``ranks`` ranks together (an upper bound: each rank's own peak)."""
-        return (self.total + (ranks - 1) * self.rest) if with_rank0 else ranks * self.rest
+        """The peak of a node's ``ranks`` ranks together (an upper bound: each rank's own peak), with the
+        offloaded files of a memory-backed --offload-dir (page cache that cannot be dropped; not in a rank's
+        RLIMIT_DATA, which counts its own mappings only)."""
+        return ((self.total + (ranks - 1) * self.rest) if with_rank0 else ranks * self.rest) + ranks * self.shm
 
 
 def fits(need: Need, run: Run, rank_room, node_room) -> bool:

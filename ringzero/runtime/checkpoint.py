@@ -95,7 +95,7 @@ from ringzero.runtime.manifest import (  # noqa: F401
     verify,
     verify_file,
 )
-from ringzero.runtime.offload import on_disk, write_from
+from ringzero.runtime.offload import drop_pages, on_disk, write_from
 
 
 def _agree(ctl, err: str | None):
@@ -117,6 +117,11 @@ def _write_shards(engine, tmp: str) -> dict:
     r = state.shard_rank
     fault = save_fault(engine.comm.rank)        # tests only: RINGZERO_FAULT_SAVE
     staging = None if state.on_host and not state.files else np.empty(max(L.piece_numel), np.float32)
+    # offload: the update's last write-back on the disk and out of the page cache before the save reads
+    # the files; each piece read is dropped again, and each checkpoint file once fsynced (the page cache
+    # would otherwise grow by the whole state, the RAM offload exists to free)
+    for f in state.files.values():
+        f.flush()
     out = {}
     with ThreadPoolExecutor(1) as pool:
         for cls in CLASSES:
@@ -133,6 +138,7 @@ def _write_shards(engine, tmp: str) -> dict:
                         pending.append(pool.submit(h.update, mv))   # one worker: in order
                     elif on_disk(p):                 # an offloaded class: through the staging piece
                         mv = memoryview(p.read(staging.view(p.dtype)[:p.size]).view(np.uint8))
+                        p.store.drop(p.start, p.size)
                         h.update(mv)
                     else:
                         mv = memoryview(p.get(out=staging.view(p.dtype)[:p.size]).view(np.uint8))
@@ -146,8 +152,12 @@ def _write_shards(engine, tmp: str) -> dict:
                         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
                 fh.flush()
                 os.fsync(fh.fileno())
+                if state.files:
+                    drop_pages(fh.fileno())
             for f in pending:
                 f.result()
+            if cls in state.files:               # the pages at the pieces' edges (DONTNEED takes whole pages)
+                state.files[cls].drop(0, state.files[cls].size)
             out[name] = {"class": cls, "rank": r, "dtype": str(dtype), "bytes": nbytes,
                          "sha256": h.hexdigest()}
     return out
@@ -275,7 +285,7 @@ def load(engine, path: str = "latest", save_dir: str | None = None) -> dict:
     err = None
     try:
         old = check_layout(m, p, engine.layout)
-        err = verify(p, m, rank=comm.rank, size=comm.size)
+        err = verify(p, m, rank=comm.rank, size=comm.size, drop=bool(engine.state.files))
     except Exception as e:
         err = error_line(e)
     _agree(ctl, err)           # nothing has been modified yet
@@ -289,6 +299,13 @@ def load(engine, path: str = "latest", save_dir: str | None = None) -> dict:
     # Adam t, loss scaler, step count; then params = cast(master), all-gathered
     # where they are held in full (collective)
     engine.restore_meta(m)
+    err = None
+    try:         # offload: the loaded state (and the params cast from it) on the disk, out of the page cache
+        for f in engine.state.files.values():
+            f.flush()
+    except OSError as e:
+        err = f"rank {comm.rank}: flushing the offload files after the load: {error_line(e)}"
+    _agree(ctl, err)
     return dict(m, path=p)
 
 
@@ -314,6 +331,8 @@ def _read_state(engine, path, old: Layout):
                         write_from(piece, dst)
         finally:
             for fh in fhs.values():
+                if state.files:                   # offload: the checkpoint's pages read, dropped
+                    drop_pages(fh.fileno())
                 fh.close()
 
 

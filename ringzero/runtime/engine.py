@@ -238,8 +238,12 @@ class Zero:
         # the partials then added in rank order -- identical at every stage.
         # Every dot stays on the device (one (pieces, units) fp32 buffer) and
         # comes back in one copy per step: no host sync per unit per piece.
+        t1 = time.perf_counter()
         update.drain_ahead(self)                     # the last step's update, if it ran beside this forward
+        t2 = time.perf_counter()
         sumsq = norms.share_scalars(self, loss, norms.piece_sumsq(self))
+        # the wait for an update ahead; the norm's dots and the step's scalar all-gather (a collective)
+        self.timeline.update(update_wait_s=t2 - t1, scalars_s=time.perf_counter() - t2)
         loss = float(self._all_scalars[:, 0].sum() / n) if n > 1 else loss
         inv = 1.0 / (seed * K * n)                   # K = 1: 1 / (scale * n)
         gnorm = math.sqrt(sumsq) * inv if math.isfinite(sumsq) else float("inf")
@@ -258,7 +262,13 @@ class Zero:
         """master -> storage-dtype params (own pieces), all-gathered where params are full."""
         self.wait_params()
         if self.offload_stream is not None:          # master on disk: the cast streams it in tiles
-            stream.cast_params(self.state, self.offload_stream, self.offload_tiles, self.device_link)
+            first, err = self.offload_stream.casts == 0, None
+            try:
+                stream.cast_params(self.state, self.offload_stream, self.offload_tiles, self.device_link)
+            except Exception as e:   # noqa: BLE001 (any kind on any rank: agreed, one line on every rank)
+                err = stream.error_text(e)
+            stream.agree(self, err, f"casting the params from the offloaded master ({'start' if first else 'resume'}, "
+                         f"{self.offload.dir or 'host'})", failed=True)
         self.state.publish(self.ring, cast=self.offload_stream is None)
 
     # ------------------------------------------------------------------ offload

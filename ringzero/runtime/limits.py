@@ -15,6 +15,9 @@ What it is
     compares with. ``RINGZERO_MEM_AVAILABLE=SIZE`` (e.g. ``2GiB``) caps the node's figure: tests, and a
     node known to have less than it reports.
 
+    ``memory_fs(path)``: "tmpfs" or "ramfs" where a path's bytes are the node's memory, not a disk's (an
+    --offload-dir there is counted as memory by the start-up check).
+
     ``zeros(xp, n, dtype, what)`` and ``alloc_guard(what)`` turn a MemoryError (NumPy's
     ``_ArrayMemoryError``, CuPy's ``OutOfMemoryError``) into an ``AllocationError``: one line that names
     the buffer, its bytes and the limits above, for the trainer to print on the rank that failed.
@@ -221,3 +224,31 @@ def zeros(xp, n: int, dtype, what: str):
     dt = np.dtype(dtype)
     with alloc_guard(f"{what} ({n:,} x {dt.name})"):
         return xp.zeros(n, dtype)
+
+
+def existing_above(path: str) -> str:
+    """``path`` itself or its nearest existing folder above (of an absolute path)."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    return p
+
+
+# statfs f_type of the filesystems whose "files" are pages of memory (linux/magic.h)
+MEMORY_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+
+
+def memory_fs(path: str) -> str | None:
+    """"tmpfs" or "ramfs" when ``path`` is on a filesystem held in memory (statfs f_type), else None
+    (also where statfs cannot say): offloading there moves bytes from one name of RAM to another."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        buf = ctypes.create_string_buffer(256)              # struct statfs: f_type first (a long on Linux)
+        if libc.statfs(os.fsencode(existing_above(path)), buf) != 0:     # a DIR still to make: its parent's
+            return None
+    except (OSError, AttributeError):
+        return None
+    f_type = ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+    return MEMORY_FS.get(f_type)

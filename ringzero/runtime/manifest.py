@@ -221,8 +221,9 @@ def _first_diff(theirs, mine) -> str:
     return "unknown difference"
 
 
-def verify_file(path: str, name: str, info: dict) -> str | None:
-    """None if the file exists with the listed size and sha256, else the problem."""
+def verify_file(path: str, name: str, info: dict, drop: bool = False) -> str | None:
+    """None if the file exists with the listed size and sha256, else the problem.
+    drop: its pages dropped from the page cache once hashed (an offloaded run's resume)."""
     f = os.path.join(path, name)
     try:
         size = os.path.getsize(f)
@@ -242,6 +243,8 @@ def verify_file(path: str, name: str, info: dict) -> str | None:
                 if not n:
                     break
                 h.update(mv[:n])
+            if drop:
+                os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     except OSError as e:
         return f"{f}: unreadable ({e})"
     got = h.hexdigest()
@@ -250,12 +253,12 @@ def verify_file(path: str, name: str, info: dict) -> str | None:
     return None
 
 
-def verify(path: str, m: dict, names=None, rank: int = 0, size: int = 1) -> str | None:
-    """Verify files ``names`` (default: all), this rank's round-robin share."""
+def verify(path: str, m: dict, names=None, rank: int = 0, size: int = 1, drop: bool = False) -> str | None:
+    """Verify files ``names`` (default: all), this rank's round-robin share (drop: see verify_file)."""
     names = sorted(m["files"]) if names is None else list(names)
     for i, name in enumerate(names):
         if i % size == rank:
-            err = verify_file(path, name, m["files"][name])
+            err = verify_file(path, name, m["files"][name], drop)
             if err:
                 return err
     return None

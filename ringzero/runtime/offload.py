@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ringzero.runtime.host_tier import DEFAULT_PIN_LIMIT
+from ringzero.runtime.limits import existing_above, memory_fs  # noqa: F401  (memory_fs: offload's name too)
 
 OPTIMIZER = ("master", "adam_m", "adam_v")     # the engine buffers "optimizer" moves
 FAULT_ENV = "RINGZERO_FAULT_OFFLOAD"            # tests: see fault()
@@ -55,6 +56,11 @@ FAULT_ENV = "RINGZERO_FAULT_OFFLOAD"            # tests: see fault()
 
 class OffloadError(ValueError):
     """The disk tier cannot be used or failed: a bad DIR, a full disk, an I/O error mid-update."""
+
+
+class OffloadFailed(OffloadError):
+    """The tier failed in use (an update, or the params cast at start or resume), agreed by every rank:
+    the state in the files is lost (exit 4), unlike a start-up refusal (a bad DIR: exit 2)."""
 
 
 @dataclass(frozen=True)
@@ -146,11 +152,18 @@ class OffloadPolicy:
                                f"{stage_policy.stage} holds them in full: use --offload optimizer, or --stage 3")
 
 
-def check_dir(path: str):
+def check_dir(path: str, may_make: bool = False):
     """A missing, non-folder or unwritable DIR, in one line (probed by creating a file: permission
-    bits alone do not tell a read-only filesystem, nor stop root)."""
+    bits alone do not tell a read-only filesystem, nor stop root). may_make: a missing DIR passes
+    when its nearest existing folder above can take it (the trainer makes it: ``make_dir``)."""
     if not path:
         raise OffloadError("--offload-dir is empty")
+    if not os.path.exists(path) and may_make:
+        up = existing_above(path)
+        if not os.path.isdir(up) or not os.access(up, os.W_OK | os.X_OK):
+            raise OffloadError(f"--offload-dir {path!r} does not exist and cannot be made: {up!r} is "
+                               f"{'not a folder' if not os.path.isdir(up) else 'not writable'}")
+        return
     if not os.path.exists(path):
         raise OffloadError(f"--offload-dir {path!r} does not exist; HINT: mkdir -p it on every node")
     if not os.path.isdir(path):
@@ -160,6 +173,18 @@ def check_dir(path: str):
     except OSError as e:
         raise OffloadError(f"--offload-dir {path!r} is not writable: {e.strerror or e}") from None
     os.close(fd)
+
+
+def make_dir(path: str) -> bool:
+    """mkdir -p DIR (as DeepSpeed makes its swap folder), then check_dir; True if it was made here.
+    On every rank: each node makes its own (a race between a node's ranks is harmless)."""
+    made = not os.path.exists(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise OffloadError(f"--offload-dir {path!r} cannot be made: {e.strerror or e}") from None
+    check_dir(path)
+    return made
 
 
 def check_space(path: str, need: int, ranks: int = 1):
@@ -195,14 +220,25 @@ def check_offload(engine, off: OffloadPolicy, device: str):
         raise OffloadError(first)
 
 
-def fault(rank: int) -> str | None:
-    """``RINGZERO_FAULT_OFFLOAD=MODE[:RANK]`` (tests): ``enospc`` makes the update's second tile
-    write fail with ENOSPC, ``crash`` ends the process there (os._exit), on world rank RANK or every rank."""
+def fault(rank: int) -> tuple:
+    """``RINGZERO_FAULT_OFFLOAD=MODE[@WHERE][:RANK]`` (tests), on world rank RANK or every rank:
+    (mode, where), or (None, None). MODE strikes at the second tile of a stream: ``enospc`` its write
+    fails with ENOSPC, ``crash`` the process ends there (os._exit); ``short`` its read comes back short
+    (the file is truncated under it), ``value`` / ``error`` its compute raises ValueError /
+    RuntimeError. WHERE: ``update`` (the default), ``cast`` (the params cast at start) or ``resume``
+    (any later cast: the one after a checkpoint is loaded)."""
     spec = os.environ.get(FAULT_ENV, "")
     if not spec:
-        return None
-    mode, _, who = spec.partition(":")
-    return mode if not who or int(who) == rank else None
+        return None, None
+    what, _, who = spec.partition(":")
+    mode, _, where = what.partition("@")
+    if mode not in FAULT_MODES or (where or "update") not in ("update", "cast", "resume"):
+        raise OffloadError(f"{FAULT_ENV}={spec!r}: expected MODE[@update|cast|resume][:RANK], MODE one of "
+                           f"{', '.join(FAULT_MODES)}")
+    return (mode, where or "update") if not who or int(who) == rank else (None, None)
+
+
+FAULT_MODES = ("enospc", "crash", "short", "value", "error")
 
 
 def _open_tmp(path: str) -> int:
@@ -328,6 +364,11 @@ class FileView:
             raise ValueError(f"write of {self.store.name}: expected {self.size} {self.dtype}, "
                              f"got {src.size} {src.dtype}")
         self.store.write(self.start, src)
+
+
+def drop_pages(fd: int):
+    """Let the kernel drop a whole file's clean pages from the page cache (after its fsync: all of them)."""
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def on_disk(x) -> bool:

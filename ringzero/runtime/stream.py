@@ -58,7 +58,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ringzero.runtime.offload import OPTIMIZER, FileView, OffloadError, fault, on_disk
+from ringzero.runtime.offload import FAULT_ENV, OPTIMIZER, FileView, OffloadFailed, fault, on_disk
 
 
 class Tile(NamedTuple):
@@ -93,8 +93,15 @@ class TileStream:
         self.slots = [{name: np.empty(n, state.dtypes[name]) for name in state.files} for _ in range(policy.buffers)]
         self._rd = ThreadPoolExecutor(1, thread_name_prefix="rz-offload-read")
         self._wr = ThreadPoolExecutor(1, thread_name_prefix="rz-offload-write")
-        self.fault = fault(int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0"))))
-        self.timeline = {"read_s": 0.0, "write_s": 0.0, "exposed_s": 0.0, "compute_s": 0.0}
+        # tests: RINGZERO_FAULT_OFFLOAD's mode and the stream it strikes ("update", "cast", "resume")
+        self.fault, self.fault_at = fault(int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0"))))
+        self.fault_at = self.fault_at or "update"
+        self.casts = 0                                     # params casts run (the first at start)
+        # seconds: read_s / write_s on the I/O threads; on the caller's, the arithmetic (compute_s) and
+        # what it waited for: a tile's read (read_wait_s), a slot whose write had not returned
+        # (slot_wait_s), the last writes and the sweep (drain_s); exposed_s is those three together
+        self.timeline = dict.fromkeys(("read_s", "write_s", "exposed_s", "compute_s", "read_wait_s",
+                                       "slot_wait_s", "drain_s"), 0.0)
 
     def nbytes(self) -> int:
         return sum(int(a.nbytes) for s in self.slots for a in s.values())
@@ -102,19 +109,22 @@ class TileStream:
     def _views(self, t: Tile, names):
         return [(name, self.state.piece(name, t.u, t.r)[t.lo:t.hi]) for name in names]
 
-    def _read(self, t: Tile, slot, names):
+    def _read(self, t: Tile, slot, names, strike=None):
         t0 = time.perf_counter()
+        if strike == "short":                             # tests: the file ends before this tile
+            store = self.state.files[names[0]]
+            os.ftruncate(store.fd, self.state.piece(names[0], t.u, t.r).start * store.dtype.itemsize)
         for name, view in self._views(t, names):
             view.read(slot[name][:view.size])
             if self.policy.drop_cache:
                 view.store.drop(view.start, view.size)     # clean pages: dropped at once
         self.timeline["read_s"] += time.perf_counter() - t0
 
-    def _write(self, t: Tile, slot, names, i: int, behind, written=None):
+    def _write(self, t: Tile, slot, names, strike, behind, written=None):
         t0 = time.perf_counter()
-        if self.fault and i == 1:                         # tests: the disk fills, or the process dies, mid-update
-            if self.fault == "crash":
-                os._exit(86)
+        if strike == "crash":                             # tests: the process dies mid-stream
+            os._exit(86)
+        if strike == "enospc":                            # tests: the disk fills mid-stream
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"offload file ({self.policy.dir})")
         for name, view in self._views(t, names):
             view.write(slot[name][:view.size])
@@ -127,19 +137,26 @@ class TileStream:
         if written is not None:
             written(t)
 
-    def run(self, tiles: list, compute, reads=OPTIMIZER, writes=None, armed: bool = False, written=None):
+    def run(self, tiles: list, compute, reads=OPTIMIZER, writes=None, armed: str | None = None, written=None):
         """compute(tile, slot) on every tile, its ``reads`` classes read before and ``writes`` (default:
         the offloaded ones it reads, and params when they are offloaded) written after.
-        armed: the update's stream, where RINGZERO_FAULT_OFFLOAD strikes (tests).
-        written(tile): called (on the writer thread) once a tile's writes have returned."""
+        armed: which stream this is ("update", "cast", "resume"), where RINGZERO_FAULT_OFFLOAD strikes
+        (tests: at the second tile). written(tile): called (on the writer thread) once a tile's writes
+        have returned."""
         writes = tuple(w for w in (writes if writes is not None else reads + ("params",)) if w in self.state.files)
         reads = tuple(r for r in reads if r in self.state.files)
         nb, pending_r, pending_w = len(self.slots), {}, {}
+        mode = self.fault if armed is not None and armed == self.fault_at else None
+
+        def strike(i, modes):
+            return mode if i == 1 and mode in modes else None
 
         def start_read(i):
             if i - nb in pending_w:                        # slot i % nb: the write of its last tile returned
+                t0 = time.perf_counter()
                 pending_w.pop(i - nb).result()
-            pending_r[i] = self._rd.submit(self._read, tiles[i], self.slots[i % nb], reads)
+                self._waited("slot_wait_s", time.perf_counter() - t0)   # the disk's writes hold the update here
+            pending_r[i] = self._rd.submit(self._read, tiles[i], self.slots[i % nb], reads, strike(i, ("short",)))
         try:
             if tiles:
                 start_read(0)
@@ -149,21 +166,28 @@ class TileStream:
                 t0 = time.perf_counter()
                 pending_r.pop(i).result()
                 t1 = time.perf_counter()
+                if strike(i, ("value", "error")):         # tests: the arithmetic raises
+                    raise (ValueError if mode == "value" else RuntimeError)(f"injected by {FAULT_ENV}={mode}")
                 compute(t, self.slots[i % nb])
-                self.timeline["exposed_s"] += t1 - t0
+                self._waited("read_wait_s", t1 - t0)
                 self.timeline["compute_s"] += time.perf_counter() - t1
-                pending_w[i] = self._wr.submit(self._write, t, self.slots[i % nb], writes, i if armed else -1,
-                                               tiles[i - 2] if i >= 2 else None, written)
+                pending_w[i] = self._wr.submit(self._write, t, self.slots[i % nb], writes,
+                                               strike(i, ("enospc", "crash")), tiles[i - 2] if i >= 2 else None,
+                                               written)
             t0 = time.perf_counter()
             for i in sorted(pending_w):
                 pending_w.pop(i).result()
             if self.policy.drop_cache:     # a sweep: the pages whose write-back ended after their tile's drop
                 for name in writes:
                     self.state.files[name].drop(0, self.state.files[name].size)
-            self.timeline["exposed_s"] += time.perf_counter() - t0
+            self._waited("drain_s", time.perf_counter() - t0)
         finally:                                           # an error: every thread done with the slots first
             for f in (*pending_r.values(), *pending_w.values()):
                 f.exception()
+
+    def _waited(self, key: str, dt: float):
+        self.timeline[key] += dt
+        self.timeline["exposed_s"] += dt
 
     def reset_timeline(self) -> dict:
         out, self.timeline = self.timeline, dict.fromkeys(self.timeline, 0.0)
@@ -205,7 +229,7 @@ def update(engine, coef, lr: float, unit_done=None):
     if link is not None:
         link.begin(engine.offload_tiles)
     try:
-        stream.run(engine.offload_tiles, compute, armed=True, written=written)
+        stream.run(engine.offload_tiles, compute, armed="update", written=written)
     finally:
         if link is not None:
             link.finish()
@@ -257,7 +281,7 @@ class UpdateAhead:
         if f is None:
             return None
         e = f.exception()
-        return None if e is None else (e.strerror if isinstance(e, OSError) and e.strerror else str(e))
+        return None if e is None else error_text(e)
 
     def close(self):
         self._ex.shutdown(wait=True)
@@ -280,20 +304,36 @@ def cast_params(state, stream, tiles_, link=None):
     if link is not None:
         link.begin(tiles_, grads=False)
     try:
-        stream.run(tiles_, compute, reads=("master",), writes=("params",))
+        armed, stream.casts = ("cast" if stream.casts == 0 else "resume"), stream.casts + 1
+        stream.run(tiles_, compute, reads=("master",), writes=("params",), armed=armed)
     finally:
         if link is not None:
             link.finish()
 
 
-def agree(engine, err: str | None, what: str = ""):
+def error_text(e: BaseException) -> str:
+    """An exception as the one line the ranks agree on: an OSError's strerror, the
+    tier's own OffloadError as written, anything else with its type (a ValueError, a bug)."""
+    from ringzero.runtime.offload import OffloadError
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    if isinstance(e, OffloadError):
+        return str(e)
+    return f"{type(e).__name__}: {e}".replace("\n", " ")
+
+
+def agree(engine, err: str | None, what: str = "", failed: bool = False):
     """One OffloadError on every rank if the update (or ``what``) failed on any (a small all-gather on
-    the control ring)."""
+    the control ring). failed (and always for the update): an OffloadFailed, the tier's state lost,
+    rather than a start-up refusal."""
     from ringzero.comm.objects import allgather_obj
+    from ringzero.runtime.offload import OffloadError
     if err and not what:
         err = f"rank {engine.comm.rank}: the offloaded update failed: {err} ({engine.offload.dir})"
     elif err:
         err = f"rank {engine.comm.rank}: {what}: {err}"
     first = next((e for e in allgather_obj(engine.topology.control, err) if e), None)
+    if first and not what:
+        raise OffloadFailed(first + "; the offloaded state is lost: resume from the last checkpoint")
     if first:
-        raise OffloadError(first + ("" if what else "; the offloaded state is lost: resume from the last checkpoint"))
+        raise (OffloadFailed if failed else OffloadError)(first)

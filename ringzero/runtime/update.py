@@ -69,12 +69,13 @@ def _in_ram(engine, coef, lr: float):
 
 
 def _offloaded(engine, coef, lr: float):
-    """The streamed update (stream.py); an I/O error on any rank is one OffloadError on every rank."""
+    """The streamed update (stream.py). Any exception on any rank (an I/O error, a short read, a
+    ValueError, a bug) is one OffloadFailed on every rank, never a rank left waiting for the watchdog."""
     err = None
     try:
         stream.update(engine, coef, lr)
-    except OSError as e:
-        err = e.strerror or str(e)
+    except Exception as e:      # noqa: BLE001 (every kind is agreed: the others wait in the next collective)
+        err = stream.error_text(e)
     stream.agree(engine, err)
 
 

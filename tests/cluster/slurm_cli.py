@@ -7,7 +7,9 @@ run it, from a test's temporary folder, with the venv that runs the tests
 (RINGZERO_VENV) and SLURM_CONF naming this cluster's slurm.conf. Where Slurm
 is not installed (and RINGZERO_SLURM_INSTALL=1, which launch/test-cluster
 sets in CI, does not ask for it), the fixture skips with launch/cluster's
-one line. Not a test module.
+one line; under CI=true (Slurm could not be installed) it fails with it
+(cluster_cli.skip_or_fail). The install may take 900 s: the modules that use
+the fixture carry a timeout marker of their own (TIMEOUT). Not a test module.
 """
 import os
 import re
@@ -20,6 +22,8 @@ import cluster_cli as cc
 import pytest
 
 PREFIX, NET, PPN = "rzs", 2, 2
+INSTALL_S = 900                         # launch/cluster up --slurm --install, at most
+TIMEOUT = INSTALL_S + 300               # pytest-timeout of a test whose fixture may install (s)
 SCRIPT = os.path.join(cc.ROOT, "launch", "slurm.sbatch")
 STATE = os.environ.get("RINGZERO_CLUSTER_STATE", "/run/ringzero-cluster")
 VENV = sys.prefix                       # the venv that runs the tests
@@ -84,11 +88,11 @@ def slurm():
     args = ["up", "--slurm", "--nodes", "2", "--ranks-per-node", str(PPN), "--link", "none", "--net", str(NET)]
     if os.environ.get("RINGZERO_SLURM_INSTALL") == "1":
         args.append("--install")
-    p = _cli(*args, timeout=900)
+    p = _cli(*args, timeout=INSTALL_S)
     if p.returncode != 0:
         line = (p.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
-        if "needs Slurm and munge" in line or "could not install Slurm" in line:
-            pytest.skip(line)
+        if "needs Slurm and munge" in line or "could not install Slurm" in line or "--install needs" in line:
+            cc.skip_or_fail(line)
         pytest.fail(f"launch/cluster up --slurm: exit {p.returncode}\n{p.stdout}\n{p.stderr}")
     try:
         yield Slurm(os.path.join(STATE, PREFIX, "slurm", "slurm.conf"))

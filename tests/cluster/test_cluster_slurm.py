@@ -35,7 +35,7 @@ import slurm_cli as sc
 from slurm_cli import slurm  # noqa: F401 (the fixture)
 from trainer_cli import TINY, corpus, losses
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(sc.TIMEOUT)]   # the fixture's install: not the 300 s
 
 TRAFFIC = re.compile(r"^traffic per step per rank\s+measured ([\d,]+) B", re.M)
 NODE_INFO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "node_info.py")

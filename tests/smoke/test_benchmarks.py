@@ -39,7 +39,8 @@ RUNS = {
                         r"^reduce_scatter\s+65,536\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+98,304\s+24,672\s+32,768\s+8,224$")],
     "bench_adam.py": [(None, ["--elements", "64K", "--repeats", "1"], r"^  fused / NumPy throughput: [\d.]+x")],
     "bench_offload.py": [(2, ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--steps", "1",
-                              "--probe", "1M", "--offload-dir", "/tmp"], r"^step / max\(compute, I/O\) = [\d.]+$")],
+                              "--probe", "1M", "--offload-dir", "/tmp"],
+                          r"^step / max\(compute \+ arithmetic, I/O\) = [\d.]+$")],
     "bench_model.py": [(None, ["--batch", "1", "--seq", "16", "--repeats", "1", "--warmup", "0"],
                         r"fwd\+bwd: median"),
                        (None, ["--batch", "1", "--seq", "16", "--repeats", "1", "--warmup", "0", *PRESET],
@@ -99,6 +100,28 @@ def test_benchmark(script, i, ranks, args, table, request):
         else:
             check(rc, out, r"torch is not installed", what + ": the line saying the torch rows are skipped")
             print("train_peer.py: torch is not installed here, so its torch row was skipped", file=sys.stderr)
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_bench_offload_split_adds_up_to_the_step(ahead):
+    """bench_offload's split of the median step: compute, collectives exposed, update arithmetic, I/O
+    waited (reads, write slots, last writes), update ahead waited, rest. The parts are measured apart
+    (engine.timeline), so they add up to the step with a rest >= 0 only if none is counted twice."""
+    args = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--steps", "3", "--probe", "1M",
+            "--offload-dir", "/tmp", "--offload", "optimizer,params"] + (["--ahead"] if ahead else [])
+    rc, out = run([PY, "-m", "mpi4py", os.path.join("benchmarks", "bench_offload.py"), *args], ranks=2)
+    check(rc, out, r"^  step [\d.]+ s = compute", "benchmarks/bench_offload.py " + " ".join(args))
+    ln = next(x for x in out.splitlines() if x.startswith("  step "))
+    step = float(re.match(r"  step ([\d.]+) s = ", ln)[1])
+    io = re.search(r"I/O waited ([\d.]+) \(reads ([\d.]+) \+ write slots ([\d.]+) \+ last writes ([\d.]+)\)", ln)
+    parts = dict((k, float(v)) for k, v in re.findall(r"(compute|collectives exposed|update arithmetic|I/O waited|"
+                                                       r"update ahead waited|rest) ([-\d.]+)", ln))
+    assert len(parts) == 6 and parts["rest"] >= 0, ln
+    assert abs(sum(parts.values()) - step) <= 0.001 * 6, ln           # printed to the ms: rounding alone
+    if ahead:         # the update's own seconds ran beside the forward: not on the step's thread
+        assert parts["update arithmetic"] == parts["I/O waited"] == 0.0 and io is None, ln
+    else:
+        assert io and abs(sum(float(g) for g in io.groups()[1:]) - float(io[1])) <= 0.002, ln
 
 
 @pytest.mark.parametrize("script", ["bench_stages.py", "check_simulate.py"])
