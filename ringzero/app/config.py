@@ -82,6 +82,10 @@ class Config:
     eval_interval: int = opt(100, "steps between held-out evaluations (0 = only at the end)")
     eval_batches: int = opt(4, "batches per evaluation, per rank")
     metrics: str = opt("", "write one JSON object per step here (JSONL)")
+    trace: str = opt("", "write a timeline of --trace-steps per rank, DIR/rank{R}_trace.json (Chrome trace format: "
+                         "Perfetto, HTA; python -m ringzero.trace summary DIR; docs/trace.md)")
+    trace_steps: str = opt("", 'the steps A:B (B excluded) --trace records ("" = 5:8, or the last 3 of a '
+                               'shorter run)')
     sample_chars: int = opt(200, "length of the text sample at the end (0 = none)")
     # ---- checkpoints (ringzero.runtime.checkpoint)
     save_every: int = opt(0, "save every N steps into --save-dir (0 = never)")
@@ -208,6 +212,8 @@ def validate(cfg: Config):
         check_setting()                # the environment's RINGZERO_BLAS, before any product
     except BlasError as e:
         raise ConfigError(str(e)) from None
+    from ringzero.app.tracing import steps_window
+    steps_window(cfg)                  # --trace-steps: A:B inside the run
     need(cfg.prefetch is None or cfg.prefetch >= 0, f"--prefetch must be >= 0, got {cfg.prefetch}")
     need(not cfg.prefetch or cfg.overlap is not False,
          f"--prefetch {cfg.prefetch} needs overlap (a gather runs beside compute only then): drop --no-overlap "

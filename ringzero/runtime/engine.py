@@ -61,6 +61,7 @@ import numpy as np
 
 from ringzero.comm.backend import select_device, xp_for
 from ringzero.comm.ring import Ring
+from ringzero.comm.trace import RECORDER
 from ringzero.runtime import norms, passes, reports, stream, update
 from ringzero.runtime.flat import Layout
 from ringzero.runtime.host_tier import DeviceLink, PinnedArena
@@ -214,6 +215,9 @@ class Zero:
         """One optimizer step on this rank's batch (x, y): (B, T) ints, run as
         grad_accum micro-batches of B/K rows."""
         Ring.set_context(f"step {self.step_count}")   # named by the Ring's stall and timeout lines
+        rec = RECORDER if RECORDER.active else None      # --trace (comm/trace.py): events carry this step
+        if rec:
+            rec.at_step(self.step_count)
         led0 = reports.ledger_totals(self.topology)
         net0 = reports.ledger_totals(self.topology, "bytes_sent_internode")
         io0 = reports.io_snapshot(self)
@@ -239,14 +243,23 @@ class Zero:
         # Every dot stays on the device (one (pieces, units) fp32 buffer) and
         # comes back in one copy per step: no host sync per unit per piece.
         update.drain_ahead(self)                     # the last step's update, if it ran beside this forward
+        t1 = time.perf_counter()
         sumsq = norms.share_scalars(self, loss, norms.piece_sumsq(self))
+        if rec:
+            rec.span("grad norm", "norm", t1, time.perf_counter())
         loss = float(self._all_scalars[:, 0].sum() / n) if n > 1 else loss
         inv = 1.0 / (seed * K * n)                   # K = 1: 1 / (scale * n)
         gnorm = math.sqrt(sumsq) * inv if math.isfinite(sumsq) else float("inf")
         skipped = self.scaler.update(not math.isfinite(sumsq))
         if not skipped:
+            t1 = time.perf_counter()
             update.apply(self, np.float32(inv * clip_coef(gnorm, self.adam.cfg.grad_clip)), lr)
+            if rec:
+                rec.span("update", "update", t1, time.perf_counter())
         self.step_count += 1
+        if rec:
+            rec.span("forward + backward", "fwd_bwd", t0, t0 + fb)
+            rec.step = -1
         reports.io_delta(self, io0)
         led1 = reports.ledger_totals(self.topology)
         self.last_step_ledger = {k: led1[k] - led0.get(k, 0) for k in led1}

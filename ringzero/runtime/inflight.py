@@ -42,6 +42,8 @@ from __future__ import annotations
 import os
 import time
 
+from ringzero.comm.trace import RECORDER
+
 
 class Inflight:
     """Started collectives by what they hold, and the step's communication seconds."""
@@ -110,6 +112,9 @@ class Inflight:
         """A collective of `kind` ("reduce", "gather") ran on the caller's thread."""
         self._t[kind] += seconds
         self._t[kind + "_exposed"] += seconds
+        if RECORDER.active:      # --trace: the whole blocking section (copy-in, cast, the collective) as exposed
+            t1 = time.perf_counter()
+            RECORDER.span(f"{kind} (blocking)", "comm_block", t1 - seconds, t1)
 
     def timeline(self) -> dict:
         t = self._t

@@ -58,6 +58,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ringzero.comm.trace import RECORDER
 from ringzero.runtime.offload import OPTIMIZER, FileView, OffloadError, fault, on_disk
 
 
@@ -109,6 +110,9 @@ class TileStream:
             if self.policy.drop_cache:
                 view.store.drop(view.start, view.size)     # clean pages: dropped at once
         self.timeline["read_s"] += time.perf_counter() - t0
+        if RECORDER.active:                               # --trace: the read on the reader thread, its bytes
+            RECORDER.span(f"read u{t.u} r{t.r}", "offload_read", t0, time.perf_counter(),
+                          nbytes=sum(v.store.dtype.itemsize * v.size for _, v in self._views(t, names)))
 
     def _write(self, t: Tile, slot, names, i: int, behind, written=None):
         t0 = time.perf_counter()
@@ -124,6 +128,9 @@ class TileStream:
             for name, view in self._views(behind, names):
                 view.store.drop(view.start, view.size)
         self.timeline["write_s"] += time.perf_counter() - t0
+        if RECORDER.active:
+            RECORDER.span(f"write u{t.u} r{t.r}", "offload_write", t0, time.perf_counter(),
+                          nbytes=sum(v.store.dtype.itemsize * v.size for _, v in self._views(t, names)))
         if written is not None:
             written(t)
 
@@ -150,6 +157,9 @@ class TileStream:
                 pending_r.pop(i).result()
                 t1 = time.perf_counter()
                 compute(t, self.slots[i % nb])
+                if RECORDER.active:                        # the read waited for, then the tile's arithmetic
+                    RECORDER.span("tile wait", "offload_wait", t0, t1)
+                    RECORDER.span(f"adam u{t.u} r{t.r} [{t.lo}:{t.hi}]", "update_piece", t1, time.perf_counter())
                 self.timeline["exposed_s"] += t1 - t0
                 self.timeline["compute_s"] += time.perf_counter() - t1
                 pending_w[i] = self._wr.submit(self._write, t, self.slots[i % nb], writes, i if armed else -1,
