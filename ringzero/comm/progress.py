@@ -87,7 +87,7 @@ class Pending:
         return self._done.is_set()
 
     def wait(self):
-        if self.flow:                # traced: the wait is a span that ends the start's flow
+        if self.flow or RECORDER.active:   # traced: the wait is a span (that ends the start's flow)
             t0 = time.perf_counter()
             try:
                 return self._wait()

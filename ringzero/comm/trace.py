@@ -189,6 +189,8 @@ class Recorder:
     def waited(self, name: str, fid: int, t0: float, t1: float, nbytes: int = 0):
         """The caller waited [t0, t1] for started collective ``fid``: its wait span ends the flow."""
         self.span(f"{name}.wait", "comm_wait", t0, t1, None, fid)
+        if not fid:              # started before the window opened: a wait, no flow, not counted in flight
+            return
         self.flow("f", fid, t0 + (t1 - t0) / 2)
         self.inflight = max(0, self.inflight - nbytes)
         self.counter("comm bytes in flight", self.inflight, t1)

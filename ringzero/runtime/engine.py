@@ -224,7 +224,7 @@ class Zero:
         scale, n, K = self.scaler.scale, self.topology.world_size, self.grad_accum
         seed = self._seed()
         loss = 0.0
-        t0 = time.perf_counter()
+        t0 = self.trace_t0 = time.perf_counter()
         for k, (xk, yk) in enumerate(self.micro_batches(x, y)):
             loss += self.forward_backward(xk, yk, k)
         loss /= K                                    # the mean of the micro-batch means

@@ -35,7 +35,7 @@ def train_pass(engine, x, y, micro: int = 0) -> float:
     # collectives out of them when it writes (comm/trace.py), so the compute spans sum to the engine's
     # compute time (its wall time less the exposed communication)
     rec = RECORDER if RECORDER.active else None
-    tp = perf_counter()
+    tp = perf_counter() if micro or not rec else engine.trace_t0     # the step's start (engine.step)
     for i in range(U):
         if gathers:                      # stages 1-2 with overlap: the update's gathers, unit by unit
             gathers.wait(engine.layout.needs(i))
@@ -81,6 +81,8 @@ def train_pass(engine, x, y, micro: int = 0) -> float:
             tp = t2
     ws.drain()                           # every reduction done before anyone reads the grads
     engine.activation_peak = max(engine.activation_peak, peak)
+    if rec:
+        rec.span("drain", "compute", tp, perf_counter())       # its waits cut out: what is left is bookkeeping
     return loss
 
 
