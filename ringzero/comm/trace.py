@@ -203,6 +203,7 @@ class Recorder:
         us = 1e6
         out = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": f"rank {pid}"}},
                {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}}]
+        main = threading.main_thread().ident
         for tid, tname, arr, n in self._bufs:
             out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": tname}})
             for e, t0, t1 in _cut(arr[:n[0]], self.names):
@@ -231,6 +232,10 @@ class Recorder:
                     if ph == "f":
                         d["bp"] = "e"
                 out.append(d)
+                out.extend(_device_lane(d, main, len(out)))
+        for tid, name in ((STREAMS["compute"], "stream 7: compute (the main thread as the device)"),
+                          (STREAMS["comm"], "stream 13: collectives (as communication kernels)")):
+            out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
         return out
 
     def write(self, path: str):
@@ -248,6 +253,32 @@ class Recorder:
 RECORDER = Recorder()
 CUT = ("compute",)                          # spans cut around the waits inside them ...
 WAITS = ("comm", "comm_wait", "comm_start", "comm_block")  # ... which are these, on the same thread
+
+
+STREAMS = {"compute": 7, "comm": 13}       # the device lane's two "streams" (HTA reads args.stream)
+
+
+def _device_lane(d, main, corr: int):
+    """The CPU run presented as a device, for readers built around GPU kernels (Holistic Trace Analysis):
+    a compute span of the main thread is a compute kernel on stream 7, a collective (on any thread) a
+    communication kernel ("ncclDevKernel_<Op>", the name HTA's is_comm_kernel matches) on stream 13, and
+    each step span a ProfilerStep#N annotation (HTA's iterations). Copies: the thread lanes stay as they are;
+    a kernel and its span share args.correlation (HTA keeps the kernels whose launch it finds)."""
+    cat = d["cat"]
+    if d["ph"] != "X":
+        return ()
+    if cat == "step":
+        return ({**d, "name": f"ProfilerStep#{d['args']['step']}", "cat": "user_annotation"},)
+    if cat == "compute" and d["tid"] == main:
+        name, stream = d["name"], STREAMS["compute"]
+    elif cat == "comm":
+        name = "ncclDevKernel_" + "".join(w.capitalize() for w in d["name"].split("_")) + "_" + d["args"]["schedule"]
+        stream = STREAMS["comm"]
+    else:
+        return ()
+    d["args"]["correlation"] = corr
+    return ({**d, "name": name, "cat": "kernel", "tid": stream,
+             "args": {"stream": stream, "device": d["pid"], "correlation": corr, "step": d["args"]["step"]}},)
 
 
 def _cut(events, names):

@@ -125,6 +125,36 @@ def breakdown(docs) -> dict:
     return dict(sorted(out.items()))
 
 
+def _merged(spans) -> list:
+    """[(start, end)] of the spans' union, in order."""
+    out = []
+    for a, b in sorted((e["ts"], e["ts"] + e["dur"]) for e in spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def overlap(doc) -> float:
+    """The fraction of this rank's collective time (every collective, on any thread) during which its main
+    thread computed: HTA's computation/communication overlap, over the whole recorded window."""
+    tid = main_tid(doc)
+    ev = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    comm = _merged([e for e in ev if e["cat"] == "comm"])
+    comp = _merged([e for e in ev if e["cat"] == "compute" and e["tid"] == tid])
+    both, j = 0.0, 0
+    for a, b in comm:
+        while j < len(comp) and comp[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(comp) and comp[k][0] < b:
+            both += min(b, comp[k][1]) - max(a, comp[k][0])
+            k += 1
+    total = sum(b - a for a, b in comm)
+    return both / total if total else 0.0
+
+
 def stragglers(bd: dict) -> dict:
     """{step: (straggler rank, the others' mean wait for it µs, their max µs)}: the rank that waited least
     (in collectives and the step's barrier); the others waited that much longer for it."""
@@ -175,6 +205,9 @@ def summary_text(d: str) -> str:
     lines.append("collective        n           S   calls    mean us   algbw GB/s   busbw GB/s")
     for op, n, size, calls, t, alg, bus in bandwidth(docs):
         lines.append(f"{op:15s} {n:3d} {size:11,d} {calls:7d} {t:10.1f} {alg:12.3f} {bus:12.3f}")
+    for doc in docs:
+        lines.append(f"rank {doc['distributedInfo']['rank']}: computation ran during {100 * overlap(doc):.1f} % of "
+                     "the collectives' time (the comm/comp overlap)")
     for s, (slow, mean, mx) in stragglers(bd).items():
         lines.append(f"step {s}: straggler rank {slow}; the others waited for it {mean / 1e3:.2f} ms "
                      f"(mean), {mx / 1e3:.2f} ms (max)")
