@@ -20,7 +20,8 @@ import trainer_cli as cli
 
 from ringzero.tools import trace_summary as ts
 
-STEPS = ["--steps", "6", "--trace-steps", "2:5", "--seed", "3"]
+# steps of a few ms (TINY's are ~1 ms, where a few µs of bookkeeping per wait is a percent)
+STEPS = ["--steps", "6", "--trace-steps", "2:5", "--seed", "3", "--n-embd", "64", "--seq-len", "64"]
 
 
 def _run(tmp_path, name, extra, n=2, env=None, trace=True):

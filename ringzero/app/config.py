@@ -197,6 +197,24 @@ def _gathers_params(stage) -> bool:
         return False              # an unknown stage has its own message
 
 
+def trace_window(cfg) -> tuple:
+    """(A, B): the steps A <= step < B --trace records (app/tracing.py). Default: 5:8, after the first steps'
+    plan building and loss-scale skips, or the last 3 of a shorter run. Raises ConfigError."""
+    s = cfg.trace_steps
+    if not s:
+        b = min(8, cfg.steps)
+        return max(0, min(5, b - 3)), b
+    try:
+        a, b = (int(v) for v in s.split(":"))
+    except ValueError:
+        raise ConfigError(f"--trace-steps: expected A:B (two step numbers, B excluded), got {s!r}") from None
+    if not 0 <= a < b:
+        raise ConfigError(f"--trace-steps: expected 0 <= A < B, got {a}:{b}")
+    if a >= cfg.steps:
+        raise ConfigError(f"--trace-steps {s}: the run has steps 0..{cfg.steps - 1}, expected A < --steps {cfg.steps}")
+    return a, min(b, cfg.steps)
+
+
 def validate(cfg: Config):
     from ringzero.runtime import accounting
     from ringzero.sizes import parse_size
@@ -212,8 +230,7 @@ def validate(cfg: Config):
         check_setting()                # the environment's RINGZERO_BLAS, before any product
     except BlasError as e:
         raise ConfigError(str(e)) from None
-    from ringzero.app.tracing import steps_window
-    steps_window(cfg)                  # --trace-steps: A:B inside the run
+    trace_window(cfg)                  # --trace-steps: A:B inside the run
     need(cfg.prefetch is None or cfg.prefetch >= 0, f"--prefetch must be >= 0, got {cfg.prefetch}")
     need(not cfg.prefetch or cfg.overlap is not False,
          f"--prefetch {cfg.prefetch} needs overlap (a gather runs beside compute only then): drop --no-overlap "

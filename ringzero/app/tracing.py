@@ -1,7 +1,7 @@
 """The trainer's ``--trace DIR`` / ``--trace-steps A:B``: which steps are recorded, and where the files go.
 
 What it is
-    ``steps_window(cfg)`` parses --trace-steps (a ConfigError on bad input); ``TraceWindow.open(cfg, comm,
+    config.trace_window(cfg) parses --trace-steps (a ConfigError on bad input); ``TraceWindow.open(cfg, comm,
     engine)`` makes DIR, turns the process's recorder (comm/trace.py) on, and then, step by step:
 
         tw.load(train, step)      data loading, a span on the main thread
@@ -22,33 +22,13 @@ import os
 import time
 from contextlib import contextmanager
 
-from ringzero.app.config import ConfigError
+from ringzero.app.config import ConfigError, trace_window
 from ringzero.comm.trace import RECORDER, rss_bytes
-
-DEFAULT = (5, 8)                 # steps [5, 8): after warm-up
-
-
-def steps_window(cfg) -> tuple:
-    """(A, B): the steps A <= step < B recorded. Raises ConfigError on a malformed --trace-steps."""
-    s = cfg.trace_steps
-    if not s:
-        b = min(DEFAULT[1], cfg.steps)
-        return max(0, min(DEFAULT[0], b - 3)), b
-    try:
-        a, b = (int(v) for v in s.split(":"))
-    except ValueError:
-        raise ConfigError(f"--trace-steps: expected A:B (two step numbers, B excluded), got {s!r}") from None
-    if not 0 <= a < b:
-        raise ConfigError(f"--trace-steps: expected 0 <= A < B, got {a}:{b}")
-    if a >= cfg.steps:
-        raise ConfigError(f"--trace-steps {s}: the run has steps 0..{cfg.steps - 1}, expected A < --steps "
-                          f"{cfg.steps}")
-    return a, min(b, cfg.steps)
 
 
 class TraceWindow:
     def __init__(self, cfg, comm, engine):
-        self.dir, (self.a, self.b) = cfg.trace, steps_window(cfg)
+        self.dir, (self.a, self.b) = cfg.trace, trace_window(cfg)
         self.rank, self.engine = comm.rank, engine
         self.path = os.path.join(self.dir, f"rank{self.rank}_trace.json")
         self.written = False

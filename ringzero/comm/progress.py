@@ -71,9 +71,9 @@ class Pending:
     __slots__ = ("name", "recv", "reads", "writes", "ran", "cpu", "_done", "_error", "_progress",
                  "order", "finished", "flow")
 
-    def __init__(self, name, send, recv, progress=None, order=None, flow=0):
+    def __init__(self, name, send, recv, progress=None, order=None):
         self.name, self.recv = name, recv
-        self.flow = flow             # the trace's flow id (comm/trace.py): 0 when not traced
+        self.flow = 0                # the trace's flow id (comm/trace.py, set by submit): 0 when not traced
         self._progress = progress   # the Progress that runs it (told when the caller waits)
         self.order = order          # device buffers: the Ring's backend.StreamOrder (None on the host)
         self.finished = None        # ... and the event after the job's device work (set by the job)
@@ -152,6 +152,8 @@ class Progress:
         return bool(self.inflight)
 
     def submit(self, job, pending: Pending) -> Pending:
+        if RECORDER.active:          # --trace: a start span here, a flow to the job's run and to the wait
+            job = RECORDER.started(pending, job)
         self.inflight.append(pending)
         with self._cv:
             self._jobs.append((job, pending))

@@ -167,7 +167,6 @@ class Ring:
         self._broken = None
         self.diagnostics = Diagnostics(self.comm, self.limits)
         self.executor = Executor(self.comm, self.limits, self.diagnostics, self._on_fail)
-        self.trace_name = "ring"     # the trace's label of this ring (topology.py names the engine's)
         self._run = RECORDER.traced_run(self.executor.run, self)   # the run itself unless --trace
         self._progress = None        # the progress thread of the nonblocking forms, once one is started
         self._order = None           # device buffers: the progress thread's stream and device (backend.StreamOrder)
@@ -327,7 +326,6 @@ class Ring:
         plan = planmod.build(self, name, xp, send, recv, sched,
                              lambda nb, k=2, first=0: self.cache.scratch(xp, nb, k, first))
         plan.post = op == "avg"
-        plan.sched, plan.dtype, plan.size = sched, str(send.dtype), int(big.nbytes)
         plan.runs = 1
         if self.cache.offer(key, plan, send, recv, op, xp is not np):
             return lambda: self._run(plan)
@@ -355,14 +353,11 @@ class Ring:
             for p in pr.inflight:
                 p._done.wait()
             job = self._prepare(name, send, recv, op)
-        fid = 0
-        if RECORDER.active:              # the start span on this thread, the flow carried to the progress thread
-            job, fid = RECORDER.started(name, job, recv.nbytes)
         if isinstance(send, np.ndarray):
-            return pr.submit(job, Pending(name, send, recv, pr, flow=fid))
+            return pr.submit(job, Pending(name, send, recv, pr))
         if self._order is None:
             self._order = StreamOrder(get_array_module(send))
-        pending = Pending(name, send, recv, pr, self._order, flow=fid)
+        pending = Pending(name, send, recv, pr, self._order)
         return pr.submit(self._order.wrap(job, pending), pending)
 
     # ---- what plans are made of --------------------------------------------

@@ -89,6 +89,11 @@ class Recorder:
                 sum(range(10000))                # on a core, as a slow rank is
             self.span("paused (test)", "compute", t0, time.perf_counter())
 
+    def end_step(self, t0: float, fwd_bwd: float):
+        """The engine's step ends: its forward + backward span (t0, seconds), and later events are outside."""
+        self.span("forward + backward", "fwd_bwd", t0, t0 + fwd_bwd)
+        self.step = -1
+
     def disable(self):
         self.__init__()
 
@@ -162,15 +167,16 @@ class Recorder:
                 fl = getattr(rec._tls, "flow", (0, None))
                 step = rec.step if fl[1] is None else fl[1]
                 rec.span(plan.name, "comm", t0, t1, step, fl[0], plan.sent, plan.sent_net, ring.size,
-                         plan.sched, plan.dtype, ring.trace_name, plan.size)
+                         plan.sched, plan.dtype, getattr(ring, "trace_name", ""), plan.size)
                 if fl[0]:
                     rec.flow("t", fl[0], t0 + (t1 - t0) / 2, step)
         return traced
 
-    def started(self, name: str, job, nbytes: int = 0):
-        """A nonblocking collective started on this thread: its start span and flow, and ``job`` wrapped to
-        carry the flow id and step to the progress thread. Returns (job, flow id)."""
+    def started(self, pending, job):
+        """A nonblocking collective started on this thread (``pending``, progress.py): its start span and
+        flow (``pending.flow``), and ``job`` wrapped to carry the flow id and step to the progress thread."""
         fid, step, t0 = self.new_flow(), self.step, time.perf_counter()
+        name, pending.flow = pending.name, fid
         rec = self
 
         def carried():
@@ -182,9 +188,9 @@ class Recorder:
         t1 = time.perf_counter()
         self.span(f"{name}.start", "comm_start", t0, t1, step, fid)
         self.flow("s", fid, t0 + (t1 - t0) / 2, step)
-        self.inflight += nbytes
+        self.inflight += pending.recv.nbytes
         self.counter("comm bytes in flight", self.inflight, t1)
-        return carried, fid
+        return carried
 
     def waited(self, name: str, fid: int, t0: float, t1: float, nbytes: int = 0):
         """The caller waited [t0, t1] for started collective ``fid``: its wait span ends the flow."""

@@ -252,14 +252,10 @@ class Zero:
         gnorm = math.sqrt(sumsq) * inv if math.isfinite(sumsq) else float("inf")
         skipped = self.scaler.update(not math.isfinite(sumsq))
         if not skipped:
-            t1 = time.perf_counter()
             update.apply(self, np.float32(inv * clip_coef(gnorm, self.adam.cfg.grad_clip)), lr)
-            if rec:
-                rec.span("update", "update", t1, time.perf_counter())
         self.step_count += 1
         if rec:
-            rec.span("forward + backward", "fwd_bwd", t0, t0 + fb)
-            rec.step = -1
+            rec.end_step(t0, fb)
         reports.io_delta(self, io0)
         led1 = reports.ledger_totals(self.topology)
         self.last_step_ledger = {k: led1[k] - led0.get(k, 0) for k in led1}

@@ -31,6 +31,7 @@ from ringzero.runtime import optim, stream
 
 def apply(engine, coef, lr: float):
     """One step's AdamW on this rank's pieces, and the params published (see the module docstring)."""
+    t0 = time.perf_counter()
     engine.adam.begin_step()
     if engine.update_ahead is not None:          # beside the next forward, unit by unit
         engine.update_ahead.start(engine, coef, lr)
@@ -50,6 +51,8 @@ def apply(engine, coef, lr: float):
         dt = time.perf_counter() - t1            # stages 1-2: the blocking gathers (and casts)
         for k in ("param_gather_s", "param_gather_exposed_s", "comm_s"):
             engine.timeline[k] += dt
+    if RECORDER.active:                          # --trace: the update's span (its pieces and gathers inside)
+        RECORDER.span("update", "update", t0, time.perf_counter())
 
 
 def _in_ram(engine, coef, lr: float):

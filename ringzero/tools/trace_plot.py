@@ -41,7 +41,6 @@ def _lanes(doc, step):
 
 
 def plot_trace(d: str, step: int, out: str) -> str:
-    from ringzero.tools.plot import _plt
     docs = load(d)
     spans = [e for doc in docs for e in doc["traceEvents"] if e["ph"] == "X" and e.get("cat") == "step"
              and e["args"]["step"] == step]
@@ -50,7 +49,12 @@ def plot_trace(d: str, step: int, out: str) -> str:
         raise TraceError(f"{d}: no step {step} in the traces; recorded steps: {have}")
     t0 = min(e["ts"] for e in spans)
     lanes = [lane for doc in docs for lane in _lanes(doc, step)]
-    plt = _plt()
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("ringzero.plot needs matplotlib: pip install 'ringzero[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(11, 0.45 * len(lanes) + 1.6), dpi=110)
     seen = set()
     for y, (label, es) in enumerate(lanes):
