@@ -171,3 +171,14 @@ def test_bad_flags_and_directories_exit_2(tmp_path):
     r = subprocess.run([sys.executable, "-m", "ringzero.trace", "summary", str(tmp_path)], capture_output=True,
                        text=True)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no rank*_trace.json" in r.stderr, r.stderr
+
+
+def test_plot_trace_draws_a_step_and_refuses_one_not_recorded(runs, tmp_path):
+    pytest.importorskip("matplotlib")
+    from ringzero.tools import plot
+    out = tmp_path / "step.png"
+    assert plot.main(["trace", runs["off"], "--step", "3", "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    with pytest.raises(SystemExit) as e:
+        plot.main(["trace", runs["off"], "--step", "9", "-o", str(out)])
+    assert e.value.code == 2

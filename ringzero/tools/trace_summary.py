@@ -208,9 +208,18 @@ def summary_text(d: str) -> str:
     for doc in docs:
         lines.append(f"rank {doc['distributedInfo']['rank']}: computation ran during {100 * overlap(doc):.1f} % of "
                      "the collectives' time (the comm/comp overlap)")
-    for s, (slow, mean, mx) in stragglers(bd).items():
+    st = stragglers(bd)
+    for s, (slow, mean, mx) in st.items():
         lines.append(f"step {s}: straggler rank {slow}; the others waited for it {mean / 1e3:.2f} ms "
                      f"(mean), {mx / 1e3:.2f} ms (max)")
+    if st:               # over the window: the rank the others waited for longest in all
+        waited = defaultdict(float)
+        for slow, mean, _ in st.values():
+            waited[slow] += mean
+        r = max(waited, key=waited.get)
+        k = sum(1 for v in st.values() if v[0] == r)
+        lines.append(f"straggler over steps {min(st)}-{max(st)}: rank {r} ({k} of {len(st)} steps; the others "
+                     f"waited for it {waited[r] / 1e3:.2f} ms in all, mean over them)")
     return "\n".join(lines)
 
 
