@@ -182,3 +182,12 @@ def test_plot_trace_draws_a_step_and_refuses_one_not_recorded(runs, tmp_path):
     with pytest.raises(SystemExit) as e:
         plot.main(["trace", runs["off"], "--step", "9", "-o", str(out)])
     assert e.value.code == 2
+
+
+def test_the_default_window_counts_from_a_resumed_step(tmp_path):
+    base = cli.TINY + ["--data", cli.corpus(tmp_path / "c.txt"), "--save-dir", str(tmp_path / "ck")]
+    rcs, out, err = cli.run(base + ["--steps", "4", "--save-every", "4"], tmp_path)
+    assert rcs == {0: 0, 1: 0}, cli.tail(out, err)
+    rcs, out, err = cli.run(base + ["--steps", "10", "--resume", "latest", "--trace", str(tmp_path / "t")], tmp_path)
+    assert rcs == {0: 0, 1: 0}, cli.tail(out, err)
+    assert sorted(ts.breakdown(ts.load(str(tmp_path / "t")))) == [9]     # steps 4 + 5 .. 4 + 8, cut at the run's end

@@ -11,7 +11,7 @@ What it is
                                   first step past the window, or at the end of a run that ends inside it
 
     The default window: steps 5, 6, 7 (after the first steps' plan building and loss-scale skips), or the
-    last three steps of a shorter run.
+    last three steps of a shorter run; a resumed run counts them from its first step.
 
 What it is not
     The recorder (comm/trace.py) or the reader (tools/trace_summary.py, ``python -m ringzero.trace``).
@@ -31,7 +31,9 @@ class TraceWindow:
         self.dir, (self.a, self.b) = cfg.trace, trace_window(cfg)
         self.rank, self.engine = comm.rank, engine
         self.path = os.path.join(self.dir, f"rank{self.rank}_trace.json")
-        self.written = False
+        self.written, self.first = False, None
+        self.relative = not cfg.trace_steps and cfg.resume    # the default window counts from a resumed step
+        self.last = cfg.steps
         topo = engine.topology
         RECORDER.enable(comm.rank, comm.size, topo.nodes.count, "mpi", stage=str(engine.stage),
                         precision=engine.precision, overlap=bool(engine.overlap), steps=[self.a, self.b],
@@ -56,6 +58,10 @@ class TraceWindow:
 
     def load(self, train, step):
         """train.get(step), a "data" span when recorded."""
+        if self.first is None:
+            self.first = step
+            if self.relative and step:
+                self.a, self.b = min(step + self.a, self.last - 1), min(step + self.b, self.last)
         if step >= self.b:
             self.close()                  # past the window (its last eval and save recorded): write once
         RECORDER.active = self.a <= step < self.b
