@@ -108,3 +108,39 @@ def test_a_missing_rank_is_one_line(tmp_path):
         ts.load(str(tmp_path))
     (tmp_path / "rank1_trace.json").write_text("{not json")
     assert ts.main(["summary", str(tmp_path)]) == 2
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("stage,overlap", [("2", False), ("2", True), ("3", True), ("hybrid", True)])
+def test_recorded_bytes_are_the_ledgers_across_emulated_nodes(comm, stage, overlap):
+    """Each step's collective bytes in the trace, and their inter-node part, equal the engine's ledger
+    (last_step_ledger, last_step_internode) on every rank, on two emulated nodes where n allows."""
+    from conftest import assert_all
+    from test_internode import node_layouts
+    from test_zero import batches, engine
+
+    from ringzero.comm.trace import RECORDER
+    n = comm.size
+    lay = [x for x in node_layouts(n) if x[1] == 2] or node_layouts(n)[:1]
+    if not lay or (stage == "hybrid" and lay[0][1] < 2):
+        pytest.skip(f"no layout of {n} ranks on two nodes")
+    labels = lay[0][3]
+    RECORDER.enable(comm.rank, n, 2)         # before the engine: its Rings wrap their runs
+    try:
+        eng = engine(comm, stage, nodes=labels, overlap=overlap)
+        data = batches(comm, n, comm.rank)
+        got, want = [], []
+        RECORDER.active = True
+        for s in range(3):
+            x, y = data.get(s)
+            eng.step(x, y, 1e-3)
+            want.append((sum(eng.last_step_ledger.values()), sum(eng.last_step_internode.values())))
+        eng.wait_params()
+        RECORDER.active = False
+        ev = [e for e in RECORDER.events() if e.get("cat") == "comm" and e["args"]["ring"] in ("shard", "replica")]
+        for s in range(3):
+            mine = [e["args"] for e in ev if e["args"]["step"] == s]
+            got.append((sum(a["bytes"] for a in mine), sum(a["inter_node_bytes"] for a in mine)))
+    finally:
+        RECORDER.disable()
+    assert_all(comm, got == want and all(w[1] > 0 for w in want), f"rank {comm.rank}: trace {got}, ledger {want}")
