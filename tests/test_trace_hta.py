@@ -2,7 +2,7 @@
 ``python -m ringzero.trace summary`` (skipped cleanly where ``holistictraceanalysis`` is not installed).
 
 HTA is built around GPU kernels on streams; comm/trace.py presents the CPU run as a device (compute spans of
-the main thread as kernels on stream 7, collectives as ncclDevKernel_* on stream 13, ProfilerStep#N per step).
+the main thread as kernels on stream 7, collectives as ncclKernel_* on stream 13, ProfilerStep#N per step).
 Checked: HTA's computation/communication overlap (get_comm_comp_overlap) against summary's overlap, and
 HTA's compute time (get_temporal_breakdown) against summary's compute over the recorded steps, within 5 %.
 """

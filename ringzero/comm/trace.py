@@ -267,7 +267,7 @@ STREAMS = {"compute": 7, "comm": 13}       # the device lane's two "streams" (HT
 def _device_lane(d, main, corr: int):
     """The CPU run presented as a device, for readers built around GPU kernels (Holistic Trace Analysis):
     a compute span of the main thread is a compute kernel on stream 7, a collective (on any thread) a
-    communication kernel ("ncclDevKernel_<Op>", the name HTA's is_comm_kernel matches) on stream 13, and
+    communication kernel ("ncclKernel_<Op>", the names HTA matches) on stream 13, and
     each step span a ProfilerStep#N annotation (HTA's iterations). Copies: the thread lanes stay as they are;
     a kernel and its span share args.correlation (HTA keeps the kernels whose launch it finds)."""
     cat = d["cat"]
@@ -278,7 +278,7 @@ def _device_lane(d, main, corr: int):
     if cat == "compute" and d["tid"] == main:
         name, stream = d["name"], STREAMS["compute"]
     elif cat == "comm":
-        name = "ncclDevKernel_" + "".join(w.capitalize() for w in d["name"].split("_")) + "_" + d["args"]["schedule"]
+        name = "ncclKernel_" + "".join(w.capitalize() for w in d["name"].split("_")) + "_" + d["args"]["schedule"]
         stream = STREAMS["comm"]
     else:
         return ()

@@ -91,7 +91,7 @@ def _name(kind: str, u: int, U: int, engine) -> str:
     s = f"{kind} {u}"
     if u == U - 1:
         s += " + loss"
-    if kind == "backward" and getattr(engine.model, "checkpoint", False) and u < U - 1:
+    if kind == "backward" and getattr(engine.model, "checkpoint", False) and 0 < u < U - 1:   # the blocks
         s += " (recompute)"
     return s
 
