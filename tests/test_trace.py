@@ -144,3 +144,30 @@ def test_recorded_bytes_are_the_ledgers_across_emulated_nodes(comm, stage, overl
     finally:
         RECORDER.disable()
     assert_all(comm, got == want and all(w[1] > 0 for w in want), f"rank {comm.rank}: trace {got}, ledger {want}")
+
+
+@pytest.mark.mpi
+@pytest.mark.standin
+def test_a_device_run_records_its_collectives_and_flows(comm, monkeypatch):
+    """--device cuda under the strict CuPy stand-in, stage 3 with overlap: the started collectives' jobs are
+    wrapped by the stream order and then by the recorder; a step's bytes are still the ledger's."""
+    import cupy_standin
+    from conftest import assert_all
+    from test_standin import _run
+
+    from ringzero.comm.trace import RECORDER
+    cupy_standin.install(monkeypatch)
+    RECORDER.enable(comm.rank, comm.size)
+    RECORDER.active = True
+    try:
+        _, _, eng = _run(comm, "3", "cuda", steps=2, overlap=True)
+        eng.wait_params()
+        ev = RECORDER.events()
+    finally:
+        RECORDER.disable()
+    got = sum(e["args"]["bytes"] for e in ev if e.get("cat") == "comm" and e["args"]["step"] == 1
+              and e["args"]["ring"] == "shard")
+    flows = {e["ph"] for e in ev if e["ph"] in "stf"}
+    want = sum(eng.last_step_ledger.values())
+    ok = got == want and (comm.size == 1 or (want > 0 and flows == set("stf")))
+    assert_all(comm, ok, f"trace {got} B, ledger {want} B, flow phases {flows}")
