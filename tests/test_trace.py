@@ -171,3 +171,28 @@ def test_a_device_run_records_its_collectives_and_flows(comm, monkeypatch):
     want = sum(eng.last_step_ledger.values())
     ok = got == want and (comm.size == 1 or (want > 0 and flows == set("stf")))
     assert_all(comm, ok, f"trace {got} B, ledger {want} B, flow phases {flows}")
+
+
+def test_a_job_started_before_the_window_is_not_counted_in_it():
+    """The ledger counts a started collective when it starts: one started before the window opened and run
+    inside it belongs to no recorded step, also after a traced job ran on the same thread."""
+    r = _rec()
+
+    class Plan:
+        name, sent, sent_net, sched, dtype, size = "all_gather", 8, 0, "ring", "float16", 16
+    run = r.traced_run(lambda p, bg=False: None, type("R", (), {"size": 2, "trace_name": "shard"})())
+
+    class Pending:
+        name, recv, flow = "all_gather", type("B", (), {"nbytes": 16})(), 0
+    job = r.started(Pending, lambda: run(Plan, True))   # started in the window: carried to the thread
+    seen = []
+
+    def worker():
+        job()                      # traced, with its flow
+        run(Plan, True)            # started before the window: not recorded
+        seen.append(True)
+    th = threading.Thread(target=worker)
+    th.start()
+    th.join()
+    comm = [e for e in r.events() if e.get("cat") == "comm"]
+    assert seen and len(comm) == 1 and comm[0]["args"]["flow"] == Pending.flow > 0

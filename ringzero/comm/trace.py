@@ -157,14 +157,14 @@ class Recorder:
         rec = self
 
         def traced(plan, background=False):
-            if not rec.active or (background and not getattr(rec._tls, "flow", None)):
+            fl = getattr(rec._tls, "flow", None) or (0, None)     # (flow id, step) of a started job
+            if not rec.active or (background and not fl[0]):
                 return run(plan, background)      # off, or started before the window opened
             t0 = time.perf_counter()
             try:
                 return run(plan, background)
             finally:
                 t1 = time.perf_counter()
-                fl = getattr(rec._tls, "flow", (0, None))
                 step = rec.step if fl[1] is None else fl[1]
                 rec.span(plan.name, "comm", t0, t1, step, fl[0], plan.sent, plan.sent_net, ring.size,
                          plan.sched, plan.dtype, getattr(ring, "trace_name", ""), plan.size)
