@@ -33,8 +33,8 @@ import time
 
 import numpy as np
 
-# one event, 80 bytes; strings are ids into Recorder.names. A collective's "bytes" are what this rank
-# sent (the ledger's figure), "size" is S, the whole buffer (nccl-tests' size, for the bandwidths)
+# one event, 77 bytes (EVENT.itemsize, packed); strings are ids into Recorder.names. A collective's
+# "bytes" are what this rank sent (the ledger's figure), "size" is S, the whole buffer (nccl-tests' size)
 EVENT = np.dtype([("name", np.int32), ("cat", np.int32), ("ph", np.uint8), ("step", np.int32),
                   ("t0", np.float64), ("t1", np.float64), ("flow", np.int64),
                   ("bytes", np.int64), ("net", np.int64), ("group", np.int32),
