@@ -244,4 +244,6 @@ def main(argv=None) -> int:
     except TraceError as e:
         print(f"ringzero.trace: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:          # `summary DIR | head`: the reader left; no traceback at exit either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
