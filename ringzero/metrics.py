@@ -12,7 +12,7 @@ What it is
 
     ``STEP_KEYS`` and ``SUMMARY_KEYS`` name the fields every record of each
     kind carries. ``MetricsWriter(path)`` writes them (a line per call, in
-    order); ``read_metrics(path)`` returns (step records, summary or None).
+    order, each flushed to the file as it is written); ``read_metrics(path)`` returns (step records, summary or None).
 
 What it is not
     No MPI and no engine: the trainer decides what goes in a record and which
@@ -45,7 +45,9 @@ class MetricsWriter:
         self._write({"summary": True, **{k: v for k, v in record.items() if k != "summary"}})
 
     def _write(self, record: dict):
+        # flushed per line: `tail -f` and a crash both see every step written so far (issue 51, item 4)
         self._fh.write(json.dumps(record) + "\n")
+        self._fh.flush()
 
     def close(self):
         self._fh.close()

@@ -87,6 +87,10 @@ class Config:
     eval_interval: int = opt(100, "steps between held-out evaluations (0 = only at the end)")
     eval_batches: int = opt(4, "batches per evaluation, per rank")
     metrics: str = opt("", "write one JSON object per step here (JSONL)")
+    trace: str = opt("", "write a timeline of --trace-steps per rank, DIR/rank{R}_trace.json (Chrome trace format: "
+                         "Perfetto, HTA; python -m ringzero.trace summary DIR; docs/trace.md)")
+    trace_steps: str = opt("", 'the steps A:B (B excluded) --trace records ("" = 5:8, or the last 3 of a '
+                               'shorter run)')
     sample_chars: int = opt(200, "length of the text sample at the end (0 = none)")
     # ---- checkpoints (ringzero.runtime.checkpoint)
     save_every: int = opt(0, "save every N steps into --save-dir (0 = never)")
@@ -202,6 +206,24 @@ def _gathers_params(stage) -> bool:
         return False              # an unknown stage has its own message
 
 
+def trace_window(cfg) -> tuple:
+    """(A, B): the steps A <= step < B --trace records (app/tracing.py). Default: 5:8, after the first steps'
+    plan building and loss-scale skips, or the last 3 of a shorter run. Raises ConfigError."""
+    s = cfg.trace_steps
+    if not s:
+        b = min(8, cfg.steps)
+        return max(0, min(5, b - 3)), b
+    try:
+        a, b = (int(v) for v in s.split(":"))
+    except ValueError:
+        raise ConfigError(f"--trace-steps: expected A:B (two step numbers, B excluded), got {s!r}") from None
+    if not 0 <= a < b:
+        raise ConfigError(f"--trace-steps: expected 0 <= A < B, got {a}:{b}")
+    if a >= cfg.steps:
+        raise ConfigError(f"--trace-steps {s}: the run has steps 0..{cfg.steps - 1}, expected A < --steps {cfg.steps}")
+    return a, min(b, cfg.steps)
+
+
 def validate(cfg: Config):
     from ringzero.runtime import accounting
     from ringzero.sizes import parse_size
@@ -217,6 +239,7 @@ def validate(cfg: Config):
         check_setting()                # the environment's RINGZERO_BLAS, before any product
     except BlasError as e:
         raise ConfigError(str(e)) from None
+    trace_window(cfg)                  # --trace-steps: A:B inside the run
     need(cfg.prefetch is None or cfg.prefetch >= 0, f"--prefetch must be >= 0, got {cfg.prefetch}")
     need(not cfg.prefetch or cfg.overlap is not False,
          f"--prefetch {cfg.prefetch} needs overlap (a gather runs beside compute only then): drop --no-overlap "

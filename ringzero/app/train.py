@@ -28,6 +28,7 @@ import dataclasses
 import os
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -108,7 +109,7 @@ def saves_on_stop(cfg: Config) -> bool:
     return bool(cfg.save_every or cfg.resume or cfg.save_dir != Config.save_dir)
 
 
-def train_loop(cfg: Config, comm, engine, train, evaluate, writer, say, stop=None) -> LoopResult:
+def train_loop(cfg: Config, comm, engine, train, evaluate, writer, say, stop=None, tw=None) -> LoopResult:
     """Steps from the resume point (or 0) to cfg.steps: one engine.step each,
     a metrics record, a checkpoint every cfg.save_every, a held-out eval every
     cfg.eval_interval (the final one is the end report's).
@@ -116,6 +117,7 @@ def train_loop(cfg: Config, comm, engine, train, evaluate, writer, say, stop=Non
     ``stop`` (a preempt.StopRequest) is read before every step; the engine
     shares it with the step's scalars, and once any rank has a signal every
     rank saves (saves_on_stop) and raises preempt.Stopped after the same step.
+    ``tw``: the --trace window (tracing.py), or None.
     """
     from ringzero.app.preempt import Stopped
     from ringzero.app.preempt import name as signame
@@ -139,7 +141,7 @@ def train_loop(cfg: Config, comm, engine, train, evaluate, writer, say, stop=Non
             bar.update(start)
     t_start = time.perf_counter()
     for step in range(start, cfg.steps):
-        x, y = train.get(step)
+        x, y = tw.load(train, step) if tw else train.get(step)
         engine.model.check_tokens(x, y)          # on the host, where they start (no device reductions)
         lr = lr_at(cfg, step)
         engine.stop_request = stop.signum if stop is not None else 0
@@ -147,6 +149,8 @@ def train_loop(cfg: Config, comm, engine, train, evaluate, writer, say, stop=Non
         t0 = time.perf_counter()
         res = engine.step(xp.asarray(x), xp.asarray(y), lr)
         dt = time.perf_counter() - t0
+        if tw:
+            tw.stepped(step, t0, dt)
         out.times.append(dt)
         out.losses.append(res.loss)
         tps = tokens_per_step / dt
@@ -164,7 +168,8 @@ def train_loop(cfg: Config, comm, engine, train, evaluate, writer, say, stop=Non
             bar.update(1)
         saved = None
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
-            saved = _save(cfg, engine, step + 1)
+            with tw.span("checkpoint save", "checkpoint") if tw else nullcontext():
+                saved = _save(cfg, engine, step + 1)
             note(f"step {step + 1}: saved {saved}")
         if res.stop:            # every rank read the same max: all stop here
             if bar:
@@ -178,7 +183,9 @@ def train_loop(cfg: Config, comm, engine, train, evaluate, writer, say, stop=Non
             say(f"ringzero | {signame(res.stop)} at step {step + 1}: {what}; exiting {code}")
             raise Stopped(res.stop, step + 1, saved)
         if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0 and step + 1 < cfg.steps:
-            note(f"step {step + 1}: held-out loss {evaluate():.4f}")
+            with tw.span("evaluation", "eval") if tw else nullcontext():
+                ev = evaluate()
+            note(f"step {step + 1}: held-out loss {ev:.4f}")
     if bar:
         bar.close()
     out.wall = time.perf_counter() - t_start
@@ -260,8 +267,12 @@ def run(cfg: Config, comm, stop=None) -> dict:
     mem = start_report(say, cfg, corpus, engine, H)
     # the metrics file is opened only now, after every check passed
     writer = agree(comm, lambda: _open_metrics(cfg, rank))
+    from ringzero.app.tracing import TraceWindow
+    tw = agree(comm, lambda: TraceWindow.open(cfg, comm, engine))     # --trace DIR: made on every rank
     try:
-        loop = train_loop(cfg, comm, engine, train, evaluate, writer, say, stop)
+        loop = train_loop(cfg, comm, engine, train, evaluate, writer, say, stop, tw)
+        if tw:
+            tw.close()
         end = end_report(say, cfg, engine, loop, evaluate(), H)
         sample = _sample(engine, model, corpus, cfg) if cfg.sample_chars else ""
         if sample:

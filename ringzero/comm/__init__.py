@@ -10,6 +10,7 @@
     algorithms   the schedules, each written once: ring, tree, recursive doubling, direct
     builder      the primitives they are written in (persistent requests, waits, adds)
     steps        the plan's named step records and CollectivePlan
+    trace        the timeline recorder (--trace): per-thread event buffers, written as Chrome trace JSON
     executor     runs a plan: waits inside MPI, checks every count, raises on the caller's thread
     diagnostics  the limits and the words of every stall, timeout and bad count
     watchdog     the stall inspector thread (RINGZERO_STALL_WARN / RINGZERO_TIMEOUT)

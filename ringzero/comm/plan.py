@@ -26,6 +26,8 @@ from ringzero.comm.steps import CollectivePlan, Copy, Start, blocks
 def build(ring, name, xp, send, recv, sched, scratch):
     """The CollectivePlan of one call; `scratch(nbytes, k=2, first=0)` gives grow-only uint8 buffers."""
     plan = CollectivePlan(name, xp)
+    # the trace's args (comm/trace.py): the schedule, the dtype, and S (the whole buffer, nccl-tests' size)
+    plan.sched, plan.dtype, plan.size = sched, str(send.dtype), int((recv if name == "all_gather" else send).nbytes)
     if sched == "node_aware":
         node_aware(ring, plan, name, send, recv, scratch)
     else:

@@ -48,6 +48,8 @@ import time
 import weakref
 from collections import deque
 
+from ringzero.comm.trace import RECORDER
+
 _LIVE = weakref.WeakSet()       # every Progress of this process, drained before MPI finalizes
 
 
@@ -67,10 +69,11 @@ class Pending:
     """A started collective. ``wait()`` returns its recv or raises what the background run raised."""
 
     __slots__ = ("name", "recv", "reads", "writes", "ran", "cpu", "_done", "_error", "_progress",
-                 "order", "finished")
+                 "order", "finished", "flow")
 
     def __init__(self, name, send, recv, progress=None, order=None):
         self.name, self.recv = name, recv
+        self.flow = 0                # the trace's flow id (comm/trace.py, set by submit): 0 when not traced
         self._progress = progress   # the Progress that runs it (told when the caller waits)
         self.order = order          # device buffers: the Ring's backend.StreamOrder (None on the host)
         self.finished = None        # ... and the event after the job's device work (set by the job)
@@ -84,6 +87,16 @@ class Pending:
         return self._done.is_set()
 
     def wait(self):
+        if self.flow or RECORDER.active:   # traced: the wait is a span (that ends the start's flow)
+            t0 = time.perf_counter()
+            try:
+                return self._wait()
+            finally:
+                fid, self.flow = self.flow, 0
+                RECORDER.waited(self.name, fid, t0, time.perf_counter(), self.recv.nbytes)
+        return self._wait()
+
+    def _wait(self):
         pr = self._progress
         if pr is not None and not self._done.is_set():
             # the caller is idle until this is done: the progress thread stops napping and waits
@@ -139,6 +152,8 @@ class Progress:
         return bool(self.inflight)
 
     def submit(self, job, pending: Pending) -> Pending:
+        if RECORDER.active:          # --trace: a start span here, a flow to the job's run and to the wait
+            job = RECORDER.started(pending, job)
         self.inflight.append(pending)
         with self._cv:
             self._jobs.append((job, pending))

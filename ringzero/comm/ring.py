@@ -114,6 +114,7 @@ from ringzero.comm.progress import Pending, Progress
 from ringzero.comm.schedule import DIRECT_RANKS, EAGER_BYTES, NODE_BYTES, SEG_BYTES, TREE_BYTES, choose, defaults
 from ringzero.comm.staging import staged_call
 from ringzero.comm.steps import blocks
+from ringzero.comm.trace import RECORDER
 from ringzero.comm.watchdog import WATCHDOG, set_context
 
 __all__ = ["Ring", "DTYPES", "DIRECT_RANKS", "MAX_PLANS", "blocks"]
@@ -166,7 +167,7 @@ class Ring:
         self._broken = None
         self.diagnostics = Diagnostics(self.comm, self.limits)
         self.executor = Executor(self.comm, self.limits, self.diagnostics, self._on_fail)
-        self._run = self.executor.run
+        self._run = RECORDER.traced_run(self.executor.run, self)   # the run itself unless --trace
         self._progress = None        # the progress thread of the nonblocking forms, once one is started
         self._order = None           # device buffers: the progress thread's stream and device (backend.StreamOrder)
         WATCHDOG.add(self.executor)

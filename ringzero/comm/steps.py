@@ -90,7 +90,7 @@ class CollectivePlan:
     """One compiled call: its steps, requests, the buffers it keeps alive and its ledger figures."""
 
     __slots__ = ("name", "steps", "reqs", "keep", "sent", "sent_net", "recvd", "msgs", "xp", "post", "runs",
-                 "hot", "guard")
+                 "hot", "guard", "sched", "dtype", "size")
 
     def __init__(self, name, xp):
         self.name, self.xp = name, xp
@@ -101,6 +101,8 @@ class CollectivePlan:
         self.post = False  # True for op="avg": divide recv by n after the steps
         self.hot = None    # the cache's id-key for this plan's own send/recv objects, once kept
         self.guard = None  # (send.dtype, send.shape, recv.shape, on device): what the id-key cannot see
+        self.sched = self.dtype = ""   # the schedule taken and the buffer dtype (the trace's args) ...
+        self.size = 0                  # ... and S, nccl-tests' size: the bytes of the whole buffer
 
 
 def blocks(length: int, n: int) -> list:

@@ -61,6 +61,7 @@ import numpy as np
 
 from ringzero.comm.backend import select_device, xp_for
 from ringzero.comm.ring import Ring
+from ringzero.comm.trace import RECORDER
 from ringzero.runtime import norms, passes, reports, stream, update
 from ringzero.runtime.flat import Layout
 from ringzero.runtime.host_tier import DeviceLink, PinnedArena
@@ -214,13 +215,16 @@ class Zero:
         """One optimizer step on this rank's batch (x, y): (B, T) ints, run as
         grad_accum micro-batches of B/K rows."""
         Ring.set_context(f"step {self.step_count}")   # named by the Ring's stall and timeout lines
+        rec = RECORDER if RECORDER.active else None      # --trace (comm/trace.py): events carry this step
+        if rec:
+            rec.at_step(self.step_count)
         led0 = reports.ledger_totals(self.topology)
         net0 = reports.ledger_totals(self.topology, "bytes_sent_internode")
         io0 = reports.io_snapshot(self)
         scale, n, K = self.scaler.scale, self.topology.world_size, self.grad_accum
         seed = self._seed()
         loss = 0.0
-        t0 = time.perf_counter()
+        t0 = self.trace_t0 = time.perf_counter()
         for k, (xk, yk) in enumerate(self.micro_batches(x, y)):
             loss += self.forward_backward(xk, yk, k)
         loss /= K                                    # the mean of the micro-batch means
@@ -242,8 +246,11 @@ class Zero:
         update.drain_ahead(self)                     # the last step's update, if it ran beside this forward
         t2 = time.perf_counter()
         sumsq = norms.share_scalars(self, loss, norms.piece_sumsq(self))
+        t3 = time.perf_counter()
         # the wait for an update ahead; the norm's dots and the step's scalar all-gather (a collective)
-        self.timeline.update(update_wait_s=t2 - t1, scalars_s=time.perf_counter() - t2)
+        self.timeline.update(update_wait_s=t2 - t1, scalars_s=t3 - t2)
+        if rec:
+            rec.span("grad norm", "norm", t2, t3)
         loss = float(self._all_scalars[:, 0].sum() / n) if n > 1 else loss
         inv = 1.0 / (seed * K * n)                   # K = 1: 1 / (scale * n)
         gnorm = math.sqrt(sumsq) * inv if math.isfinite(sumsq) else float("inf")
@@ -251,6 +258,8 @@ class Zero:
         if not skipped:
             update.apply(self, np.float32(inv * clip_coef(gnorm, self.adam.cfg.grad_clip)), lr)
         self.step_count += 1
+        if rec:
+            rec.end_step(t0, fb)
         reports.io_delta(self, io0)
         led1 = reports.ledger_totals(self.topology)
         self.last_step_ledger = {k: led1[k] - led0.get(k, 0) for k in led1}

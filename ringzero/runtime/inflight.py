@@ -42,6 +42,8 @@ from __future__ import annotations
 import os
 import time
 
+from ringzero.comm.trace import RECORDER
+
 
 class Inflight:
     """Started collectives by what they hold, and the step's communication seconds."""
@@ -69,7 +71,10 @@ class Inflight:
             p.wait()
             self._t[kind] += p.ran
             self._t["cpu"] += p.cpu
-        self._t[kind + "_exposed"] += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self._t[kind + "_exposed"] += t1 - t0
+        if RECORDER.active:      # --trace: the exposed interval as the step's timeline counts it
+            RECORDER.span(f"{kind} waits", "comm_block", t0, t1)
 
     def wait(self, key):
         """Every started reduction holding `key` done; then what was to follow it."""
@@ -110,6 +115,9 @@ class Inflight:
         """A collective of `kind` ("reduce", "gather") ran on the caller's thread."""
         self._t[kind] += seconds
         self._t[kind + "_exposed"] += seconds
+        if RECORDER.active:      # --trace: the whole blocking section (copy-in, cast, the collective) as exposed
+            t1 = time.perf_counter()
+            RECORDER.span(f"{kind} (blocking)", "comm_block", t1 - seconds, t1)
 
     def timeline(self) -> dict:
         t = self._t
@@ -148,7 +156,10 @@ class UpdateGathers:
                 p.wait()
                 self._t[0] += p.ran
                 self._t[2] += p.cpu
-        self._t[1] += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self._t[1] += t1 - t0
+        if RECORDER.active:      # --trace: as Inflight._done
+            RECORDER.span("param gather waits", "comm_block", t0, t1)
 
     def timeline(self) -> tuple:
         out, self._t = tuple(self._t), [0.0, 0.0, 0.0]

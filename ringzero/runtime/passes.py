@@ -17,6 +17,10 @@ What it is not
 """
 from __future__ import annotations
 
+from time import perf_counter
+
+from ringzero.comm.trace import RECORDER
+
 
 def train_pass(engine, x, y, micro: int = 0) -> float:
     """Forward and backward of micro-batch ``micro`` (of grad_accum); returns its local loss."""
@@ -25,6 +29,13 @@ def train_pass(engine, x, y, micro: int = 0) -> float:
     caches = [None] * U
     act = peak = 0
     h = x
+    # --trace: each position is a "prepare" span (materialize, casts, zeroing), the unit's span and a
+    # "finish" span (the gradient's cast and reduction), end to end (a position starts where the last
+    # ended, so the recording's own time is inside them too); the recorder cuts the waits and blocking
+    # collectives out of them when it writes (comm/trace.py), so the compute spans sum to the engine's
+    # compute time (its wall time less the exposed communication)
+    rec = RECORDER if RECORDER.active else None
+    tp = perf_counter() if micro or not rec else engine.trace_t0     # the step's start (engine.step)
     for i in range(U):
         if gathers:                      # stages 1-2 with overlap: the update's gathers, unit by unit
             gathers.wait(engine.layout.needs(i))
@@ -34,9 +45,15 @@ def train_pass(engine, x, y, micro: int = 0) -> float:
             ws.materialize(w, s, g)
         for w, s, g in plan.gather_start[i]:
             ws.start_gather(w, s, g)     # prefetch: a later position's gather runs beside this compute
+        t0 = perf_counter()
         h, caches[i] = m.forward_unit(i, ws.param_views[i], h, y if i == U - 1 else None)
         act += m.cache_nbytes(caches[i])
         peak = max(peak, act)
+        if rec:
+            t1 = perf_counter()
+            rec.span(f"prepare {i}", "compute", tp, t0)
+            rec.span(_name("forward", i, U, engine), "compute", t0, t1)
+            tp = t1
     loss = float(h)
     dy = engine._seed()                  # d(loss)/d(loss): the loss scale over K
     for i in range(U, 2 * U):
@@ -49,14 +66,34 @@ def train_pass(engine, x, y, micro: int = 0) -> float:
             ws.release(w, s)             # a reduction in flight since an earlier position
         for w, s in plan.grad_open[i]:
             ws.zero_grad(w, s)
+        t0 = perf_counter()
         dy = m.backward_unit(u, dy, caches[u], ws.param_views[i], ws.grad_views[i])
+        t1 = perf_counter()
         act -= m.cache_nbytes(caches[u])
         caches[u] = None
         for w, s in plan.grad_close[i]:
             ws.close_grad(w, s, micro)
+        if rec:
+            t2 = perf_counter()
+            rec.span(f"prepare {u}", "compute", tp, t0)
+            rec.span(_name("backward", u, U, engine), "compute", t0, t1)
+            rec.span(f"finish {u}", "compute", t1, t2)
+            tp = t2
     ws.drain()                           # every reduction done before anyone reads the grads
     engine.activation_peak = max(engine.activation_peak, peak)
+    if rec:
+        rec.span("drain", "compute", tp, perf_counter())       # its waits cut out: what is left is bookkeeping
     return loss
+
+
+def _name(kind: str, u: int, U: int, engine) -> str:
+    """A unit's span name: "forward 3", "backward 3 (recompute)" (activation checkpointing), "forward 5 + loss"."""
+    s = f"{kind} {u}"
+    if u == U - 1:
+        s += " + loss"
+    if kind == "backward" and getattr(engine.model, "checkpoint", False) and 0 < u < U - 1:   # the blocks
+        s += " (recompute)"
+    return s
 
 
 def forward_pass(engine, x, y) -> float:

@@ -58,6 +58,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ringzero.comm.trace import RECORDER
 from ringzero.runtime.offload import FAULT_ENV, OPTIMIZER, FileView, OffloadFailed, fault, on_disk
 
 
@@ -119,6 +120,9 @@ class TileStream:
             if self.policy.drop_cache:
                 view.store.drop(view.start, view.size)     # clean pages: dropped at once
         self.timeline["read_s"] += time.perf_counter() - t0
+        if RECORDER.active:                               # --trace: the read on the reader thread, its bytes
+            RECORDER.span(f"read u{t.u} r{t.r}", "offload_read", t0, time.perf_counter(),
+                          nbytes=sum(v.store.dtype.itemsize * v.size for _, v in self._views(t, names)))
 
     def _write(self, t: Tile, slot, names, strike, behind, written=None):
         t0 = time.perf_counter()
@@ -134,6 +138,9 @@ class TileStream:
             for name, view in self._views(behind, names):
                 view.store.drop(view.start, view.size)
         self.timeline["write_s"] += time.perf_counter() - t0
+        if RECORDER.active:
+            RECORDER.span(f"write u{t.u} r{t.r}", "offload_write", t0, time.perf_counter(),
+                          nbytes=sum(v.store.dtype.itemsize * v.size for _, v in self._views(t, names)))
         if written is not None:
             written(t)
 
@@ -169,6 +176,9 @@ class TileStream:
                 if strike(i, ("value", "error")):         # tests: the arithmetic raises
                     raise (ValueError if mode == "value" else RuntimeError)(f"injected by {FAULT_ENV}={mode}")
                 compute(t, self.slots[i % nb])
+                if RECORDER.active:                        # the read waited for, then the tile's arithmetic
+                    RECORDER.span("tile wait", "offload_wait", t0, t1)
+                    RECORDER.span(f"adam u{t.u} r{t.r} [{t.lo}:{t.hi}]", "update_piece", t1, time.perf_counter())
                 self._waited("read_wait_s", t1 - t0)
                 self.timeline["compute_s"] += time.perf_counter() - t1
                 pending_w[i] = self._wr.submit(self._write, t, self.slots[i % nb], writes,

@@ -47,6 +47,9 @@ class Topology:
         # stall inspector watches them; its ledger is not the step's traffic
         self.control = Ring(world, timeout=timeout, nodes=nodes)
         self.nodes = self.control.nodes      # the world's NodeMap: the inter-node formulas' N and P
+        for name, r in (("shard", self.ring), ("replica", self.replica_ring), ("control", self.control)):
+            if r is not None:
+                r.trace_name = name          # the trace's "ring" arg: shard and replica are the ledger's
         self._one, self._all = np.zeros(1, np.float64), np.zeros(world.size, np.float64)
         self._members = None
 

@@ -25,11 +25,13 @@ import time
 
 import numpy as np
 
+from ringzero.comm.trace import RECORDER
 from ringzero.runtime import optim, stream
 
 
 def apply(engine, coef, lr: float):
     """One step's AdamW on this rank's pieces, and the params published (see the module docstring)."""
+    t0 = time.perf_counter()
     engine.adam.begin_step()
     if engine.update_ahead is not None:          # beside the next forward, unit by unit
         engine.update_ahead.start(engine, coef, lr)
@@ -49,6 +51,8 @@ def apply(engine, coef, lr: float):
         dt = time.perf_counter() - t1            # stages 1-2: the blocking gathers (and casts)
         for k in ("param_gather_s", "param_gather_exposed_s", "comm_s"):
             engine.timeline[k] += dt
+    if RECORDER.active:                          # --trace: the update's span (its pieces and gathers inside)
+        RECORDER.span("update", "update", t0, time.perf_counter())
 
 
 def _in_ram(engine, coef, lr: float):
@@ -57,10 +61,14 @@ def _in_ram(engine, coef, lr: float):
     the cast into scratch and AdamW's ten NumPy passes over master, m, v and scratch."""
     piece, adam = engine.state.piece, engine.adam
     if engine.xp is np and optim.HAVE_C:
+        rec = RECORDER if RECORDER.active else None    # --trace: a span a piece
         for t in engine.ram_tiles:               # one tile a piece, r outer (stream.tiles)
             u, r = t.u, t.r
+            t0 = time.perf_counter()
             adam.update_tile(piece("master", u, r), piece("adam_m", u, r), piece("adam_v", u, r),
                              piece("grads", u, r), coef, lr, t.runs)
+            if rec:
+                rec.span(f"adam u{u} r{r}", "update_piece", t0, time.perf_counter())
         return
     for u, r, g in engine._grad_pieces():
         g *= coef

@@ -1,4 +1,4 @@
-"""``python -m ringzero.plot memory|busbw|loss``: PNG figures for the accounting.
+"""``python -m ringzero.plot memory|busbw|loss|trace``: PNG figures for the accounting.
 
 What it is
     memory  model state per rank against Nd for each stage, log-log, from
@@ -7,6 +7,7 @@ What it is
             library, one line per (impl, n), from a bench JSON.
     loss    training (and eval, where logged) loss against step from a trainer
             metrics .jsonl, with the unigram entropy of the held-out bytes.
+    trace   one step of every rank of a --trace DIR, a lane per thread (tools/trace_plot.py).
 
 What it is not
     Needed to train: matplotlib is an optional extra (``pip install
@@ -149,10 +150,14 @@ def main(argv=None):
                         description="Plots train loss per step (eval loss and the unigram entropy "
                                     "where the file has them).")
     lo.add_argument("metrics")
-    for p in (m, b, lo):
+    tr = sub.add_parser("trace", help="one step of every rank, a lane per thread, from --trace DIR",
+                        description="Draws step N of the trainer's --trace DIR (tools/trace_plot.py).")
+    tr.add_argument("dir")
+    tr.add_argument("--step", type=int, required=True)
+    for p in (m, b, lo, tr):
         p.add_argument("-o", "--out", required=True, help="PNG file to write")
     a = ap.parse_args(argv)
-    sp = {"memory": m, "busbw": b, "loss": lo}[a.what]
+    sp = {"memory": m, "busbw": b, "loss": lo, "trace": tr}[a.what]
     try:
         if a.what == "memory":
             psi, _ = model_from_args(a)
@@ -163,6 +168,9 @@ def main(argv=None):
         elif a.what == "busbw":
             from ringzero.tools.fit import load_rows
             out = plot_busbw([row for f in a.bench for row in load_rows(f)], a.out, a.op)
+        elif a.what == "trace":
+            from ringzero.tools.trace_plot import plot_trace
+            out = plot_trace(a.dir, a.step, a.out)
         else:
             out = plot_loss(a.metrics, a.out)
     except (ValueError, OSError) as e:

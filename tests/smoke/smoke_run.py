@@ -101,6 +101,16 @@ def trained(smoke_dir):
 
 
 @pytest.fixture(scope="session")
+def traced(smoke_dir):
+    """A 2-rank tiny run with --trace: its trace folder (steps 0-2 recorded), as ringzero.trace and plot read it."""
+    d = smoke_dir / "trace"
+    rc, out = run([PY, "-m", "mpi4py", "-m", "ringzero.train", *TINY_GPT, "--steps", "3", "--eval-interval", "0",
+                   "--sample-chars", "0", "--quiet", "--trace", str(d)], ranks=2)
+    check(rc, out, r"model state per rank", "the fixture run (ringzero.train, 2 ranks, --trace)")
+    return str(d)
+
+
+@pytest.fixture(scope="session")
 def bench_files(smoke_dir):
     """``ringzero.bench --json`` files at n = 2 and 4 (float32, 1 KiB to 64 KiB), as fit and plot read them."""
     files = []

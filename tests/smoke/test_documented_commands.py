@@ -32,6 +32,7 @@ from smoke_run import (  # noqa: F401
     run,
     smoke_dir,
     text_file,
+    traced,
     trained,  # (fixtures)
 )
 
@@ -60,6 +61,8 @@ TABLES = {
     ("ringzero.sample", None): r"\S",
     ("ringzero.data", None): r"unigram entropy",
     ("ringzero.data", "encode"): r"tokens, ids 0\.\.\d+, uint16",
+    ("ringzero.trace", "summary"): r"straggler",
+    ("ringzero.trace", "merge"): r"^wrote .*merged_trace\.json",
 }
 TINY_TRAIN = TINY_GPT + ["--steps", "2", "--eval-interval", "1", "--eval-batches", "1", "--sample-chars", "16"]
 BENCH_TINY = {"-b": "1K", "--minbytes": "1K", "-e": "4K", "--maxbytes": "4K", "-n": "2", "--iters": "2",
@@ -109,6 +112,14 @@ def tiny(cmd, inputs, out_dir):
             out.append(os.path.join(out_dir, os.path.basename(a)))
         elif prev in outputs and re.search(r"\.\w+$", a):                # an output file: into the temporary folder
             out.append(os.path.join(out_dir, os.path.basename(a.replace("$", "_"))))
+        elif prev == "--trace" and cmd.module == "ringzero.train":     # the trace folder it writes
+            out.append(os.path.join(out_dir, "trace"))
+        elif prev == "--trace-steps":                                   # inside the tiny run's 2 steps
+            out.append("0:2")
+        elif prev in ("summary", "merge", "trace") and i == 1:         # a --trace folder read: the fixture's
+            out.append(inputs["trace"]())
+        elif prev == "--step" and word(cmd) == "trace":
+            out.append("1")
         elif cmd.module == "ringzero.bench" and prev in BENCH_TINY:
             out.append(BENCH_TINY[prev])
         elif prev == "--data":
@@ -147,7 +158,7 @@ def inputs(request):
     return {"text": fx("text_file"),
             "save_dir": lambda: fx("trained")["save_dir"], "step_dir": lambda: fx("trained")["step_dir"],
             "metrics": lambda: fx("trained")["metrics"], "bench": lambda: fx("bench_files"),
-            "gpt2": lambda: fx("gpt2_files")}
+            "gpt2": lambda: fx("gpt2_files"), "trace": lambda: fx("traced")}
 
 
 def test_the_docs_show_commands():
