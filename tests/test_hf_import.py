@@ -1,4 +1,4 @@
-"""GPT-2 files into ringzero's layout (app/hf_import.py, nn/hf_gpt2.py), without torch.
+"""GPT-2 files into ringzero's layout (interop/hf_import.py, interop/gpt2.py), without torch.
 
 References: the arrays written into the files under GPT2LMHeadModel's own key names
 (tests/hf_files.py spells them out, independently of ringzero's map), compared with the
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from hf_files import CONFIG, write_gpt2
 
-from ringzero.app import hf_import
-from ringzero.app.hf_import import HFSource, fill_piece, load_full
+from ringzero.interop import hf_import
+from ringzero.interop.gpt2 import HFConfigError
+from ringzero.interop.hf_import import HFSource, fill_piece, load_full
 from ringzero.nn.gpt import gpt_units
-from ringzero.nn.hf_gpt2 import HFConfigError
 from ringzero.runtime.flat import Layout
 
 pytest.importorskip("safetensors", reason="the GPT-2 import reads safetensors: pip install 'ringzero[hf]'")

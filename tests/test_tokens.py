@@ -1,4 +1,4 @@
-"""BPE tokens (app/tokens.py): ``python -m ringzero.data encode`` and ``ringzero.sample --tokenizer``.
+"""BPE tokens (interop/tokens.py): ``python -m ringzero.data encode`` and ``ringzero.sample --tokenizer``.
 
 References: the ``tokenizers`` library encoding the whole text at once (the encoder reads
 and encodes it in pieces), the bytes of the .bin read back as uint16, and the trainer's
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from hf_files import CONFIG, small_bpe, write_gpt2
 
-from ringzero.app import tokens
 from ringzero.app.data import file_corpus
+from ringzero.interop import tokens
 
 pytest.importorskip("tokenizers", reason="BPE tokens need the tokenizers package: pip install 'ringzero[hf]'")
 
@@ -88,7 +88,7 @@ def test_sample_with_a_tokenizer(bpe, tmp_path):
             "--tokens", "4", "--temperature", "0")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("def step") and "GPT L=2" in r.stderr, (r.stdout, r.stderr)
-    from ringzero.app.hf_import import load_full
+    from ringzero.interop.hf_import import load_full
     from ringzero.nn.gpt import GPT
     cfg, L, buf, _ = load_full(str(tmp_path / "m"))
     tok = tokens.load_tokenizer(path)

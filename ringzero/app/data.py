@@ -33,7 +33,7 @@ What it is
 
 What it is not
     No tokenizer (bytes or pre-tokenized ids only: ``python -m ringzero.data
-    encode`` makes the ids, app/tokens.py), no device copies (the
+    encode`` makes the ids, interop/tokens.py), no device copies (the
     trainer stages x, y to the device), no MPI: rank and world are numbers.
 """
 from __future__ import annotations
@@ -274,11 +274,11 @@ class Batches:
 
 def main(argv=None):
     """``python -m ringzero.data [--data FILE]``: describe a corpus and its entropy.
-    ``python -m ringzero.data encode --tokenizer FILE IN.txt OUT.bin``: BPE tokens (app/tokens.py)."""
+    ``python -m ringzero.data encode --tokenizer FILE IN.txt OUT.bin``: BPE tokens (interop/tokens.py)."""
     import argparse
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["encode"]:
-        from ringzero.app.tokens import main as encode
+        from ringzero.interop.tokens import main as encode
         return encode(argv[1:])
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--data", default=None, help="text file or uint16 .bin (default: stdlib corpus)")

@@ -52,7 +52,7 @@ from ringzero.sizes import parse_size
 def prepare(cfg: Config, n: int, rank: int | None = None):
     """Every input check that needs the data or the sizes; no MPI. Raises ConfigError.
     Returns (corpus, model, budget, source): source is the --init-from checkpoint
-    (app/hf_import.py), opened and checked (rank: this rank's share of its head check), or None."""
+    (interop/hf_import.py), opened and checked (rank: this rank's share of its head check), or None."""
     from ringzero.app.data import load_corpus
     from ringzero.nn.gpt import GPT, vocab_for
     from ringzero.runtime.flat import Layout
@@ -66,7 +66,7 @@ def prepare(cfg: Config, n: int, rank: int | None = None):
     src = None
     try:
         if cfg.init_from:       # the shapes and the vocabulary are the imported model's
-            from ringzero.app.hf_import import for_training
+            from ringzero.interop.hf_import import for_training
             src, gcfg = for_training(cfg, n, rank)
             corpus = load_corpus(cfg.data, cfg.seq_len, vocab=gcfg.n_tokens)   # ids < vocab_size
         else:

@@ -4,13 +4,13 @@ What it is
     ``export(path, out, dtype)`` streams one parameter at a time from a
     checkpoint's shard files (any number of shards) into a safetensors file,
     checked afterwards by safetensors' own parser; ``write_tensors`` is that
-    streaming writer, which ``export --format hf`` (app/hf_export.py) drives
+    streaming writer, which ``export --format hf`` (interop/hf_export.py) drives
     with GPT-2's names. ``describe(path)`` prints the manifest; ``main`` is
     the ``export`` / ``inspect`` command line.
 
 What it is not
     No MPI and no engine: a checkpoint is read as plain files (manifest.py).
-    No model names: those of ``--format hf`` are the GPT's (nn/hf_gpt2.py).
+    No model names: those of ``--format hf`` are the GPT's (interop/gpt2.py).
 """
 from __future__ import annotations
 
@@ -189,7 +189,7 @@ def describe(path: str, check: bool = False) -> str:
 def main(argv=None, formats=None) -> int:
     """The command line. ``formats``: {name: export(dir, out, dtype, vocab) -> printed line} of
     the export formats beside ringzero's own; ``python -m ringzero.checkpoint`` hands in "hf"
-    (app/hf_export.py), so that the GPT-2 names stay with the model and the runtime imports none."""
+    (interop/hf_export.py), so that the GPT-2 names stay with the model and the runtime imports none."""
     formats = dict(formats or {})
     ap = argparse.ArgumentParser(prog="python -m ringzero.checkpoint",
                                  description="Export or inspect a ringzero checkpoint (serial, no MPI).")

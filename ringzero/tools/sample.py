@@ -20,27 +20,26 @@ What it is
 What it is not
     No KV cache (each token reruns the forward over the last block_size
     tokens: fine for the sizes trained here, O(n·T) forwards). No tokenizer
-    of its own: ``--tokenizer tokenizer.json`` (app/tokens.py) encodes the
+    of its own: ``--tokenizer tokenizer.json`` (interop/tokens.py) encodes the
     prompt and decodes the output; without it a byte-level model (vocab <= 256)
     reads the prompt as UTF-8 bytes and prints bytes (errors="replace"), and a
     token-id model takes ``--prompt-ids`` and prints ids. DIR may also be a
-    Hugging Face GPT-2 folder (app/hf_import.py's ``load_full``).
+    Hugging Face GPT-2 folder (interop/hf_import.py's ``load_full``).
 """
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 
 import numpy as np
 
-from ringzero.nn.gpt import GPT, PRESETS, GPTConfig
+from ringzero.interop.gpt2 import HFConfigError
+from ringzero.interop.gpt2 import config_from_manifest as gpt_from_manifest
+from ringzero.nn.gpt import GPT, GPTConfig
 from ringzero.runtime import checkpoint as ck
-from ringzero.runtime.flat import Layout, units_from_description
-
-_BLOCK_RE = re.compile(r"^h(\d+)\.ln1\.w$")
+from ringzero.runtime.flat import Layout
 
 
 class SampleError(ValueError):
@@ -49,36 +48,11 @@ class SampleError(ValueError):
 
 # ---------------------------------------------------------------- the model
 def config_from_manifest(m: dict) -> GPTConfig:
-    """The GPTConfig of a checkpoint: shapes from its layout table, heads from its config.
-
-    The layout gives vocab and width (wte is (V, C)), the context (wpe is
-    (T, C)) and the block count; it cannot give the head count, which comes
-    from the trainer's config (``n_head``) or its preset name (``model``).
-    """
-    shapes = {p.name: p.shape for u in units_from_description(m["layout"]) for p in u.params}
-    if "wte" not in shapes or "wpe" not in shapes:
-        raise SampleError(f"the checkpoint holds no GPT (no 'wte'/'wpe' among its {len(shapes)} "
-                          f"parameters): expected a model built by ringzero.nn.gpt")
-    (V, C), (T, _) = shapes["wte"], shapes["wpe"]
-    L = sum(1 for n in shapes if _BLOCK_RE.match(n))
-    conf = m.get("config") or {}
-    gpt = conf.get("gpt") if isinstance(conf.get("gpt"), dict) else {}
-    # the effective GPTConfig if the run saved it, else its preset, else the trainer's flag
-    if gpt.get("n_head"):
-        H = int(gpt["n_head"])
-    elif conf.get("model") in PRESETS:
-        H = PRESETS[conf["model"]].n_head
-    elif conf.get("n_head"):
-        H = int(conf["n_head"])
-    else:
-        raise SampleError("the manifest's config has no n_head (nor gpt.n_head, nor a preset model "
-                          f"name): expected one to rebuild the attention heads, got keys {sorted(conf)}")
+    """The GPTConfig of a checkpoint (interop/gpt2.py's ``config_from_manifest``), or SampleError."""
     try:
-        real = gpt.get("real_vocab")      # an imported GPT-2: the head scores its real rows only
-        return GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=T, vocab=V,
-                         real_vocab=int(real) if real else None)
-    except ValueError as e:
-        raise SampleError(f"the manifest's shapes make no GPT: {e}") from None
+        return gpt_from_manifest(m)
+    except HFConfigError as e:
+        raise SampleError(str(e)) from None
 
 
 def load(path: str, weights: str = "params"):
@@ -243,8 +217,8 @@ def _prompt(a, model, m, tok, as_bytes) -> np.ndarray:
 
 def load_any(path: str, weights: str):
     """(model, P, manifest, path, what) of a ringzero checkpoint or a Hugging Face GPT-2 folder."""
-    if os.path.isfile(os.path.join(path, "config.json")):      # a GPT-2 folder (app/hf_import.py)
-        from ringzero.app.hf_import import HFConfigError, load_full
+    if os.path.isfile(os.path.join(path, "config.json")):      # a GPT-2 folder (interop/hf_import.py)
+        from ringzero.interop.hf_import import HFConfigError, load_full
         try:
             cfg, L, buf, _ = load_full(path)
         except HFConfigError as e:
@@ -270,7 +244,7 @@ def main(argv=None) -> int:
                               f"(step-NNNNNN), a save directory or a GPT-2 folder")
         tok = None
         if a.tokenizer:
-            from ringzero.app.tokens import TokenizerError, load_tokenizer
+            from ringzero.interop.tokens import TokenizerError, load_tokenizer
             try:
                 tok = load_tokenizer(a.tokenizer)
             except TokenizerError as e:

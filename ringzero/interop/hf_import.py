@@ -8,7 +8,7 @@ What it is
         FILE.safetensors            one file; its config.json beside it
         FILE.safetensors.index.json a sharded index; config.json beside it
 
-    and checks it against the GPT its config.json describes (nn/hf_gpt2.py):
+    and checks it against the GPT its config.json describes (interop/gpt2.py):
     every key once, with or without the ``transformer.`` prefix, no key left
     over (the ``attn.bias`` / ``attn.masked_bias`` mask buffers aside), every
     shape and dtype; a ``lm_head.weight`` must equal ``wte`` (``check_head``,
@@ -18,7 +18,8 @@ What it is
     ``fill_master(state)`` is the engine's ``init`` (runtime/engine.py): for
     every master piece this rank holds it reads the unit-local elements that
     piece covers, parameter by parameter, through safetensors' lazy slices
-    (``safe_open(...).get_slice``): rows of a 2-D tensor, at most ``CHUNK``
+    (``TensorFile(...).get_slice``, interop/safetensors_files.py; fp32, fp16
+    and bf16 files alike): rows of a 2-D tensor, at most ``CHUNK``
     elements at a time, cast to float32 into the piece. No process reads more
     of the file than its own pieces (plus two partial rows per parameter),
     and nothing model-sized is ever allocated beside the engine's buffers.
@@ -28,30 +29,19 @@ What it is
 What it is not
     No collectives: errors are raised (or, inside ``fill_master``, kept in
     ``error``) for the trainer to agree on (app/exits.py). No pytorch_model.bin
-    (pickles are not read) and no bf16 file (numpy has no bfloat16):
-    both are refused with a hint.
+    (pickles are not read): refused with a hint.
 """
 from __future__ import annotations
 
 import json
-import os
 from contextlib import ExitStack
 
 import numpy as np
 
-from ringzero.nn.hf_gpt2 import HEAD, PREFIX, HFConfigError, gpt_config, hf_name, ignored, strip_prefix
+from ringzero.interop.gpt2 import HEAD, PREFIX, gpt_config, hf_name, ignored, strip_prefix
+from ringzero.interop.safetensors_files import HFConfigError, TensorFile, locate
 
-CONFIG, SINGLE, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 CHUNK = 1 << 22                    # elements per read (16 MiB of float32)
-_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
-
-
-def _safe_open():
-    try:
-        from safetensors import safe_open
-    except ImportError:
-        raise HFConfigError("--init-from needs safetensors: pip install 'ringzero[hf]'") from None
-    return safe_open
 
 
 class HFSource:
@@ -59,7 +49,7 @@ class HFSource:
 
     def __init__(self, path: str):
         self.path = path
-        self.config_path, self.files = self._locate(path)
+        self.config_path, self.files = locate(path)
         try:
             with open(self.config_path, encoding="utf-8") as fh:
                 self.hf = json.load(fh)
@@ -69,18 +59,19 @@ class HFSource:
             raise HFConfigError(f"{self.config_path}: expected a JSON object, got {type(self.hf).__name__}")
         self.cfg = gpt_config(self.hf, self.config_path)
         self._stack = ExitStack()
-        self._open = {}              # file -> safe_open handle
+        self._open = {}              # file -> TensorFile
         self.keys = {}               # stripped key -> (file, key as stored)
         self.head = None             # (file, key) of lm_head.weight, if the file has one
         self.error = None            # fill_master's error, for the caller to agree on
-        safe_open = _safe_open()
         for f in self.files:
             try:
-                h = self._open[f] = self._stack.enter_context(safe_open(f, framework="numpy"))
-            except Exception as e:     # a damaged header: safetensors' own message, on one line
+                h = self._open[f] = self._stack.enter_context(TensorFile(f))
+            except OSError as e:
                 self.close()
-                raise HFConfigError(f"{f}: not a readable safetensors file ({type(e).__name__}: "
-                                    f"{str(e).splitlines()[0] if str(e) else ''})") from None
+                raise HFConfigError(f"{f}: not readable ({e})") from None
+            except HFConfigError:
+                self.close()
+                raise
             for k in h.keys():
                 if k == HEAD:
                     self.head = (f, k)
@@ -90,48 +81,6 @@ class HFSource:
                     self.close()
                     raise HFConfigError(f"{f}: key {k!r} appears twice ({self.keys[s][1]!r} in {self.keys[s][0]})")
                 self.keys[s] = (f, k)
-
-    # ---- where the files are ------------------------------------------------------
-    @staticmethod
-    def _locate(path):
-        """(config.json, [safetensors files]) for a folder, a file or an index."""
-        if os.path.isdir(path):
-            folder, single, index = path, os.path.join(path, SINGLE), os.path.join(path, INDEX)
-            if os.path.isfile(single):
-                weights = [single]
-            elif os.path.isfile(index):
-                weights = HFSource._index(index)
-            else:
-                bins = [f for f in os.listdir(path) if f.endswith(".bin")]
-                hint = (f" (found {bins[0]}: a pickle, which ringzero does not read; save the model with "
-                        f"save_pretrained, which writes safetensors)" if bins else "")
-                raise HFConfigError(f"--init-from {path!r}: no {SINGLE} and no {INDEX} in the folder{hint}")
-        elif os.path.isfile(path):
-            folder = os.path.dirname(os.path.abspath(path))
-            weights = HFSource._index(path) if path.endswith(".json") else [path]
-        else:
-            raise HFConfigError(f"--init-from {path!r} does not exist: expected a GPT-2 folder "
-                                f"({CONFIG} + {SINGLE}), a .safetensors file or a {INDEX}")
-        cfg = os.path.join(folder, CONFIG)
-        if not os.path.isfile(cfg):
-            raise HFConfigError(f"--init-from {path!r}: no {CONFIG} in {folder!r}: the weights do not give "
-                                f"the head count; put the model's {CONFIG} beside them")
-        return cfg, weights
-
-    @staticmethod
-    def _index(index):
-        try:
-            with open(index, encoding="utf-8") as fh:
-                wm = json.load(fh)["weight_map"]
-            files = sorted(set(wm.values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise HFConfigError(f"{index}: not a safetensors index (expected {{'weight_map': {{key: file}}}}: "
-                                f"{type(e).__name__}: {e})") from None
-        out = [os.path.join(os.path.dirname(os.path.abspath(index)), f) for f in files]
-        for f in out:
-            if not os.path.isfile(f):
-                raise HFConfigError(f"{index}: names shard {os.path.basename(f)!r}, which is not in its folder")
-        return out
 
     def close(self):
         self._stack.close()
@@ -164,12 +113,9 @@ class HFSource:
                                     f"describes {self.cfg.n_layer} layers of width {self.cfg.n_embd}")
             f, k = self.keys[key]
             sl = self._slice(f, k)
-            got, dt = tuple(sl.get_shape()), sl.get_dtype()
+            got = tuple(sl.get_shape())
             if got != shape:
                 raise HFConfigError(f"{f}: {k!r} has shape {got}, expected {shape} from {self.config_path}")
-            if dt not in _DTYPES:
-                raise HFConfigError(f"{f}: {k!r} is {dt}: expected F32, F16 or F64 (NumPy has no {dt}; "
-                                    f"HINT: save the model in float32)")
         if self.head is not None:
             f, k = self.head
             sl = self._slice(f, k)

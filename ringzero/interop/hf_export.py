@@ -6,7 +6,7 @@ What it is
     loads with no missing and no unexpected key:
 
         model.safetensors   transformer.<GPT-2 name> for every parameter
-                            (nn/hf_gpt2.py), as save_pretrained writes them; no
+                            (interop/gpt2.py), as save_pretrained writes them; no
                             lm_head.weight (tied to wte, which transformers
                             restores); wte's padding rows left out, so its
                             first dimension is vocab_size again
@@ -30,7 +30,7 @@ import os
 import secrets
 import time
 
-from ringzero.nn.hf_gpt2 import PREFIX, hf_config, hf_name
+from ringzero.interop.gpt2 import PREFIX, HFConfigError, config_from_manifest, hf_config, hf_name
 from ringzero.runtime.export import open_export, write_tensors
 from ringzero.runtime.flat import Layout
 from ringzero.runtime.manifest import CheckpointError, check_layout, fsync_dir
@@ -41,11 +41,10 @@ _TORCH_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 def export_hf(path: str, out_dir: str, dtype: str = "fp32", vocab: int | None = None) -> dict:
     """Write ``out_dir``/config.json and model.safetensors from checkpoint ``path``. Serial."""
     from ringzero.nn.gpt import GPTConfig, gpt_units
-    from ringzero.tools.sample import SampleError, config_from_manifest
     ex = open_export(path, dtype)
     try:
         cfg = config_from_manifest(ex.manifest)
-    except SampleError as e:
+    except HFConfigError as e:
         raise CheckpointError(f"{ex.path}: --format hf exports a GPT: {e}") from None
     check_layout(ex.manifest, ex.path, Layout(gpt_units(cfg), shards=1))   # the names are a GPT's
     if vocab is not None:
