@@ -36,7 +36,7 @@ class Config:
                              "a sharded index) or a .safetensors file; it gives the shapes, --data must be "
                              "its tokenizer's ids (python -m ringzero.data encode)")
     # ---- data
-    data: str = opt("", 'text file or nanoGPT uint16 .bin; "" = stdlib source corpus')
+    data: str = opt("", 'text file or token .bin (llm.c header, or bare uint16); "" = stdlib source corpus')
     batch: int = opt(8, "sequences per rank per optimizer step (global batch = batch * ranks)")
     grad_accum: int = opt(1, "micro-batches per optimizer step, batch/K rows each (batch % K == 0)")
     seed: int = opt(1337, "weights, batches and sampling all derive from it")
