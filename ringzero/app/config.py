@@ -31,7 +31,8 @@ class Config:
     n_layer: int | None = opt(None, "transformer blocks (None: 4, or the --model preset's)")
     n_head: int | None = opt(None, "attention heads (None: 4, or the preset's)")
     n_embd: int | None = opt(None, "width (None: 128, or the preset's); Ψ ≈ 12·n_layer·n_embd² + vocab·n_embd")
-    seq_len: int = opt(128, "tokens per sequence (the position table: this, or the preset's 1024)")
+    seq_len: int = opt(128, "tokens per sequence (the position table: this, or the preset's 1024; with "
+                            "--init-from and no --seq-len: the smaller of 128 and the model's context)")
     init_from: str = opt("", "start from a Hugging Face GPT-2: a folder (config.json + model.safetensors or "
                              "a sharded index) or a .safetensors file; it gives the shapes, --data must be "
                              "its tokenizer's ids (python -m ringzero.data encode)")
@@ -41,7 +42,8 @@ class Config:
     grad_accum: int = opt(1, "micro-batches per optimizer step, batch/K rows each (batch % K == 0)")
     seed: int = opt(1337, "weights, batches and sampling all derive from it")
     # ---- schedule
-    steps: int = opt(400, "optimizer steps")
+    steps: int = opt(400, "optimizer steps (0 with --init-from: save the imported weights into --save-dir, "
+                          "no training, no --data needed)")
     lr: float = opt(4e-3, "peak learning rate (a --model preset's own when not given: gpt2 6e-4, gpt2-medium "
                           "3e-4, gpt2-large 2.5e-4, gpt2-xl 2e-4)")
     min_lr_frac: float = opt(0.1, "cosine decays to lr * min_lr_frac")
@@ -178,6 +180,11 @@ def parse_config(argv=None):
             kw[f.name] = _coerce("--" + f.name.replace("_", "-"), f.type, values[f.name])
     if "lr" not in kw and kw.get("model") in PRESET_LR:
         kw["lr"] = PRESET_LR[kw["model"]]
+    if "seq_len" not in kw and kw.get("init_from"):    # the default, within the imported model's context
+        from ringzero.interop.hf_import import context_of
+        ctx = context_of(kw["init_from"])              # None if unreadable: prepare says why
+        if ctx is not None:
+            kw["seq_len"] = min(Config.seq_len, ctx)
     cfg = Config(**kw)
     validate(cfg)
     if ns.check is not None and ns.check < 1:
@@ -202,6 +209,12 @@ def validate(cfg: Config):
             raise ConfigError(msg)
     for k in ("n_layer", "n_head", "n_embd", "seq_len", "batch", "steps", "grad_accum"):
         v = getattr(cfg, k)
+        if k == "steps" and v == 0:          # a bare conversion: the imported weights saved, no step taken
+            need(bool(cfg.init_from) and not cfg.resume,
+                 "--steps 0 saves an --init-from model as a ringzero checkpoint (into --save-dir) without "
+                 f"training: expected --init-from DIR{' and no --resume' if cfg.resume else ''}, got "
+                 f"{'--resume ' + repr(cfg.resume) if cfg.resume else 'no --init-from'}")
+            continue
         need(v is None or v >= 1, f"--{k.replace('_', '-')} must be >= 1, got {v}")
     from ringzero.nn.gemm import BlasError, check_setting
     try:

@@ -68,7 +68,8 @@ def prepare(cfg: Config, n: int, rank: int | None = None):
         if cfg.init_from:       # the shapes and the vocabulary are the imported model's
             from ringzero.interop.hf_import import for_training
             src, gcfg = for_training(cfg, n, rank)
-            corpus = load_corpus(cfg.data, cfg.seq_len, vocab=gcfg.n_tokens)   # ids < vocab_size
+            # ids < vocab_size; --steps 0 (a conversion) needs no data, but checks any it is given
+            corpus = load_corpus(cfg.data, cfg.seq_len, vocab=gcfg.n_tokens) if cfg.data or cfg.steps else None
         else:
             corpus = load_corpus(cfg.data or None, cfg.seq_len)
             # the vocabulary from the data: 256 for bytes, else the largest id + 1 rounded up to 64
@@ -226,6 +227,11 @@ def run(cfg: Config, comm, stop=None) -> dict:
         agree(comm, lambda: _raise(src.error))    # a read that failed on any rank stops every rank
         say(f"ringzero | initialized from {src.path}: GPT-2 {model.cfg.n_layer}L {model.cfg.n_embd}C, vocab "
             f"{model.cfg.n_tokens} (padded to {model.cfg.vocab}), each rank read its own pieces")
+    if cfg.steps == 0:                  # a conversion: the imported weights as a checkpoint, no step taken
+        saved = _save(cfg, engine, 0)
+        say(f"ringzero | --steps 0: saved the imported weights (Ψ = {engine.layout.numel:,}) to {saved}, "
+            f"no step taken")
+        return {"steps": 0, "saved": saved, "psi": engine.layout.numel}
     xp = engine.xp
     train = Batches(corpus.train, cfg.batch, cfg.seq_len, rank, n, cfg.seed)
     held = Batches(corpus.val, cfg.batch, cfg.seq_len, rank, n, cfg.seed + 1)

@@ -226,6 +226,18 @@ def load_full(path: str):
         src.close()
 
 
+def context_of(path: str) -> int | None:
+    """The context (n_positions, or max_position_embeddings) of the config.json of an --init-from PATH;
+    None when there is none to read (the full checks say why, later)."""
+    try:
+        with open(locate(path)[0], encoding="utf-8") as fh:
+            hf = json.load(fh)
+        v = hf.get("n_positions", hf.get("max_position_embeddings"))
+    except (HFConfigError, OSError, ValueError, AttributeError):
+        return None
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
+
+
 def for_training(cfg, n: int, rank: int | None):
     """The --init-from source of a trainer Config, checked against its flags, its data and the
     layout at ``n`` ranks (``rank``: this rank's share of the head check; None: all of it).
@@ -246,7 +258,7 @@ def for_training(cfg, n: int, rank: int | None):
         if cfg.seq_len > g.block_size:
             raise HFConfigError(f"--seq-len must be <= the imported model's context: expected <= n_positions = "
                                 f"{g.block_size} ({src.config_path}), got {cfg.seq_len}")
-        if not cfg.data.endswith(".bin"):
+        if cfg.steps and not cfg.data.endswith(".bin"):      # --steps 0 (a conversion) reads no data
             raise HFConfigError(f"--init-from needs token ids of the model's tokenizer, got --data "
                                 f"{cfg.data or '(the byte-level default corpus)'!r}; HINT: python -m ringzero.data "
                                 f"encode --tokenizer tokenizer.json IN.txt OUT.bin, then --data OUT.bin")
