@@ -95,7 +95,7 @@ class Layer:
 
 
 class Linear(Layer):
-    """y = x @ w + b. p: w (in, out), b (out,); x (..., in) -> y (..., out).
+    """y = x @ w + b. p: w (in, out), b (out,) or no "b" (no bias: Llama's); x (..., in) -> y (..., out).
 
     ``forward(..., bias=False)`` leaves the bias out of y for the caller to add
     in the next pass over y (GELU's, the residual's); ``backward(..., db=...)``
@@ -103,16 +103,16 @@ class Linear(Layer):
     """
 
     def forward(self, p, x, out=None, bias=True):
-        w, b = p["w"], p["b"]
+        w, b = p["w"], p.get("b")
         xp = array_module(w)
-        _same_module(xp, x, b)
+        _same_module(xp, x, *(() if b is None else (b,)))
         if x.shape[-1] != w.shape[0]:
             raise ValueError(f"linear expects input width {w.shape[0]}, got x of shape {tuple(x.shape)}")
         lead = x.shape[:-1]
         y = out if out is not None else self.buf("y", lead + (w.shape[1],), w.dtype, xp)
         y2 = y.reshape(-1, w.shape[1])                          # (N, out)
         gemm.matmul(x.reshape(-1, w.shape[0]), w, y2)
-        if bias:
+        if bias and b is not None:
             y2 += b
         return y, (p, x)
 
@@ -125,10 +125,11 @@ class Linear(Layer):
         dw = self.bbuf("dw", w.shape, w.dtype, xp)
         gemm.matmul(x2.T, dy2, dw)
         g["w"] += dw
-        if db is None:
-            ad = acc_dtype(dy.dtype)
-            db = dy2.sum(axis=0, dtype=ad, out=self.bbuf("db", (n_out,), ad, xp))
-        g["b"] += db
+        if g.get("b") is not None:
+            if db is None:
+                ad = acc_dtype(dy.dtype)
+                db = dy2.sum(axis=0, dtype=ad, out=self.bbuf("db", (n_out,), ad, xp))
+            g["b"] += db
         dx = self.bbuf("dx", x.shape, x.dtype, xp)
         gemm.matmul(dy2, w.T, dx.reshape(-1, n_in))
         return dx

@@ -49,7 +49,7 @@ __all__ = ["Pool", "cache_nbytes", "Layer", "Embedding", "Linear", "Unembed", "L
 
 
 class Embedding(Layer):
-    """Token + position embedding. p: wte (V, C), wpe (Tmax, C); x: idx int (B, T).
+    """Token + position embedding. p: wte (V, C), wpe (Tmax, C) or no "wpe" (rotary models); x: idx int (B, T).
 
     Token ids are range-checked here only when they are host (NumPy) arrays:
     on a device the check would be a blocking reduction every step, so the
@@ -66,14 +66,14 @@ class Embedding(Layer):
     grad_sum = None
 
     def forward(self, p, idx):
-        wte, wpe = p["wte"], p["wpe"]
+        wte, wpe = p["wte"], p.get("wpe")
         xp = array_module(wte)
-        _same_module(xp, idx, wpe)
+        _same_module(xp, idx, *(() if wpe is None else (wpe,)))
         if idx.ndim != 2 or idx.dtype.kind not in "iu":
             raise TypeError(f"embedding expects integer idx of shape (B, T), got {idx.dtype} {tuple(idx.shape)}")
         B, T = idx.shape
         V, C = wte.shape
-        if T > wpe.shape[0]:
+        if wpe is not None and T > wpe.shape[0]:
             raise ValueError(f"sequence length T={T} exceeds block_size={wpe.shape[0]}")
         if xp is np:
             check_ids(idx, V, "token ids")
@@ -84,7 +84,8 @@ class Embedding(Layer):
             np.take(wte, ids, axis=0, out=y.reshape(B * T, C), mode="clip")
         else:
             xp.take(wte, ids, axis=0, out=y.reshape(B * T, C))
-        y += wpe[:T]
+        if wpe is not None:
+            y += wpe[:T]
         return y, (p, ids)
 
     def backward(self, dy, cache, g):                           # dy (B, T, C)
@@ -92,7 +93,8 @@ class Embedding(Layer):
         xp = array_module(dy)
         B, T, C = dy.shape
         ad = acc_dtype(dy.dtype)
-        g["wpe"][:T] += dy.sum(axis=0, dtype=ad, out=self.bbuf("dwpe", (T, C), ad, xp))
+        if g.get("wpe") is not None:
+            g["wpe"][:T] += dy.sum(axis=0, dtype=ad, out=self.bbuf("dwpe", (T, C), ad, xp))
         how = self.grad_sum or ("add_at" if xp is np else "segmented")
         if how == "add_at":
             fused.rows_add_at(g["wte"], idx, dy.reshape(B * T, C))     # np.add.at's order and sums

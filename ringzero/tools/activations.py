@@ -72,7 +72,12 @@ def training_bytes(cfg, batch: int, seq: int, checkpointing: bool = False, compu
     buffers. Korthikanti's count (above) is the same tensors in fp16 with dropout masks; this one is this
     model's. Plus one block's 21·bsh + att of temporaries outside the pool (the heap keeps what they
     freed). tests/test_budget.py holds it against the pool's bytes after a real step.
+
+    A Llama-family config (``n_kv_head``) is counted by ``ringzero.tools.llama_activations``.
     """
+    if hasattr(cfg, "n_kv_head"):
+        from ringzero.tools.llama_activations import training_bytes as llama_bytes
+        return llama_bytes(cfg, batch, seq, checkpointing, compute_bytes)
     b, s, h, L, a, V = batch, seq, cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.vocab
     bsh, att = b * s * h, a * s * s * b
     layer = 21 * bsh + att

@@ -1,0 +1,65 @@
+"""SwiGLU (Shazeer 2020; Llama's MLP activation): y = silu(gate) * up, forward and backward by hand.
+
+What it is
+    ``SwiGLU``: the elementwise step between the MLP's two GEMMs. The first
+    GEMM writes gate and up side by side, ``gu`` (..., 2F) with columns
+    [gate | up] (the layout of ``h{i}.mlp.w``), and this layer reads both
+    halves as views::
+
+        forward(None, gu)        gu (..., 2F) -> y (..., F) = silu(g) * u, silu(g) = g * sigmoid(g)
+        backward(dy, cache, g)   -> dgu (..., 2F): dg = dy * u * s * (1 + g (1 - s)), du = dy * silu(g)
+
+    The cache is gu itself (the GEMM's output buffer); backward recomputes
+    s = sigmoid(g) rather than keeping an F-wide buffer per block.
+
+What it is not
+    No parameters, no C kernel yet (NumPy/CuPy passes on pool buffers).
+"""
+from __future__ import annotations
+
+from ringzero.nn.base import Layer
+from ringzero.nn.ops import array_module
+
+
+class SwiGLU(Layer):
+    """y = silu(gate) * up over gu = [gate | up] (..., 2F)."""
+
+    def _sigmoid(self, g, xp, name):
+        s = self.bbuf(name, g.shape, g.dtype, xp)
+        xp.negative(g, out=s)
+        xp.exp(s, out=s)
+        s += 1
+        xp.reciprocal(s, out=s)                                 # 1 / (1 + e^-g)
+        return s
+
+    def forward(self, p, gu):
+        xp = array_module(gu)
+        F2 = gu.shape[-1]
+        if F2 % 2:
+            raise ValueError(f"swiglu expects [gate | up] of even width, got {tuple(gu.shape)}")
+        F = F2 // 2
+        g, u = gu[..., :F], gu[..., F:]
+        y = self.buf("y", gu.shape[:-1] + (F,), gu.dtype, xp)
+        s = self._sigmoid(g, xp, "s")
+        xp.multiply(g, s, out=y)                                # silu(g)
+        y *= u
+        return y, (gu,)
+
+    def backward(self, dy, cache, g_unused=None):              # dy (..., F)
+        (gu,) = cache
+        xp = array_module(dy)
+        F = gu.shape[-1] // 2
+        g, u = gu[..., :F], gu[..., F:]
+        s = self._sigmoid(g, xp, "s")
+        dgu = self.bbuf("dgu", gu.shape, gu.dtype, xp)
+        dg, du = dgu[..., :F], dgu[..., F:]
+        xp.multiply(g, s, out=du)                               # silu(g)
+        du *= dy                                                # du = dy * silu(g)
+        # dsilu/dg = s + g s (1 - s) = s (1 + g (1 - s))
+        xp.subtract(1, s, out=dg)
+        dg *= g
+        dg += 1
+        dg *= s
+        dg *= u
+        dg *= dy
+        return dgu

@@ -1,0 +1,130 @@
+"""The Llama layers' hand-written backward against float64 central finite differences.
+
+RMSNorm, rotary (plain and with Llama 3's scaling), SwiGLU and grouped-query
+attention (2 query heads per KV head, with and without the q/k/v bias). The
+reference only calls forward at perturbed inputs (``test_layers.check_layer``:
+the probe sum(y * R) for a fixed random R). The rotary frequencies are also
+compared with transformers' own (its rope init functions), when it is installed.
+"""
+import importlib.util
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from ringzero.nn.gqa import GroupedQueryAttention
+from ringzero.nn.llama_config import RopeScaling
+from ringzero.nn.rmsnorm import RMSNorm
+from ringzero.nn.rotary import Rotary, inv_freq
+from ringzero.nn.swiglu import SwiGLU
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_layers import check_layer  # noqa: E402
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(11)
+
+
+class _RotaryLayer:
+    """Rotary as a forward(p, x)/backward(dy, cache, g) layer: on copies (it works in place)."""
+
+    def __init__(self, rot):
+        self.rot = rot
+
+    def forward(self, p, x):
+        return self.rot.forward(x.copy()), None
+
+    def backward(self, dy, cache, g):
+        return self.rot.backward(dy.copy())
+
+
+def test_rmsnorm(rng):
+    p = {"w": rng.standard_normal(6)}
+    check_layer(RMSNorm(1e-5), p, rng.standard_normal((2, 3, 6)), rng)
+
+
+def test_rmsnorm_is_the_formula(rng):
+    x, w = rng.standard_normal((4, 8)), rng.standard_normal(8)
+    y, _ = RMSNorm(1e-6).forward({"w": w}, x)
+    ref = w * x / np.sqrt((x * x).mean(axis=1, keepdims=True) + 1e-6)
+    assert np.abs(y - ref).max() <= 1e-14
+
+
+@pytest.mark.parametrize("scaling", [None, RopeScaling(8.0, 1.0, 4.0, 16)])
+def test_rotary(rng, scaling):
+    check_layer(_RotaryLayer(Rotary(8, 100.0, scaling)), {}, rng.standard_normal((2, 5, 3, 8)), rng)
+
+
+def test_rotary_is_a_rotation_by_position(rng):
+    """q_t . k_s after the rotation depends on t - s only (the property rotary exists for)."""
+    rot = Rotary(8, 10000.0)
+    q, k = rng.standard_normal(8), rng.standard_normal(8)
+    qs = rot.forward(np.broadcast_to(q, (1, 12, 1, 8)).copy())[0, :, 0]
+    ks = rot.forward(np.broadcast_to(k, (1, 12, 1, 8)).copy())[0, :, 0]
+    assert abs(qs[7] @ ks[3] - qs[5] @ ks[1]) <= 1e-6 * abs(qs[7] @ ks[3]) + 1e-6
+    assert abs(np.linalg.norm(qs[9]) - np.linalg.norm(q)) <= 1e-6
+
+
+def test_swiglu(rng):
+    check_layer(SwiGLU(), {}, rng.standard_normal((2, 3, 10)), rng)
+
+
+def test_swiglu_is_the_formula(rng):
+    gu = rng.standard_normal((3, 8))
+    y, _ = SwiGLU().forward(None, gu)
+    g, u = gu[:, :4], gu[:, 4:]
+    assert np.abs(y - g / (1 + np.exp(-g)) * u).max() <= 1e-15
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("H,K", [(4, 2), (2, 2), (3, 1)])
+def test_gqa(rng, bias, H, K):
+    C, D, T = 6, 4, 5
+    W = (H + 2 * K) * D
+    p = {"attn.w": rng.standard_normal((C, W)) * 0.5, "proj.w": rng.standard_normal((H * D, C))}
+    if bias:
+        p["attn.b"] = rng.standard_normal(W) * 0.5
+    att = GroupedQueryAttention(H, K, D, Rotary(D, 50.0))
+    check_layer(att, p, rng.standard_normal((2, T, C)), rng)
+
+
+def test_gqa_equals_attention_with_k_v_repeated(rng):
+    """Independent of the grouping: repeat each KV head G times and run plain per-head attention."""
+    H, K, D, T, C = 4, 2, 4, 6, 5
+    p = {"attn.w": rng.standard_normal((C, (H + 2 * K) * D)), "proj.w": rng.standard_normal((H * D, C))}
+    x = rng.standard_normal((1, T, C))
+    y, _ = GroupedQueryAttention(H, K, D, Rotary(D, 50.0)).forward(p, x)
+    qkv = (x @ p["attn.w"]).reshape(T, H + 2 * K, D)
+    rot = Rotary(D, 50.0)
+    q, k, v = (rot.forward(qkv[None, :, :H].copy())[0], rot.forward(qkv[None, :, H:H + K].copy())[0],
+               qkv[:, H + K:])
+    out = np.zeros((T, H, D))
+    for h in range(H):
+        kv = h // (H // K)
+        s = q[:, h] @ k[:, kv].T / np.sqrt(D) + np.triu(np.full((T, T), -np.inf), 1)
+        a = np.exp(s - s.max(axis=1, keepdims=True))
+        out[:, h] = (a / a.sum(axis=1, keepdims=True)) @ v[:, kv]
+    assert np.abs(y[0] - out.reshape(T, H * D) @ p["proj.w"]).max() <= 1e-12
+
+
+@pytest.mark.skipif(not (importlib.util.find_spec("torch") and importlib.util.find_spec("transformers")),
+                    reason="needs torch and transformers (setup.cfg's peer extra)")
+@pytest.mark.parametrize("scaled", [False, True])
+def test_inv_freq_is_transformers(scaled):
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    kw = dict(hidden_size=2048, num_attention_heads=32, rope_theta=500000.0)
+    if scaled:
+        kw["rope_scaling"] = dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                  original_max_position_embeddings=8192)
+    hc = transformers.LlamaConfig(**kw)
+    ref = (ROPE_INIT_FUNCTIONS["llama3"](hc)[0] if scaled else LlamaRotaryEmbedding(hc).inv_freq).numpy()
+    got = inv_freq(64, 500000.0, RopeScaling(32.0, 1.0, 4.0, 8192) if scaled else None)
+    assert got.dtype == ref.dtype == np.float32
+    assert np.abs(got - ref).max() <= 2e-7 * np.abs(ref).max()
+    if scaled:
+        assert not np.allclose(got, inv_freq(64, 500000.0))      # the scaling changed the low frequencies
