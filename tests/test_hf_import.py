@@ -81,7 +81,7 @@ REFUSALS = [
     ({"reorder_and_upcast_attn": True}, "reorder_and_upcast_attn"),
     ({"scale_attn_weights": False}, "scale_attn_weights"),
     ({"n_inner": 100}, "n_inner"),
-    ({"model_type": "llama"}, "model_type"),
+    ({"model_type": "bert"}, "model_type"),
     ({"add_cross_attention": True}, "add_cross_attention"),
     ({"n_head": 5}, "n_embd"),
     ({"n_layer": None}, "n_layer"),

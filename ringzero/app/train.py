@@ -54,7 +54,8 @@ def prepare(cfg: Config, n: int, rank: int | None = None):
     Returns (corpus, model, budget, source): source is the --init-from checkpoint
     (interop/hf_import.py), opened and checked (rank: this rank's share of its head check), or None."""
     from ringzero.app.data import load_corpus
-    from ringzero.nn.gpt import GPT, vocab_for
+    from ringzero.nn.families import build
+    from ringzero.nn.gpt import vocab_for
     from ringzero.runtime.flat import Layout
     from ringzero.runtime.policy import StagePolicy
     from ringzero.runtime.zero import MemoryBudgetError, check_budget
@@ -78,7 +79,7 @@ def prepare(cfg: Config, n: int, rank: int | None = None):
         if src is not None:
             src.close()
         raise ConfigError(str(e)) from None
-    model = GPT(gcfg, checkpoint=cfg.activation_checkpointing)
+    model = build(gcfg, checkpoint=cfg.activation_checkpointing)      # the config's family (nn/families.py)
     model.hf_config = src.hf if src is not None else None      # an export's config.json starts from it
     hybrid = StagePolicy.of(cfg.stage).hybrid
     if hybrid and cfg.ranks_per_node and n % cfg.ranks_per_node:
@@ -187,9 +188,11 @@ def train_loop(cfg: Config, comm, engine, train, evaluate, writer, say, stop=Non
 
 def _save(cfg: Config, engine, step: int) -> str:
     """The one checkpoint call (periodic and on a stop signal). Collective."""
+    from ringzero.nn.families import to_dict
     from ringzero.runtime import checkpoint as ck
     return ck.save(engine, cfg.save_dir, step,
                    config={**dataclasses.asdict(cfg), "gpt": dataclasses.asdict(engine.model.cfg),
+                           "model_config": to_dict(engine.model.cfg),          # its family too (nn/families.py)
                            "hf": getattr(engine.model, "hf_config", None)},
                    data_state={"step": step, "seed": cfg.seed}, keep=cfg.keep or None)
 
@@ -225,7 +228,8 @@ def run(cfg: Config, comm, stop=None) -> dict:
         src.close()
     if init is not None:
         agree(comm, lambda: _raise(src.error))    # a read that failed on any rank stops every rank
-        say(f"ringzero | initialized from {src.path}: GPT-2 {model.cfg.n_layer}L {model.cfg.n_embd}C, vocab "
+        say(f"ringzero | initialized from {src.path}: {src.hf.get('model_type', 'gpt2')} {model.cfg.n_layer}L "
+            f"{model.cfg.n_embd}C, vocab "
             f"{model.cfg.n_tokens} (padded to {model.cfg.vocab}), each rank read its own pieces")
     if cfg.steps == 0:                  # a conversion: the imported weights as a checkpoint, no step taken
         saved = _save(cfg, engine, 0)

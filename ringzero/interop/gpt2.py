@@ -22,8 +22,9 @@ What it is
     ``gpt_config(hf)``: the GPTConfig of a config.json, or ``HFConfigError``
     (one line naming the field) for anything ringzero does not compute
     exactly. ``hf_config(cfg, base)``: the config.json of an export.
-    ``config_from_manifest(m)``: the GPTConfig of a ringzero checkpoint's
-    manifest (its layout table and trainer config), for the sampler and the
+    ``config_from_manifest(m)``: the model config of a ringzero checkpoint's
+    manifest (its saved ``model_config``, any family; else a GPT's from its
+    layout table and trainer config), for the sampler, the evaluator and the
     export.
 
 What it is not
@@ -154,13 +155,21 @@ def hf_config(cfg: GPTConfig, base: dict | None = None) -> dict:
     return out
 
 
-def config_from_manifest(m: dict) -> GPTConfig:
-    """The GPTConfig of a checkpoint: shapes from its layout table, heads from its config.
+def config_from_manifest(m: dict):
+    """The model config of a checkpoint: the one the trainer saved with its family (``model_config``,
+    nn/families.py's ``to_dict``), else a GPT's: shapes from its layout table, heads from its config.
 
     The layout gives vocab and width (wte is (V, C)), the context (wpe is
     (T, C)) and the block count; it cannot give the head count, which comes
     from the trainer's config (``n_head``) or its preset name (``model``).
     """
+    mc = (m.get("config") or {}).get("model_config")
+    if isinstance(mc, dict):
+        from ringzero.nn.families import from_dict
+        try:
+            return from_dict(mc)
+        except (ValueError, TypeError) as e:
+            raise HFConfigError(f"the manifest's model_config makes no model: {e}") from None
     shapes = {p.name: p.shape for u in units_from_description(m["layout"]) for p in u.params}
     if "wte" not in shapes or "wpe" not in shapes:
         raise HFConfigError(f"the checkpoint holds no GPT (no 'wte'/'wpe' among its {len(shapes)} "

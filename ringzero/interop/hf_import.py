@@ -1,4 +1,4 @@
-"""``--init-from PATH``: a Hugging Face GPT-2 checkpoint read straight into each rank's shards.
+"""``--init-from PATH``: a Hugging Face checkpoint (GPT-2, Llama, Qwen2, Mistral) read straight into each rank's shards.
 
 What it is
     ``HFSource(path)`` opens, lazily, what PATH names:
@@ -38,14 +38,14 @@ from contextlib import ExitStack
 
 import numpy as np
 
-from ringzero.interop.gpt2 import HEAD, PREFIX, gpt_config, hf_name, ignored, strip_prefix
+from ringzero.interop.hf_families import HEAD, family_of
 from ringzero.interop.safetensors_files import HFConfigError, TensorFile, locate
 
 CHUNK = 1 << 22                    # elements per read (16 MiB of float32)
 
 
 class HFSource:
-    """A GPT-2 checkpoint on disk: its config, and lazy ranged reads of its tensors."""
+    """A Hugging Face checkpoint on disk (GPT-2 or the Llama family): its config, and lazy ranged reads."""
 
     def __init__(self, path: str):
         self.path = path
@@ -57,11 +57,11 @@ class HFSource:
             raise HFConfigError(f"{self.config_path}: unreadable config ({e})") from None
         if not isinstance(self.hf, dict):
             raise HFConfigError(f"{self.config_path}: expected a JSON object, got {type(self.hf).__name__}")
-        self.cfg = gpt_config(self.hf, self.config_path)
+        self.family = family_of(self.hf, self.config_path)
+        self.cfg = self.family.config(self.hf, self.config_path)
         self._stack = ExitStack()
         self._open = {}              # file -> TensorFile
-        self.keys = {}               # stripped key -> (file, key as stored)
-        self.head = None             # (file, key) of lm_head.weight, if the file has one
+        self.keys = {}               # key as the family names it -> (file, key as stored)
         self.error = None            # fill_master's error, for the caller to agree on
         for f in self.files:
             try:
@@ -73,14 +73,13 @@ class HFSource:
                 self.close()
                 raise
             for k in h.keys():
-                if k == HEAD:
-                    self.head = (f, k)
-                    continue
-                s = strip_prefix(k)
+                s = k if k == HEAD else self.family.strip(k)
                 if s in self.keys:
                     self.close()
                     raise HFConfigError(f"{f}: key {k!r} appears twice ({self.keys[s][1]!r} in {self.keys[s][0]})")
                 self.keys[s] = (f, k)
+        # a head the config ties to the embedding: a copy of it (checked bitwise), not a parameter
+        self.head = self.keys.get(HEAD) if not self.family.untied_head(self.cfg) else None
 
     def close(self):
         self._stack.close()
@@ -90,81 +89,101 @@ class HFSource:
     def _slice(self, f, k):
         return self._open[f].get_slice(k)
 
+    @property
+    def model_name(self) -> str:
+        return {"gpt2": "GPT2LMHeadModel"}.get(self.family.name, f"{self.hf.get('model_type')} (Llama family)")
+
     def expected(self, layout) -> dict:
-        """{HF key (no prefix): (ringzero name, file shape)} of every parameter of ``layout``."""
-        V = self.cfg.n_tokens
+        """{file key (as the family names it): (ringzero name, file shape)} of every parameter of ``layout``."""
         out = {}
         for name, s in layout.slots.items():
-            shape = (V,) + tuple(s.spec.shape[1:]) if name == "wte" else tuple(s.spec.shape)
-            out[hf_name(name)] = (name, shape)
+            shape = tuple(s.spec.shape)
+            real = self.cfg.n_tokens if name in ("wte", "head.w") else shape[0]    # padding rows: not in the file
+            for p in self.family.sources(name, self.cfg):
+                out[p.key] = (name, (p.width,) if len(shape) == 1 else
+                              (p.width, shape[0]) if p.transposed else (real, p.width))
         return out
 
     def check(self, layout):
-        """Every key, shape and dtype the layout needs; nothing left over. Raises HFConfigError."""
+        """Every key and shape the layout needs; nothing left over. Raises HFConfigError."""
         want = self.expected(layout)
-        extra = sorted(k for k in self.keys if k not in want and not ignored(k))
+        extra = sorted(k for k in self.keys if k not in want and k != HEAD and not self.family.ignored(k))
         if extra:
             f, k = self.keys[extra[0]]
-            raise HFConfigError(f"{f}: unexpected key {k!r} ({len(extra)} in all): expected GPT2LMHeadModel's "
+            raise HFConfigError(f"{f}: unexpected key {k!r} ({len(extra)} in all): expected {self.model_name}'s "
                                 f"keys only (config {self.config_path})")
         for key, (name, shape) in want.items():
             if key not in self.keys:
-                raise HFConfigError(f"{self.path}: missing key {key!r} (or {PREFIX + key!r}): the config "
-                                    f"describes {self.cfg.n_layer} layers of width {self.cfg.n_embd}")
+                alt = f" (or {self.family.prefix + key!r})" if self.family.prefix and key != HEAD else ""
+                raise HFConfigError(f"{self.path}: missing key {key!r}{alt}: the config describes "
+                                    f"{self.cfg.n_layer} layers of width {self.cfg.n_embd}")
             f, k = self.keys[key]
-            sl = self._slice(f, k)
-            got = tuple(sl.get_shape())
+            got = tuple(self._slice(f, k).get_shape())
             if got != shape:
                 raise HFConfigError(f"{f}: {k!r} has shape {got}, expected {shape} from {self.config_path}")
         if self.head is not None:
             f, k = self.head
-            sl = self._slice(f, k)
-            wte = want["wte.weight"][1]
-            if tuple(sl.get_shape()) != wte or sl.get_dtype() != self._slice(*self.keys["wte.weight"]).get_dtype():
-                raise HFConfigError(f"{f}: {k!r} is {sl.get_dtype()} {tuple(sl.get_shape())}, wte.weight is not: an "
-                                    f"untied head, which ringzero does not compute (its head is the embedding)")
+            sl, emb = self._slice(f, k), self._slice(*self.keys[self.family.embed])
+            if sl.get_shape() != emb.get_shape() or sl.get_dtype() != emb.get_dtype():
+                raise HFConfigError(f"{f}: {k!r} is {sl.get_dtype()} {tuple(sl.get_shape())}, "
+                                    f"{self.family.embed} is not: an untied head, {self._untied_hint()}")
+
+    def _untied_hint(self) -> str:
+        if self.family.name == "gpt2":
+            return "which ringzero does not compute for a GPT-2 (its head is the embedding)"
+        return f"while {self.config_path} says tie_word_embeddings (HINT: set it to false)"
 
     def check_head(self, rank: int = 0, size: int = 1):
-        """A present lm_head.weight equals wte.weight, bitwise, on this rank's share of the rows."""
+        """A tied head present in the file equals the embedding, bitwise, on this rank's share of the rows."""
         if self.head is None:
             return
-        hs, ws = self._slice(*self.head), self._slice(*self.keys["wte.weight"])
+        hs, ws = self._slice(*self.head), self._slice(*self.keys[self.family.embed])
         V, C = ws.get_shape()
         step = max(1, CHUNK // max(C, 1))
         lo, hi = V * rank // size, V * (rank + 1) // size
         for a in range(lo, hi, step):
             b = min(hi, a + step)
             h, w = hs[a:b], ws[a:b]
-            if not np.array_equal(h, w):
-                row = a + int(np.flatnonzero((h != w).any(axis=1))[0])
-                raise HFConfigError(f"{self.head[0]}: 'lm_head.weight' differs from wte.weight (first at row "
-                                    f"{row}): an untied head, which ringzero does not compute (its head is the "
-                                    f"token embedding)")
+            if not np.array_equal(h.view(np.uint32), w.view(np.uint32)):
+                row = a + int(np.flatnonzero((h.view(np.uint32) != w.view(np.uint32)).any(axis=1))[0])
+                raise HFConfigError(f"{self.head[0]}: 'lm_head.weight' differs from {self.family.embed} (first at "
+                                    f"row {row}): an untied head, {self._untied_hint()}")
 
     # ---- reads ------------------------------------------------------------------------
     def read(self, name: str, lo: int, hi: int, out):
-        """out[:hi-lo] = flat elements [lo, hi) of ringzero parameter ``name`` (padding rows: 0), as float32."""
-        f, k = self.keys[hf_name(name)]
-        sl = self._slice(f, k)
-        shape = tuple(sl.get_shape())
-        total = int(np.prod(shape))
-        real = min(hi, total)
-        out[max(0, real - lo):hi - lo] = 0          # wte's padding rows
-        if real <= lo:
+        """out[:hi-lo] = flat elements [lo, hi) of ringzero parameter ``name`` (padding rows: 0), as float32.
+
+        The parameter is its Parts side by side: a 1-D one their concatenation, a 2-D one (R, N)
+        their column blocks, each the file's rows (padding rows past the file: 0) or, transposed,
+        the file's columns. Whole rows of the parameter are built at most CHUNK elements at a time."""
+        parts = self.family.sources(name, self.cfg)
+        sls = [self._slice(*self.keys[p.key]) for p in parts]
+        if len(sls[0].get_shape()) == 1:                     # 1-D: the parts one after another
+            at = 0
+            for p, sl in zip(parts, sls):
+                a, b = max(lo, at), min(hi, at + p.width)
+                if a < b:
+                    out[a - lo:b - lo] = sl[a - at:b - at]
+                at += p.width
             return
-        if len(shape) == 1:
-            for a in range(lo, real, CHUNK):
-                b = min(real, a + CHUNK)
-                out[a - lo:b - lo] = sl[a:b]
-            return
-        cols = total // shape[0]
-        rows = max(1, CHUNK // cols)
-        r = lo // cols
-        while r * cols < real:                      # whole rows, at most CHUNK elements a read
-            r2 = min(shape[0], r + rows, -(-real // cols))
-            blk = sl[r:r2].reshape(-1)              # (r2 - r) * cols elements of the file's dtype
-            a, b = max(lo, r * cols), min(real, r2 * cols)
-            out[a - lo:b - lo] = blk[a - r * cols:b - r * cols]
+        N = sum(p.width for p in parts)                      # columns of the parameter
+        rows = max(1, CHUNK // N)
+        r = lo // N
+        while r * N < hi:
+            r2 = min(r + rows, -(-hi // N))
+            blk = np.zeros((r2 - r, N), np.float32)          # rows [r, r2) of the parameter
+            c = 0
+            for p, sl in zip(parts, sls):
+                if p.transposed:                             # the file: (width, R)
+                    blk[:, c:c + p.width] = sl[:, r:r2].T
+                else:                                        # the file: (real rows, width); past them: 0
+                    real = sl.get_shape()[0]
+                    if r < real:
+                        blk[:min(r2, real) - r, c:c + p.width] = sl[r:min(r2, real)]
+                c += p.width
+            flat = blk.reshape(-1)
+            a, b = max(lo, r * N), min(hi, r2 * N)
+            out[a - lo:b - lo] = flat[a - r * N:b - r * N]
             r = r2
 
     def fill_master(self, state):
@@ -209,13 +228,13 @@ def fill_piece(src: HFSource, L, u: int, r: int, host):
 
 
 def load_full(path: str):
-    """(GPTConfig, Layout at one shard, full fp32 buffer) of a GPT-2 checkpoint, in one process:
-    for tests and sampling; it holds the whole model (4 B x Ψ)."""
-    from ringzero.nn.gpt import gpt_units
+    """(config, Layout at one shard, full fp32 buffer, config.json) of a Hugging Face checkpoint, in one
+    process: for tests, sampling and evaluation; it holds the whole model (4 B x Ψ)."""
+    from ringzero.nn.families import units_of
     from ringzero.runtime.flat import Layout
     src = HFSource(path)
     try:
-        L = Layout(gpt_units(src.cfg), shards=1)
+        L = Layout(units_of(src.cfg), shards=1)
         src.check(L)
         src.check_head()
         buf = np.zeros(L.padded, np.float32)
@@ -242,7 +261,7 @@ def for_training(cfg, n: int, rank: int | None):
     """The --init-from source of a trainer Config, checked against its flags, its data and the
     layout at ``n`` ranks (``rank``: this rank's share of the head check; None: all of it).
     Returns (source, GPTConfig). Raises HFConfigError (the trainer's ConfigError turns it into one line)."""
-    from ringzero.nn.gpt import gpt_units
+    from ringzero.nn.families import units_of
     from ringzero.runtime.flat import Layout
     src = HFSource(cfg.init_from)
     try:
@@ -256,13 +275,14 @@ def for_training(cfg, n: int, rank: int | None):
                 raise HFConfigError(f"--{k.replace('_', '-')} {v} differs from {k} = {have} in {src.config_path}: "
                                     f"drop the flag (the imported model gives the shapes)")
         if cfg.seq_len > g.block_size:
-            raise HFConfigError(f"--seq-len must be <= the imported model's context: expected <= n_positions = "
+            what = "n_positions" if src.family.name == "gpt2" else "max_position_embeddings"
+            raise HFConfigError(f"--seq-len must be <= the imported model's context: expected <= {what} = "
                                 f"{g.block_size} ({src.config_path}), got {cfg.seq_len}")
         if cfg.steps and not cfg.data.endswith(".bin"):      # --steps 0 (a conversion) reads no data
             raise HFConfigError(f"--init-from needs token ids of the model's tokenizer, got --data "
                                 f"{cfg.data or '(the byte-level default corpus)'!r}; HINT: python -m ringzero.data "
                                 f"encode --tokenizer tokenizer.json IN.txt OUT.bin, then --data OUT.bin")
-        src.check(Layout(gpt_units(g), shards=max(1, n)))
+        src.check(Layout(units_of(g), shards=max(1, n)))
         src.check_head(0, 1) if rank is None else src.check_head(rank, n)
         return src, g
     except BaseException:

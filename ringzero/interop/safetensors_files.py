@@ -28,12 +28,21 @@ import json
 import mmap
 import os
 import struct
+from typing import NamedTuple
 
 import numpy as np
 
 CONFIG, SINGLE, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 # file dtype -> (NumPy dtype the bytes are read as, bytes per element)
 DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "F64": np.dtype("<f8"), "BF16": np.dtype("<u2")}
+
+
+class Part(NamedTuple):
+    """One file tensor's share of a ringzero parameter: ``width`` columns of a 2-D parameter (or
+    elements of a 1-D one), left to right in the order of the parameter's Parts."""
+    key: str              # the tensor's key in the file (a family may strip a prefix: interop/hf_families.py)
+    width: int
+    transposed: bool      # the file holds (width, rows): the parameter's block is its transpose
 
 
 class HFConfigError(ValueError):
