@@ -100,3 +100,22 @@ def test_refusals_are_one_line(tmp_path):
     tiny = token_file(tmp_path / "t.bin", np.arange(5), V)
     r = evaluate(hf, "--data", tiny, "--seq-len", "8")
     assert r.returncode == 2 and "expected at least one window" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("name", ["llama-untied-scaled", "qwen2-tied"])
+def test_llama_family_loss_equals_transformers(tmp_path, name):
+    """The Llama family: from the Hugging Face folder (one process) and from a ringzero checkpoint of it
+    (mpirun -n 2), the loss equals LlamaForCausalLM's / Qwen2ForCausalLM's with labels = input_ids."""
+    from hf_llama import CASES
+    from hf_llama import V as LV
+    from test_llama_interop import run, save
+    m = save(tmp_path / "hf", dict((c[0], c) for c in CASES)[name])
+    ids = np.random.default_rng(4).integers(0, LV, 7 * 16 + 3)
+    f = token_file(tmp_path / "a.bin", ids, LV)
+    run(["mpi4py", "-m", "ringzero.train", "--init-from", str(tmp_path / "hf"), "--steps", "0", "--quiet",
+         "--save-dir", str(tmp_path / "ck")], mpi=2)
+    want = hf_windows_loss(m, ids, 16, 7)
+    for src, mpi in ((tmp_path / "hf", 0), (tmp_path / "ck", 2)):
+        r = evaluate(str(src), "--data", f, "--seq-len", "16", mpi=mpi)
+        assert r.returncode == 0 and "Llama" in r.stderr, r.stdout + r.stderr
+        assert abs(float(r.stdout.split()[1]) - want) <= 1e-5 * want, (src, r.stdout, want)
