@@ -16,3 +16,18 @@ def test_zero_100b_checkpoints(capsys):
     assert f"Ψ = {psi:,}" in out
     # and the number sits within 15 % of the paper's ~60 (GB or GiB)
     assert abs(ckpt / 2**30 - 60) / 60 < 0.05 and abs(ckpt / 1e9 - 60) / 60 < 0.15
+
+
+def test_llama_presets(capsys):
+    """A Llama-family preset: Ψ is the released checkpoint's parameter count (the model cards / transformers'
+    num_parameters: SmolLM2-135M 134,515,008; TinyLlama 1,100,048,384), and a width flag re-derives head_dim."""
+    for name, psi in (("smollm2-135m", 134_515_008), ("tinyllama-1.1b", 1_100_048_384)):
+        assert est.main(["--model", name, "--nd", "2"]) == 0
+        assert f"Ψ = {psi:,}" in capsys.readouterr().out
+    # 2 layers of width 72 (9 heads of 8, 3 KV heads), MLP 1536, vocab 256, tied:
+    # per block 2·72 (norms) + 72·(9+6)·8 (q|k|v) + 72·72 (proj) + 3·72·1536 (gate, up, down); wte; lnf
+    C = 72
+    psi = 2 * (2 * C + C * 15 * 8 + C * C + 3 * C * 1536) + 256 * C + C
+    assert est.main(["--model", "smollm2-135m", "--n-layer", "2", "--n-embd", "72", "--vocab", "256",
+                     "--nd", "1"]) == 0
+    assert f"Ψ = {psi:,}" in capsys.readouterr().out

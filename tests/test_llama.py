@@ -67,6 +67,28 @@ def test_preset_psi_is_transformers_count(name):
     assert Layout(llama_units(c)).numel == m.num_parameters()
 
 
+def closed_form(c):
+    """Ψ of a Llama counted by hand: per block 2 norms (2C), q|k|v (C·(H+2K)·D, + (H+2K)·D with bias),
+    proj (H·D·C), gate|up and down (3·C·F); plus wte (V·C), lnf (C) and an untied head (V·C)."""
+    C, D, W = c.n_embd, c.head_dim, (c.n_head + 2 * c.n_kv_head) * c.head_dim
+    block = 2 * C + C * W + (W if c.qkv_bias else 0) + c.n_head * D * C + 3 * C * c.ffn
+    return c.n_layer * block + c.vocab * C + C + (0 if c.tied else c.vocab * C)
+
+
+@pytest.mark.parametrize("stage", ["0", "1", "2", "3"])
+@pytest.mark.parametrize("name", ["smollm2-135m", "tinyllama-1.1b"])
+def test_bytes_model_state_at_nd2(name, stage):
+    """Formula on the padded Ψ == the bytes a rank holds, counted from the Layout's shards (byte vocab)."""
+    from ringzero.runtime import accounting as acc
+    c = model_config(name, 256)
+    lay = Layout(llama_units(c), shards=2)
+    full, shard = lay.padded, lay.shard_numel
+    held = {"0": dict(p=full, g=full, o=full), "1": dict(p=full, g=full, o=shard),
+            "2": dict(p=full, g=shard, o=shard), "3": dict(p=shard, g=shard, o=shard)}[stage]
+    assert acc.model_state_total(stage, lay.padded, 2) == 2 * held["p"] + 2 * held["g"] + 12 * held["o"]
+    assert lay.numel == closed_form(c) and closed_form(PRESETS[name]) == Layout(llama_units(PRESETS[name])).numel
+
+
 def test_model_config_and_registry():
     c = model_config("smollm2-135m", 256, n_layer=2)
     assert (c.n_layer, c.vocab, c.n_embd, c.head_dim, c.tied) == (2, 256, 576, 64, True)
@@ -268,3 +290,29 @@ def test_model_state_bytes_equal_the_formula(comm, stage):
     res = eng.step(x % 64, y % 64, lr=1e-3)
     ok = got == want and all(d["formula_bytes"] == want[c] for c, d in rep.items()) and np.isfinite(res.loss)
     assert_all(comm, ok, f"stage {stage}: memory {got}, expected {want}, loss {res.loss}")
+
+
+# ------------------------------------------------------------------------------ the device path, on the stand-in
+@pytest.mark.standin
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_device_path_on_the_cupy_standin(monkeypatch, dtype):
+    """Under the strict CuPy stand-in (tests/cupy_standin/: no implicit host conversion, no NumPy
+    operand in a device op), a Llama step computes what the host does: loss and gradients equal the
+    float64 host step within the dtype's rounding. Proves the calls are CuPy's, not GPU numerics."""
+    import cupy_standin
+    cp = cupy_standin.install(monkeypatch)
+    cfg = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn=40, vocab=64, block_size=16,
+                      qkv_bias=True, tied=False, rope_scaling=RopeScaling(4.0, 1.0, 4.0, 8))
+    L = Layout(llama_units(cfg))
+    host = np.zeros(L.padded)
+    L.init_full(host, seed=2)
+    x, y = (a % 64 for a in H.batch(4, 2))
+    g64 = np.zeros_like(host)
+    ref = Llama(cfg).loss_and_grad(L.views(host), L.views(g64), x, y)
+    dev = cp.asarray(host.astype(dtype))
+    gdev = cp.zeros(L.padded, dtype)
+    loss = Llama(cfg).loss_and_grad(L.views(dev), L.views(gdev), cp.asarray(x), cp.asarray(y))
+    got = gdev.get().astype(np.float64)
+    tol = 1e-5 if dtype == np.float32 else 3e-2
+    assert abs(loss - ref) <= tol * abs(ref)
+    assert np.linalg.norm(got - g64) <= tol * np.linalg.norm(g64)

@@ -128,3 +128,39 @@ def test_inv_freq_is_transformers(scaled):
     assert np.abs(got - ref).max() <= 2e-7 * np.abs(ref).max()
     if scaled:
         assert not np.allclose(got, inv_freq(64, 500000.0))      # the scaling changed the low frequencies
+
+
+def test_gqa_makes_no_per_query_head_copy_of_k_or_v(rng):
+    """After a first step (buffers made), forward + backward of GQA with 16 query heads on 1 KV head
+    allocates less than half of ONE key tensor repeated per query head (B·T·H·D floats): K and V are
+    broadcast over the group, never copied per query head. (NumPy's iteration buffers are a fixed
+    8192 elements per operand, whatever the shapes.)"""
+    import tracemalloc
+
+    from ringzero.nn.base import Pool
+    B, T, C, H, K, D = 2, 128, 64, 16, 1, 32
+    p = {"attn.w": rng.standard_normal((C, (H + 2 * K) * D)).astype(np.float32),
+         "proj.w": rng.standard_normal((H * D, C)).astype(np.float32)}
+    g = {k: np.zeros_like(v) for k, v in p.items()}
+    att = GroupedQueryAttention(H, K, D, Rotary(D, 1e4, pool=Pool(), tag="rope"), Pool(), "a")
+    x, dy = rng.standard_normal((2, B, T, C)).astype(np.float32)
+    for _ in range(2):
+        tracemalloc.start()
+        _, c = att.forward(p, x)
+        att.backward(dy, c, g)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    repeated = B * T * H * D * 4
+    assert peak < repeated // 2, f"{peak:,} B allocated in a step; one K repeated per query head is {repeated:,} B"
+
+
+def test_rotary_tables_one_per_dtype_sliced_by_length(rng):
+    """Shorter sequences read a prefix of the longest table (generation: one table, not one per length),
+    and a prefix rotates exactly as the table made for that length would."""
+    rot = Rotary(8, 100.0)
+    x = rng.standard_normal((1, 20, 2, 8))
+    full = rot.forward(x.copy())
+    assert len(rot._tables) == 1
+    short = Rotary(8, 100.0).forward(x[:, :7].copy())
+    assert np.array_equal(rot.forward(x[:, :7].copy()), short) and np.array_equal(full[:, :7], short)
+    assert len(rot._tables) == 1

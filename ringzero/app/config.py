@@ -26,11 +26,15 @@ def opt(default, help: str):
 
 @dataclass
 class Config:
-    # ---- model (GPT-2 style; the vocabulary comes from the data)
-    model: str = opt("", 'GPT-2 shapes: gpt2 | gpt2-medium | gpt2-large | gpt2-xl ("" = the small default)')
+    # ---- model (a GPT-2 or Llama-family preset; the vocabulary comes from the data)
+    model: str = opt("", 'GPT-2 shapes: gpt2 | gpt2-medium | gpt2-large | gpt2-xl; Llama family (docs/llama.md): '
+                         'smollm2-135m | smollm2-360m | qwen2.5-0.5b | tinyllama-1.1b | llama-3.2-1b '
+                         '("" = the small GPT default)')
     n_layer: int | None = opt(None, "transformer blocks (None: 4, or the --model preset's)")
     n_head: int | None = opt(None, "attention heads (None: 4, or the preset's)")
     n_embd: int | None = opt(None, "width (None: 128, or the preset's); Ψ ≈ 12·n_layer·n_embd² + vocab·n_embd")
+    n_kv_head: int | None = opt(None, "key/value heads of a Llama-family --model (None: the preset's); "
+                                      "must divide --n-head")
     seq_len: int = opt(128, "tokens per sequence (the position table: this, or the preset's 1024; with "
                             "--init-from and no --seq-len: the smaller of 128 and the model's context)")
     init_from: str = opt("", "start from a Hugging Face GPT-2: a folder (config.json + model.safetensors or "
@@ -45,7 +49,8 @@ class Config:
     steps: int = opt(400, "optimizer steps (0 with --init-from: save the imported weights into --save-dir, "
                           "no training, no --data needed)")
     lr: float = opt(4e-3, "peak learning rate (a --model preset's own when not given: gpt2 6e-4, gpt2-medium "
-                          "3e-4, gpt2-large 2.5e-4, gpt2-xl 2e-4)")
+                          "3e-4, gpt2-large 2.5e-4, gpt2-xl 2e-4, smollm2-135m 6e-4, smollm2-360m and "
+                          "qwen2.5-0.5b 3e-4, tinyllama-1.1b and llama-3.2-1b 2e-4)")
     min_lr_frac: float = opt(0.1, "cosine decays to lr * min_lr_frac")
     warmup: int = opt(40, "linear warm-up steps")
     weight_decay: float = opt(0.1, "AdamW, not on biases and norms")
@@ -128,7 +133,11 @@ DEFAULT_DIMS = {"n_layer": 4, "n_head": 4, "n_embd": 128}
 # The peak learning rate of each preset when --lr is not given: GPT-3's table 2.1 at the
 # same sizes (125M 6e-4, 350M 3e-4, 760M 2.5e-4, 1.3B 2e-4), nanoGPT's 6e-4 for gpt2.
 # The small default's 4e-3 makes a 1.5B model's loss climb within its first updates.
-PRESET_LR = {"gpt2": 6e-4, "gpt2-medium": 3e-4, "gpt2-large": 2.5e-4, "gpt2-xl": 2e-4}
+# The Llama-family presets take the same table by size (135M ~ 125M, 360M and 494M ~ 350M,
+# 1.1B and 1.2B ~ 1.3B): training from scratch; a fine-tune from --init-from wants less.
+PRESET_LR = {"gpt2": 6e-4, "gpt2-medium": 3e-4, "gpt2-large": 2.5e-4, "gpt2-xl": 2e-4,
+             "smollm2-135m": 6e-4, "smollm2-360m": 3e-4, "qwen2.5-0.5b": 3e-4, "tinyllama-1.1b": 2e-4,
+             "llama-3.2-1b": 2e-4}
 
 
 def _coerce(name, typ, value):
@@ -207,7 +216,7 @@ def validate(cfg: Config):
     def need(cond, msg):
         if not cond:
             raise ConfigError(msg)
-    for k in ("n_layer", "n_head", "n_embd", "seq_len", "batch", "steps", "grad_accum"):
+    for k in ("n_layer", "n_head", "n_embd", "n_kv_head", "seq_len", "batch", "steps", "grad_accum"):
         v = getattr(cfg, k)
         if k == "steps" and v == 0:          # a bare conversion: the imported weights saved, no step taken
             need(bool(cfg.init_from) and not cfg.resume,
@@ -233,9 +242,11 @@ def validate(cfg: Config):
     need(cfg.batch % cfg.grad_accum == 0,
          f"--batch must split into --grad-accum micro-batches: expected batch % K == 0, got "
          f"{cfg.batch} % {cfg.grad_accum} = {cfg.batch % cfg.grad_accum} (batch is rows per rank per step)")
-    from ringzero.nn.gpt import PRESETS
-    need(cfg.model in ("",) + tuple(PRESETS),
-         f"--model must be one of {', '.join(PRESETS)} (or empty for the small default), got {cfg.model!r}")
+    from ringzero.nn.families import LLAMA, family_of, preset_names
+    need(cfg.model in ("",) + preset_names(),
+         f"--model must be one of {', '.join(preset_names())} (or empty for the small default), got {cfg.model!r}")
+    need(cfg.n_kv_head is None or (cfg.model and family_of(cfg.model) == LLAMA),
+         f"--n-kv-head applies to a Llama-family --model (grouped-query attention), got --model {cfg.model!r}")
     d = model_dims(cfg)
     need(d["n_embd"] % d["n_head"] == 0,
          f"--n-embd must be divisible by --n-head: got {d['n_embd']} % {d['n_head']} = {d['n_embd'] % d['n_head']}")
@@ -243,7 +254,7 @@ def validate(cfg: Config):
         need(os.path.exists(cfg.init_from), f"--init-from {cfg.init_from!r} does not exist: expected a GPT-2 "
              "folder (config.json + model.safetensors), a sharded index or a .safetensors file")
     else:
-        g = gpt_config(cfg, 256)                 # the shapes, before the data sets the vocab
+        g = model_config(cfg, 256)               # the shapes, before the data sets the vocab
         need(cfg.seq_len <= g.block_size,
              f"--seq-len must be <= the model's context: expected <= {g.block_size} ({cfg.model}), got {cfg.seq_len}")
     need(cfg.lr > 0, f"--lr must be > 0, got {cfg.lr}")
@@ -317,22 +328,29 @@ def _validate_offload(cfg: Config):
         raise ConfigError(str(e)) from None
 
 
-def gpt_config(cfg: Config, vocab: int):
-    """The effective GPTConfig: the --model preset (or the small default), the
-    data's vocabulary, and the dimension flags the user set (None keeps the
-    preset's). The default model's context is --seq-len; a preset keeps its own."""
-    from ringzero.nn.gpt import model_config
+def model_config(cfg: Config, vocab: int):
+    """The effective model config (a GPTConfig or a LlamaConfig, nn/families.py): the --model
+    preset (or the small GPT default), the data's vocabulary, and the dimension flags the user
+    set (None keeps the preset's). The default model's context is --seq-len; a preset keeps its own."""
+    from ringzero.nn import families
     try:
-        return model_config(cfg.model or None, vocab, block_size=None if cfg.model else cfg.seq_len,
-                            **model_dims(cfg))
+        if cfg.model and families.family_of(cfg.model) == families.LLAMA:
+            return families.model_config(cfg.model, vocab, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                                         n_embd=cfg.n_embd, n_kv_head=cfg.n_kv_head)
+        return families.model_config(cfg.model or None, vocab, block_size=None if cfg.model else cfg.seq_len,
+                                     **model_dims(cfg))
     except ValueError as e:
         raise ConfigError(f"--model: {e}") from None
 
 
+gpt_config = model_config       # its older name (the GPT was the only family)
+
+
 def model_dims(cfg: Config) -> dict:
     """{n_layer, n_head, n_embd} in effect: a flag's value, else the preset's, else the default."""
-    from ringzero.nn.gpt import PRESETS
-    base = PRESETS[cfg.model].__dict__ if cfg.model in PRESETS else DEFAULT_DIMS
+    from ringzero.nn.families import model_config as preset_config
+    from ringzero.nn.families import preset_names
+    base = preset_config(cfg.model).__dict__ if cfg.model in preset_names() else DEFAULT_DIMS
     return {k: base[k] if getattr(cfg, k) is None else getattr(cfg, k) for k in DEFAULT_DIMS}
 
 

@@ -31,7 +31,9 @@ def start_report(say, cfg: Config, corpus, engine, H: float) -> dict:
     L, n, mem = engine.layout, engine.topology.world_size, engine.memory_report()
     g, pr, K = engine.model.cfg, cfg.precision, cfg.grad_accum
     say(f"ringzero | {corpus.describe()}")
-    say(f"ringzero | GPT {cfg.model + ' ' if cfg.model else ''}{g.n_layer}L {g.n_head}H {g.n_embd}C "
+    kv = f" {g.n_kv_head}KV" if hasattr(g, "n_kv_head") else ""            # a Llama-family model
+    say(f"ringzero | {'Llama' if kv else 'GPT'} {cfg.model + ' ' if cfg.model else ''}{g.n_layer}L {g.n_head}H{kv} "
+        f"{g.n_embd}C "
         f"T={cfg.seq_len} (context {g.block_size}) V={g.vocab}, Ψ = {L.numel:,} "
         f"(padded {L.padded:,}), Nd = {n}, stage {cfg.stage} "
         f"({accounting.bytes_per_param_formula(cfg.stage, pr, K)}), {pr}"

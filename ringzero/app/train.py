@@ -36,8 +36,8 @@ from ringzero.app.config import (  # noqa: F401
     Config,
     ConfigError,
     build_parser,
-    gpt_config,
     lr_at,
+    model_config,
     offload_policy,
     parse_config,
     validate,
@@ -54,7 +54,7 @@ def prepare(cfg: Config, n: int, rank: int | None = None):
     Returns (corpus, model, budget, source): source is the --init-from checkpoint
     (interop/hf_import.py), opened and checked (rank: this rank's share of its head check), or None."""
     from ringzero.app.data import load_corpus
-    from ringzero.nn.families import build
+    from ringzero.nn import families
     from ringzero.nn.gpt import vocab_for
     from ringzero.runtime.flat import Layout
     from ringzero.runtime.policy import StagePolicy
@@ -74,12 +74,12 @@ def prepare(cfg: Config, n: int, rank: int | None = None):
         else:
             corpus = load_corpus(cfg.data or None, cfg.seq_len)
             # the vocabulary from the data: 256 for bytes, else the largest id + 1 rounded up to 64
-            gcfg = gpt_config(cfg, vocab_for(corpus.vocab - 1, byte_level=corpus.byte_level))
+            gcfg = model_config(cfg, vocab_for(corpus.vocab - 1, byte_level=corpus.byte_level))
     except (ValueError, OSError) as e:      # HFConfigError is a ValueError
         if src is not None:
             src.close()
         raise ConfigError(str(e)) from None
-    model = build(gcfg, checkpoint=cfg.activation_checkpointing)      # the config's family (nn/families.py)
+    model = families.build(gcfg, checkpoint=cfg.activation_checkpointing)     # a GPT or a Llama
     model.hf_config = src.hf if src is not None else None      # an export's config.json starts from it
     hybrid = StagePolicy.of(cfg.stage).hybrid
     if hybrid and cfg.ranks_per_node and n % cfg.ranks_per_node:
@@ -188,13 +188,21 @@ def train_loop(cfg: Config, comm, engine, train, evaluate, writer, say, stop=Non
 
 def _save(cfg: Config, engine, step: int) -> str:
     """The one checkpoint call (periodic and on a stop signal). Collective."""
-    from ringzero.nn.families import to_dict
     from ringzero.runtime import checkpoint as ck
     return ck.save(engine, cfg.save_dir, step,
-                   config={**dataclasses.asdict(cfg), "gpt": dataclasses.asdict(engine.model.cfg),
-                           "model_config": to_dict(engine.model.cfg),          # its family too (nn/families.py)
+                   config={**dataclasses.asdict(cfg), **_model_record(engine.model.cfg),
                            "hf": getattr(engine.model, "hf_config", None)},
                    data_state={"step": step, "seed": cfg.seed}, keep=cfg.keep or None)
+
+
+def _model_record(mcfg) -> dict:
+    """The manifest's model config: "model_config" (the family recorded, nn/families.py) for every
+    family, and "gpt" (the GPT's fields, which older readers take) for a GPT."""
+    from ringzero.nn import families
+    rec = {"model_config": families.to_dict(mcfg)}
+    if families.family_of(mcfg) == families.GPT2:
+        rec["gpt"] = dataclasses.asdict(mcfg)
+    return rec
 
 
 def run(cfg: Config, comm, stop=None) -> dict:

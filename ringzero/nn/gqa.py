@@ -34,6 +34,11 @@ from ringzero.nn.base import Layer, Linear, Pool
 from ringzero.nn.ops import array_module
 
 
+def _t(a):
+    """The last two axes swapped, a view (CuPy's transpose; its stand-in has no swapaxes)."""
+    return a.transpose(tuple(range(a.ndim - 2)) + (a.ndim - 1, a.ndim - 2))
+
+
 class GroupedQueryAttention(Layer):
     """Causal GQA with rotary positions over a fused [q | k | v] projection; see the module docstring."""
 
@@ -73,7 +78,7 @@ class GroupedQueryAttention(Layer):
         k5 = k4.transpose(0, 2, 1, 3)[:, :, None]               # (B, K, 1, T, D): broadcast over the group
         v5 = v4.transpose(0, 2, 1, 3)[:, :, None]
         att = self.buf("att", (B, H, T, T), x.dtype, xp)
-        xp.matmul(q5, k5.swapaxes(-1, -2), out=att.reshape(B, K, G, T, T))
+        xp.matmul(q5, _t(k5), out=att.reshape(B, K, G, T, T))
         fused.softmax_causal_(att.reshape(B * H, T, T), 1.0 / math.sqrt(D), self._ws(xp))
         yh = self.buf("yh", (B, T, H * D), x.dtype, xp)         # heads side by side, proj's input
         xp.matmul(att.reshape(B, K, G, T, T), v5, out=self._grouped(yh.reshape(B, T, H, D), B, T))
@@ -96,15 +101,15 @@ class GroupedQueryAttention(Layer):
         c5 = self.bbuf("c5", (B, K, G, T, D), dy.dtype, xp)     # a contiguous (B, K, G·T, D) operand
         xp.copyto(c5, self._grouped(dyh.reshape(B, T, H, D), B, T))
         # dV (B, K, T, D) = sum over the group of att^T dY: one product, inner dimension G·T
-        xp.matmul(att_g.swapaxes(-1, -2), c5.reshape(B, K, G * T, D), out=dv4.transpose(0, 2, 1, 3))
+        xp.matmul(_t(att_g), c5.reshape(B, K, G * T, D), out=dv4.transpose(0, 2, 1, 3))
         datt = self.bbuf("datt", att.shape, dy.dtype, xp)
-        xp.matmul(c5, v5.swapaxes(-1, -2), out=datt.reshape(B, K, G, T, T))       # dA = dY v^T
+        xp.matmul(c5, _t(v5), out=datt.reshape(B, K, G, T, T))       # dA = dY v^T
         fused.softmax_causal_backward_(datt.reshape(B * H, T, T), att.reshape(B * H, T, T), 1.0 / math.sqrt(D),
                                        self._ws(xp))            # dS, the scale folded in
         xp.matmul(datt.reshape(B, K, G, T, T), k5, out=self._grouped(dq4, B, T))   # dQ = dS k
         xp.copyto(c5, self._grouped(q4, B, T))
         # dK (B, K, T, D) = sum over the group of dS^T q
-        xp.matmul(datt.reshape(B, K, G * T, T).swapaxes(-1, -2), c5.reshape(B, K, G * T, D),
+        xp.matmul(_t(datt.reshape(B, K, G * T, T)), c5.reshape(B, K, G * T, D),
                   out=dk4.transpose(0, 2, 1, 3))
         self.rotary.backward(dq4)                               # the gradient before the rotation
         self.rotary.backward(dk4)

@@ -46,7 +46,7 @@ class RMSNorm(Layer):
         sq.mean(axis=1, keepdims=True, out=rstd)
         rstd += self.eps
         xp.sqrt(rstd, out=rstd)
-        xp.reciprocal(rstd, out=rstd)
+        xp.divide(1.0, rstd, out=rstd)
         xhat = self.buf("xhat", (N, C), x.dtype, xp)            # x * rstd, rounded to x's dtype (HF)
         xp.multiply(x2, rstd, out=xhat, casting="unsafe")
         y = self.buf("y", x.shape, x.dtype, xp)

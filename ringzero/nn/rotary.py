@@ -17,7 +17,7 @@ What it is
         y1 = x1 cos - x2 sin        y2 = x2 cos + x1 sin
 
     and the backward is the inverse rotation (sin -> -sin). The cos/sin tables
-    (T, D/2) are made once per (T, dtype, module): angles in float32 as
+    (T, D/2) are made once per (dtype, module), and again only for a longer T: angles in float32 as
     transformers takes them (position * inv_freq), cos and sin rounded to the
     compute dtype.
 
@@ -63,13 +63,15 @@ class Rotary(Layer):
         self._tables = {}
 
     def tables(self, T, dtype, xp):
-        """cos, sin (T, 1, D/2) in dtype: made once per (T, dtype, module)."""
-        key = (int(T), np.dtype(dtype).str, xp.__name__)
-        if key not in self._tables:
+        """cos, sin (T, 1, D/2) in dtype: views of one table per (dtype, module), made again only
+        for a longer T (generation grows T one token at a time: one table, not one per length)."""
+        key = (np.dtype(dtype).str, xp.__name__)
+        have = self._tables.get(key)
+        if have is None or have[0].shape[0] < T:
             ang = np.arange(T, dtype=np.float32)[:, None] * self.f[None, :]    # (T, D/2) float32, as HF
-            cos, sin = (xp.asarray(a.astype(dtype)[:, None, :]) for a in (np.cos(ang), np.sin(ang)))
-            self._tables[key] = (cos, sin)
-        return self._tables[key]
+            self._tables[key] = tuple(xp.asarray(a.astype(dtype)[:, None, :]) for a in (np.cos(ang), np.sin(ang)))
+        cos, sin = self._tables[key]
+        return cos[:T], sin[:T]
 
     def _rotate(self, x, sign):
         B, T, n, D = x.shape

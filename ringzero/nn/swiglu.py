@@ -29,7 +29,7 @@ class SwiGLU(Layer):
         xp.negative(g, out=s)
         xp.exp(s, out=s)
         s += 1
-        xp.reciprocal(s, out=s)                                 # 1 / (1 + e^-g)
+        xp.divide(1.0, s, out=s)                                # 1 / (1 + e^-g)
         return s
 
     def forward(self, p, gu):

@@ -30,7 +30,9 @@ import math
 import os
 import sys
 
-from ringzero.nn.gpt import PRESETS, GPTConfig, gpt_units
+from ringzero.nn import families
+from ringzero.nn.gpt import PRESETS, GPTConfig
+from ringzero.nn.llama_config import PRESETS as LLAMA_PRESETS
 from ringzero.runtime import accounting as acc
 from ringzero.runtime.flat import Layout
 from ringzero.sizes import parse_count, parse_size
@@ -49,12 +51,12 @@ PAPER_PRESETS = {
                   "and seq 1K as for the paper's GPT-2 figure, 125 layers, hidden 8192 (12·L·h² = "
                   "100.7B), GPT-2 vocabulary; heads (64) do not enter the ZeRO count."),
 }
-ALL_MODELS = {**PRESETS, **{k: v[0] for k, v in PAPER_PRESETS.items()}}
+ALL_MODELS = {**PRESETS, **LLAMA_PRESETS, **{k: v[0] for k, v in PAPER_PRESETS.items()}}
 
 
-def gpt_psi(cfg: GPTConfig) -> int:
-    """Ψ of a GPT config, from the layout table (tied head: no separate lm_head)."""
-    return Layout(gpt_units(cfg)).numel
+def gpt_psi(cfg) -> int:
+    """Ψ of a model config (a GPT's or a Llama's), from its layout table (nn/families.py)."""
+    return Layout(families.units_of(cfg)).numel
 
 
 def sig3(x: float) -> str:
@@ -85,7 +87,7 @@ def smallest_group(stage, psi: int, budget: int, extra: int, precision: str = "f
 
 def padded_psi(cfg: GPTConfig, group: int) -> int:
     """Ψ padded by ringzero's layout for a sharding group of ``group`` ranks (what it allocates)."""
-    return Layout(gpt_units(cfg), shards=group).padded
+    return Layout(families.units_of(cfg), shards=group).padded
 
 
 def estimate(psi: int, nd: int, ranks_per_node=None, cfg: GPTConfig | None = None,
@@ -291,7 +293,8 @@ def add_model_args(ap):
     src = ap.add_argument_group("model size (one of)")
     src.add_argument("--params", help="parameter count with K/M/B/T suffix, e.g. 7.5B")
     src.add_argument("--model", choices=sorted(ALL_MODELS),
-                     help="a GPT-2 preset, or zero-100b (the ZeRO paper's 100B shape); Ψ from its layout")
+                     help="a GPT-2 or Llama-family preset (smollm2-135m ...), or zero-100b (the ZeRO "
+                          "paper's 100B shape); Ψ from its layout")
     for k, h in (("n_layer", "blocks"), ("n_embd", "width"), ("n_head", "heads"),
                  ("vocab", "vocabulary"), ("block_size", "context length")):
         src.add_argument("--" + k.replace("_", "-"), type=int, help=f"GPT {h} (overrides --model)")
@@ -306,7 +309,10 @@ def model_from_args(a):
         return parse_count(a.params), None
     if a.model or dims:
         base = ALL_MODELS[a.model] if a.model else GPTConfig()
-        cfg = GPTConfig(**{**base.__dict__, **dims})
+        if a.model in LLAMA_PRESETS:        # the flags it shares with a GPT; head_dim follows n_embd / n_head
+            cfg = families.model_config(a.model, dims.pop("vocab", None), **dims)
+        else:
+            cfg = GPTConfig(**{**base.__dict__, **dims})
         return gpt_psi(cfg), cfg
     raise ValueError("no model size: give --params 7.5B or --model gpt2-xl or --n-layer ...")
 

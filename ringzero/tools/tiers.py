@@ -192,12 +192,12 @@ def _extra_of(cfg, nd, nodes, batch, seq, precision, K, ckpt, gpu):
     import numpy as np
 
     from ringzero.comm.schedule import TREE_BYTES
-    from ringzero.nn.gpt import gpt_units
+    from ringzero.nn.families import units_of
     from ringzero.runtime.flat import Layout
     from ringzero.runtime.policy import StagePolicy
     from ringzero.runtime.state import storage_dtype
     from ringzero.tools.activations import training_bytes
-    L = Layout(gpt_units(cfg), shards=nd)
+    L = Layout(units_of(cfg), shards=nd)
     sd = storage_dtype(precision)
     cd = sd if gpu else np.dtype(np.float32)
     act = training_bytes(cfg, max(1, batch // K), seq, ckpt, cd.itemsize)

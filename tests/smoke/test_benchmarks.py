@@ -42,6 +42,8 @@ RUNS = {
                         r"fwd\+bwd: median"),
                        (None, ["--batch", "1", "--seq", "16", "--repeats", "1", "--warmup", "0", *PRESET],
                         r"^ratio ringzero/gemm-floor: [\d.]+x")],
+    "bench_llama.py": [(None, ["--model", "smollm2-135m", "--n-layer", "1", "--vocab", "256", "--seq", "16",
+                              "--repeats", "1"], r"^  ringzero / gemm floor = [\d.]+$")],
     "bench_stages.py": [(2, [*TINY_GPT, "--iters", "2", "--warmup", "1"], r"^\s+3\s+[\d.]+ ms\s+[\d.]+x"),
                         (2, [*TINY_GPT, "--iters", "2", "--warmup", "1", "--stages", "0,hybrid"],
                          r"^hybrid\s+[\d.]+ ms\s+[\d.]+x\s+[\d,]+ B\s+[\d,]+ B\s+off( +[\d.]+ ms){5}$"),

@@ -35,6 +35,8 @@ from smoke_run import (  # noqa: F401
     trained,  # (fixtures)
 )
 
+from ringzero.nn.llama_config import PRESETS as LLAMA_PRESETS  # noqa: E402
+
 pytestmark = pytest.mark.smoke
 
 # (module, first word or None) -> a line of the table the command prints
@@ -130,6 +132,8 @@ def tiny(cmd, inputs, out_dir):
     if cmd.module == "ringzero.train" and not {"--help", "-h", "--check"} & set(out):
         # an imported model's shapes are its config.json's: no dimension flags then
         out += TINY_TRAIN if not gpt2 else ["--seq-len", "16", "--batch", "2"] + TINY_TRAIN[len(TINY_GPT):]
+        if "--model" in out and out[out.index("--model") + 1] in LLAMA_PRESETS:
+            out += ["--n-kv-head", "1"]           # a Llama-family preset: the tiny 2 heads share one KV head
     if cmd.module == "ringzero.bench" and word(cmd) is None:
         out += ["-w", "1"]
     return out
