@@ -37,9 +37,9 @@ class Config:
                                       "must divide --n-head")
     seq_len: int = opt(128, "tokens per sequence (the position table: this, or the preset's 1024; with "
                             "--init-from and no --seq-len: the smaller of 128 and the model's context)")
-    init_from: str = opt("", "start from a Hugging Face checkpoint (GPT-2, Llama, Qwen2, Mistral): a folder (config.json + "
-                             "model.safetensors or a sharded index) or a .safetensors file; it gives the shapes, --data "
-                             "must be its tokenizer's ids (python -m ringzero.data encode)")
+    init_from: str = opt("", "start from a Hugging Face checkpoint (GPT-2, Llama, Qwen2, Mistral): a folder "
+                             "(config.json + model.safetensors or a sharded index) or a .safetensors file; it gives "
+                             "the shapes, --data must be its tokenizer's ids (python -m ringzero.data encode)")
     # ---- data
     data: str = opt("", 'text file or token .bin (llm.c header, or bare uint16); "" = stdlib source corpus')
     batch: int = opt(8, "sequences per rank per optimizer step (global batch = batch * ranks)")
