@@ -195,3 +195,63 @@ def test_refusals_name_the_field(tmp_path, change, want):
     with pytest.raises(HFConfigError) as e:
         load_full(str(tmp_path / "hf"))
     assert want in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("shards", [2, 3, 8])
+def test_each_piece_alone_equals_transformers(tmp_path, monkeypatch, shards):
+    """Each rank's pieces of an Nd-way Llama import, read alone in reads of 50 elements (partial rows and
+    column blocks of the transposed q/k/v and gate/up everywhere), are transformers' weights."""
+    from ringzero.interop import hf_import
+    from ringzero.interop.hf_import import HFSource, fill_piece
+    from ringzero.nn.families import units_of
+    from ringzero.runtime.flat import Layout
+    hm = save(tmp_path / "hf", CASE["qwen2-untied-scaled"], "bfloat16", shard=True)
+    monkeypatch.setattr(hf_import, "CHUNK", 50)
+    src = HFSource(str(tmp_path / "hf"))
+    L, L1 = Layout(units_of(src.cfg), shards=shards), Layout(units_of(src.cfg), shards=1)
+    full = np.zeros(L1.padded, np.float32)
+    for u in range(len(L.units)):
+        seg = np.zeros(L.unit_padded[u], np.float32)
+        for r in range(shards):
+            fill_piece(src, L, u, r, L.own(seg, u, r))
+        assert not seg[L.unit_numel[u]:].any()
+        L1.unit_full(full, u)[:L.unit_numel[u]] = seg[:L.unit_numel[u]]
+    src.close()
+    sd = dict(hm.named_parameters())
+    for n, v in L1.views(full).items():
+        assert np.array_equal(v[:V] if n in ("wte", "head.w") else v, hf_tensor(sd, n).detach().numpy()), n
+
+
+def test_mistral_reads_as_a_llama(tmp_path):
+    """A MistralForCausalLM without a sliding window inside the context: the same names, no bias; logits equal."""
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    c = transformers.MistralConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                   sliding_window=None, tie_word_embeddings=False)
+    hm = transformers.MistralForCausalLM(c).eval()
+    hm.save_pretrained(tmp_path / "m")
+    cfg, L, buf, _ = load_full(str(tmp_path / "m"))
+    assert not cfg.qkv_bias and not cfg.tied
+    logits_close(build(cfg), L.views(buf), hm)
+
+
+def test_trainer_check_of_a_llama_folder(tmp_path):
+    """--init-from a Qwen2 folder through the trainer's validation (--check, no MPI): accepted with its own
+    --n-kv-head and without --seq-len (min(128, context 16)); a differing flag or a too-long --seq-len is one
+    line, exit 2."""
+    from test_hf_import import trainer_check
+
+    from ringzero.app.config import parse_config
+    save(tmp_path / "hf", CASE["qwen2-tied"])
+    np.random.default_rng(0).integers(0, V, 2000).astype(np.uint16).tofile(tmp_path / "d.bin")
+    base = ["--init-from", str(tmp_path / "hf"), "--data", str(tmp_path / "d.bin")]
+    assert parse_config(base)[0].seq_len == 16
+    r = trainer_check(*base, "--n-kv-head", "2")
+    assert r.returncode == 0, r.stderr
+    for extra, want in [(["--n-kv-head", "1"], "--n-kv-head 1 differs from n_kv_head = 2"),
+                        (["--seq-len", "32"], "expected <= max_position_embeddings = 16")]:
+        r = trainer_check(*base, *extra)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and want in lines[0], (extra, r.stderr)

@@ -245,14 +245,14 @@ def validate(cfg: Config):
     from ringzero.nn.families import LLAMA, family_of, preset_names
     need(cfg.model in ("",) + preset_names(),
          f"--model must be one of {', '.join(preset_names())} (or empty for the small default), got {cfg.model!r}")
-    need(cfg.n_kv_head is None or (cfg.model and family_of(cfg.model) == LLAMA),
+    need(cfg.n_kv_head is None or cfg.init_from or (cfg.model and family_of(cfg.model) == LLAMA),   # init: prepare
          f"--n-kv-head applies to a Llama-family --model (grouped-query attention), got --model {cfg.model!r}")
     d = model_dims(cfg)
     need(d["n_embd"] % d["n_head"] == 0,
          f"--n-embd must be divisible by --n-head: got {d['n_embd']} % {d['n_head']} = {d['n_embd'] % d['n_head']}")
     if cfg.init_from:                            # the shapes are config.json's: checked in prepare
-        need(os.path.exists(cfg.init_from), f"--init-from {cfg.init_from!r} does not exist: expected a GPT-2 "
-             "folder (config.json + model.safetensors), a sharded index or a .safetensors file")
+        need(os.path.exists(cfg.init_from), f"--init-from {cfg.init_from!r} does not exist: expected a Hugging "
+             "Face folder (config.json + model.safetensors), a sharded index or a .safetensors file")
     else:
         g = model_config(cfg, 256)               # the shapes, before the data sets the vocab
         need(cfg.seq_len <= g.block_size,

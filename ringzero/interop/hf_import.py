@@ -269,7 +269,13 @@ def for_training(cfg, n: int, rank: int | None):
         if cfg.model:
             raise HFConfigError(f"--model {cfg.model} and --init-from both give the shapes: drop --model "
                                 f"({src.config_path} has n_layer {g.n_layer}, n_embd {g.n_embd})")
-        for k, have in (("n_layer", g.n_layer), ("n_head", g.n_head), ("n_embd", g.n_embd)):
+        for k, have in (("n_layer", g.n_layer), ("n_head", g.n_head), ("n_embd", g.n_embd),
+                        ("n_kv_head", getattr(g, "n_kv_head", None))):
+            if have is None:
+                if getattr(cfg, k, None) is not None:
+                    raise HFConfigError(f"--{k.replace('_', '-')} applies to a Llama-family model; "
+                                        f"{src.config_path} is a GPT-2: drop the flag")
+                continue
             v = getattr(cfg, k)
             if v is not None and v != have:
                 raise HFConfigError(f"--{k.replace('_', '-')} {v} differs from {k} = {have} in {src.config_path}: "
