@@ -1,4 +1,4 @@
-"""``--init-from PATH``: a Hugging Face checkpoint (GPT-2, Llama, Qwen2, Mistral) read straight into each rank's shards.
+"""``--init-from PATH``: a Hugging Face checkpoint (GPT-2, Llama, Qwen2, Mistral) read into each rank's shards.
 
 What it is
     ``HFSource(path)`` opens, lazily, what PATH names:
@@ -8,23 +8,28 @@ What it is
         FILE.safetensors            one file; its config.json beside it
         FILE.safetensors.index.json a sharded index; config.json beside it
 
-    and checks it against the GPT its config.json describes (interop/gpt2.py):
-    every key once, with or without the ``transformer.`` prefix, no key left
-    over (the ``attn.bias`` / ``attn.masked_bias`` mask buffers aside), every
-    shape and dtype; a ``lm_head.weight`` must equal ``wte`` (``check_head``,
-    each rank comparing its share of the rows), else it is an untied head and
-    refused. Only headers are read for these checks.
+    and checks it against the model its config.json describes, by
+    ``model_type`` (interop/hf_families.py: interop/gpt2.py, interop/llama.py):
+    every key once (GPT-2's with or without the ``transformer.`` prefix), no
+    key left over (buffers of older files aside), every shape; a
+    ``lm_head.weight`` of a tied model must equal the embedding (``check_head``,
+    each rank comparing its share of the rows), else it is refused; an untied
+    Llama's is its ``head.w``. Only headers are read for these checks.
 
     ``fill_master(state)`` is the engine's ``init`` (runtime/engine.py): for
     every master piece this rank holds it reads the unit-local elements that
-    piece covers, parameter by parameter, through safetensors' lazy slices
-    (``TensorFile(...).get_slice``, interop/safetensors_files.py; fp32, fp16
-    and bf16 files alike): rows of a 2-D tensor, at most ``CHUNK``
-    elements at a time, cast to float32 into the piece. No process reads more
-    of the file than its own pieces (plus two partial rows per parameter),
-    and nothing model-sized is ever allocated beside the engine's buffers.
-    The rows of ``wte`` past ``vocab_size`` (the padding to a multiple of 64)
-    are zero, and stay zero: the head scores only the real rows (GPTConfig.real_vocab).
+    piece covers, parameter by parameter, through zero-copy views of the mapped
+    files (``TensorFile(...).get_slice``, interop/safetensors_files.py; fp32,
+    fp16 and bf16 alike), whole rows of the parameter at most ``CHUNK``
+    elements at a time, cast to float32 into the piece. A parameter is its
+    Parts side by side (a Llama's q|k|v and gate|up): a Part stored as the
+    parameter's rows is read by rows, so a process reads its own pieces plus
+    two partial rows per parameter; a transposed Part (HF's (out, in)
+    projections) is read by columns, which touches every file row's page for
+    the columns it needs. Nothing model-sized is allocated beside the
+    engine's buffers. The embedding's (and an untied head's) rows past
+    ``vocab_size`` (the padding to a multiple of 64) are zero, and stay zero:
+    the head scores only the real rows (``real_vocab``).
 
 What it is not
     No collectives: errors are raised (or, inside ``fill_master``, kept in
