@@ -255,3 +255,33 @@ def test_trainer_check_of_a_llama_folder(tmp_path):
         r = trainer_check(*base, *extra)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and want in lines[0], (extra, r.stderr)
+
+
+def test_sample_a_qwen2_folder_with_its_tokenizer(tmp_path):
+    """``ringzero.sample DIR --tokenizer`` on a Qwen2 folder with a Qwen2-style tokenizer.json (NFC, the Split
+    regex, byte-level): the greedy text equals transformers' ``generate`` decoded by the same tokenizer."""
+    import torch
+    import transformers
+    from test_tokens import QWEN2_SPLIT, corpus_text
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([corpus_text()[:20000]], trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    torch.manual_seed(0)
+    c = transformers.Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    hm = transformers.Qwen2ForCausalLM(c).eval()
+    hm.save_pretrained(tmp_path / "q")
+    tok.save(str(tmp_path / "q" / "tokenizer.json"))
+    r = subprocess.run([sys.executable, "-m", "ringzero.sample", str(tmp_path / "q"), "--tokenizer",
+                        str(tmp_path / "q" / "tokenizer.json"), "--prompt", "def step(self):", "--tokens", "8",
+                        "--temperature", "0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "Llama L=2" in r.stderr, r.stderr
+    ids = tok.encode("def step(self):").ids
+    with torch.no_grad():
+        out = hm.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    assert r.stdout.rstrip("\n") == tok.decode(out[0].tolist())
