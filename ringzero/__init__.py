@@ -2,12 +2,13 @@
 
 The public API, one import away::
 
-    from ringzero import Ring, Zero, GPT, GPTConfig
+    from ringzero import Ring, Zero, GPT, GPTConfig, Llama, LlamaConfig
 
 ``Ring`` (ringzero.comm.ring) holds the hand-written collectives, ``Zero``
 (ringzero.runtime.zero) the stages, ``GPT`` and ``GPTConfig`` (ringzero.nn.gpt)
-the model. The names are imported on first use, so ``import ringzero`` loads
-neither MPI nor NumPy. The commands are modules of their own:
+and ``Llama`` and ``LlamaConfig`` (ringzero.nn.llama) the two model families.
+The names are imported on first use, so ``import ringzero`` loads neither MPI
+nor NumPy. The commands are modules of their own:
 ``python -m ringzero.train``, ``bench``, ``estimate``, ``explain``, ``fit``,
 ``plot``, ``sample``, ``simulate``, ``data`` and ``checkpoint``.
 """
@@ -22,6 +23,8 @@ _API = {
     "StepResult": "ringzero.runtime.zero",
     "GPT": "ringzero.nn.gpt",
     "GPTConfig": "ringzero.nn.gpt",
+    "Llama": "ringzero.nn.llama",
+    "LlamaConfig": "ringzero.nn.llama",
 }
 __all__ = list(_API)
 

@@ -155,8 +155,8 @@ def print_traffic(psi, nd, rpn, cfg, metrics, f=None, grad_accum: int = 1, preci
     p = lambda *a: print(*a, file=f or sys.stdout)  # noqa: E731
     units = None
     if cfg is not None:
-        from ringzero.nn.gpt import gpt_units
-        units = gpt_units(cfg)
+        from ringzero.nn.families import units_of
+        units = units_of(cfg)                     # a GPT's or a Llama's layout table
     K, eb = grad_accum, acc.storage_bytes(precision)
     p(f"Ψ = {psi:,}  Nd = {nd}" + (f"  Ng = {rpn}" if rpn else "") +
       f"; elements and bytes SENT by one rank per optimizer step ({precision}: {eb} B/element"

@@ -30,8 +30,10 @@ from ringzero.tools.simulate import LINKS, Compute, Links, Nodes, flops_compute,
 def _shapes():
     from ringzero.nn.gpt import GPTConfig
     from ringzero.tools.estimate import ALL_MODELS
-    # the ZeRO paper's 7.5B example as a GPT shape: 36 blocks of width 4096 (Ψ = 7.46B)
-    return {**ALL_MODELS, "gpt-7.5b": GPTConfig(36, 32, 4096, 1024, 50257)}
+    # the ZeRO paper's 7.5B example as a GPT shape: 36 blocks of width 4096 (Ψ = 7.46B); the simulator
+    # times and counts a GPT, so the Llama-family presets are not among its shapes
+    gpts = {k: v for k, v in ALL_MODELS.items() if isinstance(v, GPTConfig)}
+    return {**gpts, "gpt-7.5b": GPTConfig(36, 32, 4096, 1024, 50257)}
 
 
 # seconds and FLOP/s per suffix (upper case, as ringzero.sizes.parse_quantity reads them); bytes/s: sizes.parse_rate
