@@ -1,4 +1,4 @@
-"""GPT-2 files into ringzero's layout (app/hf_import.py, nn/hf_gpt2.py), without torch.
+"""GPT-2 files into ringzero's layout (interop/hf_import.py, interop/gpt2.py), without torch.
 
 References: the arrays written into the files under GPT2LMHeadModel's own key names
 (tests/hf_files.py spells them out, independently of ringzero's map), compared with the
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from hf_files import CONFIG, write_gpt2
 
-from ringzero.app import hf_import
-from ringzero.app.hf_import import HFSource, fill_piece, load_full
+from ringzero.interop import hf_import
+from ringzero.interop.gpt2 import HFConfigError
+from ringzero.interop.hf_import import HFSource, fill_piece, load_full
 from ringzero.nn.gpt import gpt_units
-from ringzero.nn.hf_gpt2 import HFConfigError
 from ringzero.runtime.flat import Layout
 
 pytest.importorskip("safetensors", reason="the GPT-2 import reads safetensors: pip install 'ringzero[hf]'")
@@ -81,7 +81,7 @@ REFUSALS = [
     ({"reorder_and_upcast_attn": True}, "reorder_and_upcast_attn"),
     ({"scale_attn_weights": False}, "scale_attn_weights"),
     ({"n_inner": 100}, "n_inner"),
-    ({"model_type": "llama"}, "model_type"),
+    ({"model_type": "bert"}, "model_type"),
     ({"add_cross_attention": True}, "add_cross_attention"),
     ({"n_head": 5}, "n_embd"),
     ({"n_layer": None}, "n_layer"),
@@ -186,3 +186,44 @@ def test_import_into_offloaded_master(comm, tmp_path_factory, stage, offload):
     eng.close()
     assert errors == [None] * comm.size, errors
     check_equal(tensors, src.cfg, eng.layout, master)
+
+
+def test_seq_len_defaults_within_the_imported_context(tmp_path):
+    """Without --seq-len an imported model of context 32 trains at 32 (the default 128 would be refused);
+    one of context 1024 at the default 128; a --seq-len given is kept and checked."""
+    from ringzero.app.config import parse_config
+    write_gpt2(tmp_path / "m")                                              # n_positions 32
+    write_gpt2(tmp_path / "big", conf={**CONFIG, "n_positions": 1024})
+    np.random.default_rng(0).integers(0, 300, 4000).astype(np.uint16).tofile(tmp_path / "ok.bin")
+    ok = ["--data", str(tmp_path / "ok.bin")]
+    assert parse_config(["--init-from", str(tmp_path / "m")] + ok)[0].seq_len == 32
+    assert parse_config(["--init-from", str(tmp_path / "big")] + ok)[0].seq_len == 128
+    assert parse_config(["--init-from", str(tmp_path / "m"), "--seq-len", "8"] + ok)[0].seq_len == 8
+    r = trainer_check("--init-from", str(tmp_path / "m"), *ok)
+    assert r.returncode == 0, r.stderr
+    r = trainer_check("--init-from", str(tmp_path / "m"), "--seq-len", "128", *ok)
+    assert r.returncode == 2 and "expected <= n_positions = 32" in r.stderr and "got 128" in r.stderr, r.stderr
+
+
+def test_steps_0_saves_the_imported_weights(tmp_path):
+    """``mpirun -n 2 ... --init-from DIR --steps 0 --save-dir OUT`` (no --data) writes a checkpoint whose
+    fp32 master equals the file's tensors (read back by the sampler's loader, at one shard)."""
+    from test_checkpoint import _clean_env, _mpirun
+
+    from ringzero.tools.sample import load
+    t = write_gpt2(tmp_path / "m", shards=2)
+    cmd = ["timeout", "300"] + _mpirun() + ["-n", "2", sys.executable, "-m", "mpi4py", "-m", "ringzero.train",
+                                            "--init-from", str(tmp_path / "m"), "--steps", "0", "--stage", "3",
+                                            "--save-dir", str(tmp_path / "out"), "--quiet"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_clean_env())
+    assert r.returncode == 0 and "--steps 0: saved the imported weights" in r.stdout, r.stdout + r.stderr
+    model, P, m, _ = load(str(tmp_path / "out"), "master")
+    assert m["step"] == 0 and m["shards"] == 2
+    assert np.array_equal(P["wte"][:300], t["wte.weight"]) and not P["wte"][300:].any()   # padding rows zero
+    assert np.array_equal(P["h1.attn.w"], t["h.1.attn.c_attn.weight"])
+    assert np.array_equal(P["h0.fc2.b"], t["h.0.mlp.c_proj.bias"]) and np.array_equal(P["lnf.w"], t["ln_f.weight"])
+    cfg, L, buf, _ = load_full(str(tmp_path / "m"))
+    assert np.array_equal(np.concatenate([P[k].ravel() for k in L.slots]),
+                          np.concatenate([L.views(buf)[k].ravel() for k in L.slots]))
+    r = trainer_check("--steps", "0")
+    assert r.returncode == 2 and "--steps 0 saves an --init-from model" in r.stderr, r.stderr

@@ -19,9 +19,9 @@ import tempfile
 import numpy as np
 import pytest
 
-from ringzero.app.hf_import import HFSource, load_full
+from ringzero.interop.gpt2 import hf_name
+from ringzero.interop.hf_import import HFSource, load_full
 from ringzero.nn.gpt import GPT
-from ringzero.nn.hf_gpt2 import hf_name
 
 # torch and transformers are imported only where a test needs them (rank 0 of an MPI test):
 # eight ranks each importing torch at collection would cost a gigabyte and seconds of CPU
@@ -90,7 +90,7 @@ def test_logits_loss_and_every_gradient_equal_transformers(tmp_path):
 
 def test_refuses_what_transformers_computes_otherwise(tmp_path):
     """Configs transformers builds and ringzero does not compute are refused, naming the field."""
-    from ringzero.nn.hf_gpt2 import HFConfigError
+    from ringzero.interop.gpt2 import HFConfigError
     for i, (kw, field) in enumerate([({"activation_function": "gelu"}, "activation_function"),
                                      ({"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon"),
                                      ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
@@ -168,7 +168,7 @@ def test_first_step_loss_equals_transformers(comm, stage):
 def test_export_reloads_bitwise_in_transformers(comm):
     from conftest import assert_all
 
-    from ringzero.app.hf_export import export_hf
+    from ringzero.interop.hf_export import export_hf
     from ringzero.runtime import checkpoint as ck
     if comm.size not in (1, 2, 4):
         pytest.skip("the interop round trip runs at Nd = 1, 2 and 4")

@@ -148,3 +148,47 @@ def test_the_check_sees_a_cycle_through_a_function(tmp_path):
     assert graph["ringzero.b"] == {"ringzero.a": 2} and graph["ringzero.sub.d"] == {}
     assert graph["ringzero.e"] == {"ringzero.a": 1}
     assert cycles(graph) == [["ringzero.a", "ringzero.b"], ["ringzero.sub", "ringzero.sub.c"]]
+
+
+# the layers, lowest first: a module may import its own layer and those below it
+LAYERS = ("comm", "runtime", "nn", "interop", "tools", "app")
+# the one upward edge allowed: under ``if TYPE_CHECKING`` (never run), the runtime names the contract it needs
+ALLOWED = {("ringzero.runtime.engine", "ringzero.nn.contract")}
+
+
+def _layer(module):
+    part = module.split(".")[1] if module.count(".") >= 1 else ""
+    return LAYERS.index(part) if part in LAYERS else None
+
+
+def upward_imports(graph) -> list:
+    """[(module, imported, line)] for every import of a higher layer from a lower one."""
+    out = []
+    for m, edges in graph.items():
+        lm = _layer(m)
+        for t, line in edges.items():
+            lt = _layer(t)
+            if lm is not None and lt is not None and lt > lm and (m, t) not in ALLOWED:
+                out.append((m, t, line))
+    return sorted(out)
+
+
+def test_no_module_under_tools_imports_app():
+    """The layers hold: tools (and every layer under it) import no app module, nn no interop, and so on."""
+    graph = import_graph()
+    assert "ringzero.tools.sample" in graph and "ringzero.interop.hf_import" in graph, sorted(graph)[:5]
+    bad = upward_imports(graph)
+    assert not bad, "imports against the layers' order: " + "; ".join(f"{m} -> {t} (line {n})" for m, t, n in bad)
+
+
+def test_the_layer_check_sees_tools_importing_app(tmp_path):
+    pkg = tmp_path / "ringzero"
+    for d in ("tools", "app", "nn"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "app" / "x.py").write_text("from ringzero.tools import y\n")          # down: fine
+    (pkg / "tools" / "y.py").write_text("def f():\n    from ringzero.app.x import z\n")   # up: caught
+    (pkg / "nn" / "w.py").write_text("import ringzero.tools.y\n")                 # up: caught
+    assert upward_imports(import_graph(str(pkg))) == [("ringzero.nn.w", "ringzero.tools.y", 1),
+                                                      ("ringzero.tools.y", "ringzero.app.x", 2)]

@@ -487,11 +487,11 @@ def test_check_device_cuda_passes_with_cupy(cp, capsys):
 @pytest.mark.parametrize("stage", ["0", "3"])
 def test_gpt2_import_on_device(comm, cp, tmp_path_factory, stage):
     """--init-from on "cuda": each master piece is read into the host staging buffer and set
-    on the device (app/hf_import.py), giving the host import's bits, at every world size (the
+    on the device (interop/hf_import.py), giving the host import's bits, at every world size (the
     host import is checked against transformers by test_hf_interop)."""
     from hf_files import write_gpt2
 
-    from ringzero.app.hf_import import HFSource
+    from ringzero.interop.hf_import import HFSource
     from ringzero.nn.gpt import GPT
     from ringzero.runtime.zero import Zero
     d = comm.bcast(str(tmp_path_factory.mktemp("gpt2")) if comm.rank == 0 else None)

@@ -35,17 +35,19 @@ class Config:
     n_embd: int | None = opt(None, "width (None: 128, or the preset's); Ψ ≈ 12·n_layer·n_embd² + vocab·n_embd")
     n_kv_head: int | None = opt(None, "key/value heads of a Llama-family --model (None: the preset's); "
                                       "must divide --n-head")
-    seq_len: int = opt(128, "tokens per sequence (the position table: this, or the preset's 1024)")
-    init_from: str = opt("", "start from a Hugging Face GPT-2: a folder (config.json + model.safetensors or "
-                             "a sharded index) or a .safetensors file; it gives the shapes, --data must be "
-                             "its tokenizer's ids (python -m ringzero.data encode)")
+    seq_len: int = opt(128, "tokens per sequence (the position table: this, or the preset's 1024; with "
+                            "--init-from and no --seq-len: the smaller of 128 and the model's context)")
+    init_from: str = opt("", "start from a Hugging Face checkpoint (GPT-2, Llama, Qwen2, Mistral): a folder "
+                             "(config.json + model.safetensors or a sharded index) or a .safetensors file; it gives "
+                             "the shapes, --data must be its tokenizer's ids (python -m ringzero.data encode)")
     # ---- data
-    data: str = opt("", 'text file or nanoGPT uint16 .bin; "" = stdlib source corpus')
+    data: str = opt("", 'text file or token .bin (llm.c header, or bare uint16); "" = stdlib source corpus')
     batch: int = opt(8, "sequences per rank per optimizer step (global batch = batch * ranks)")
     grad_accum: int = opt(1, "micro-batches per optimizer step, batch/K rows each (batch % K == 0)")
     seed: int = opt(1337, "weights, batches and sampling all derive from it")
     # ---- schedule
-    steps: int = opt(400, "optimizer steps")
+    steps: int = opt(400, "optimizer steps (0 with --init-from: save the imported weights into --save-dir, "
+                          "no training, no --data needed)")
     lr: float = opt(4e-3, "peak learning rate (a --model preset's own when not given: gpt2 6e-4, gpt2-medium "
                           "3e-4, gpt2-large 2.5e-4, gpt2-xl 2e-4, smollm2-135m 6e-4, smollm2-360m and "
                           "qwen2.5-0.5b 3e-4, tinyllama-1.1b and llama-3.2-1b 2e-4)")
@@ -191,6 +193,11 @@ def parse_config(argv=None):
             kw[f.name] = _coerce("--" + f.name.replace("_", "-"), f.type, values[f.name])
     if "lr" not in kw and kw.get("model") in PRESET_LR:
         kw["lr"] = PRESET_LR[kw["model"]]
+    if "seq_len" not in kw and kw.get("init_from"):    # the default, within the imported model's context
+        from ringzero.interop.hf_import import context_of
+        ctx = context_of(kw["init_from"])              # None if unreadable: prepare says why
+        if ctx is not None:
+            kw["seq_len"] = min(Config.seq_len, ctx)
     cfg = Config(**kw)
     validate(cfg)
     if ns.check is not None and ns.check < 1:
@@ -233,6 +240,12 @@ def validate(cfg: Config):
             raise ConfigError(msg)
     for k in ("n_layer", "n_head", "n_embd", "n_kv_head", "seq_len", "batch", "steps", "grad_accum"):
         v = getattr(cfg, k)
+        if k == "steps" and v == 0:          # a bare conversion: the imported weights saved, no step taken
+            need(bool(cfg.init_from) and not cfg.resume,
+                 "--steps 0 saves an --init-from model as a ringzero checkpoint (into --save-dir) without "
+                 f"training: expected --init-from DIR{' and no --resume' if cfg.resume else ''}, got "
+                 f"{'--resume ' + repr(cfg.resume) if cfg.resume else 'no --init-from'}")
+            continue
         need(v is None or v >= 1, f"--{k.replace('_', '-')} must be >= 1, got {v}")
     from ringzero.nn.gemm import BlasError, check_setting
     try:
@@ -255,14 +268,14 @@ def validate(cfg: Config):
     from ringzero.nn.families import LLAMA, family_of, preset_names
     need(cfg.model in ("",) + preset_names(),
          f"--model must be one of {', '.join(preset_names())} (or empty for the small default), got {cfg.model!r}")
-    need(cfg.n_kv_head is None or (cfg.model and family_of(cfg.model) == LLAMA),
+    need(cfg.n_kv_head is None or cfg.init_from or (cfg.model and family_of(cfg.model) == LLAMA),   # init: prepare
          f"--n-kv-head applies to a Llama-family --model (grouped-query attention), got --model {cfg.model!r}")
     d = model_dims(cfg)
     need(d["n_embd"] % d["n_head"] == 0,
          f"--n-embd must be divisible by --n-head: got {d['n_embd']} % {d['n_head']} = {d['n_embd'] % d['n_head']}")
     if cfg.init_from:                            # the shapes are config.json's: checked in prepare
-        need(os.path.exists(cfg.init_from), f"--init-from {cfg.init_from!r} does not exist: expected a GPT-2 "
-             "folder (config.json + model.safetensors), a sharded index or a .safetensors file")
+        need(os.path.exists(cfg.init_from), f"--init-from {cfg.init_from!r} does not exist: expected a Hugging "
+             "Face folder (config.json + model.safetensors), a sharded index or a .safetensors file")
     else:
         g = model_config(cfg, 256)               # the shapes, before the data sets the vocab
         need(cfg.seq_len <= g.block_size,

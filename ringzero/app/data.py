@@ -20,8 +20,9 @@ What it is
 
       Train and held-out are each the concatenation of their files' bytes in
       that order; vocab 256 (one token per byte). Nothing is cached on disk.
-    * ``file_corpus(path)``: ``--data FILE``. ``*.bin`` is a nanoGPT-style
-      flat uint16 token file (np.memmap, never read whole); anything else is
+    * ``file_corpus(path)``: ``--data FILE``. ``*.bin`` is a token file
+      (np.memmap, never read whole): llm.c's header with uint16 or uint32 ids
+      (what ``data encode`` writes), or nanoGPT's bare uint16; anything else is
       raw bytes (np.memmap as uint8, vocab 256). The held-out part is the last
       5% of the tokens (at least seq_len + 1 of them), or, for a file named
       ``train.bin`` with a ``val.bin`` beside it, the whole of ``val.bin``.
@@ -33,7 +34,7 @@ What it is
 
 What it is not
     No tokenizer (bytes or pre-tokenized ids only: ``python -m ringzero.data
-    encode`` makes the ids, app/tokens.py), no device copies (the
+    encode`` makes the ids, interop/tokens.py), no device copies (the
     trainer stages x, y to the device), no MPI: rank and world are numbers.
 """
 from __future__ import annotations
@@ -47,6 +48,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ringzero.interop.token_files import describe, open_tokens
+
 DEFAULT_CAP = 4 << 20          # bytes of stdlib source in the default corpus
 HOLDOUT_EVERY = 20             # every 20th file is held out (~5%)
 HOLDOUT_FRACTION = 0.05        # held-out tail of a --data file
@@ -56,7 +59,7 @@ SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", 
 @dataclass
 class Corpus:
     """Token arrays of one data source, split into train and held-out."""
-    train: np.ndarray       # (N_train,) uint8 or uint16 (may be an np.memmap)
+    train: np.ndarray       # (N_train,) uint8, uint16 or uint32 (may be an np.memmap)
     val: np.ndarray         # (N_val,)
     vocab: int              # tokens are in [0, vocab)
     source: str             # one line: what the data is
@@ -136,17 +139,17 @@ def stdlib_corpus(cap: int = DEFAULT_CAP, holdout_every: int = HOLDOUT_EVERY,
 # ---- --data FILE ------------------------------------------------------------
 
 def _open_tokens(path: str) -> np.ndarray:
-    """np.memmap of a token file: uint16 for *.bin, bytes otherwise."""
+    """np.memmap of a token file: *.bin through interop/token_files.py (llm.c's header: uint16 or
+    uint32; no header: nanoGPT's uint16), bytes otherwise."""
     if not os.path.isfile(path):
         raise ValueError(f"data file {path!r} does not exist (or is not a file)")
-    size = os.path.getsize(path)
-    if size == 0:
-        raise ValueError(f"data file {path!r} is empty: expected > 0 bytes, got 0")
     if path.endswith(".bin"):
-        if size % 2:
-            raise ValueError(f"token file {path!r} must hold uint16 tokens: expected an even "
-                             f"byte count, got {size}")
-        return np.memmap(path, dtype=np.uint16, mode="r")
+        data = open_tokens(path)
+        if data.size == 0:
+            raise ValueError(f"token file {path!r} holds no tokens: expected > 0, got 0")
+        return data
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"data file {path!r} is empty: expected > 0 bytes, got 0")
     return np.memmap(path, dtype=np.uint8, mode="r")
 
 
@@ -183,7 +186,7 @@ def file_corpus(path: str, seq_len: int, vocab: int | None = None) -> Corpus:
         vocab = top + 1 if vocab is None else vocab
         if top >= vocab:
             raise ValueError(f"data file {path!r} holds token {top}: expected tokens < vocab = {vocab}")
-    kind = "uint16 tokens" if data.dtype == np.uint16 else "bytes"
+    kind = describe(path, data) if path.endswith(".bin") else "bytes"
     return Corpus(train, val, int(vocab), f"{path} ({kind})")
 
 
@@ -274,14 +277,14 @@ class Batches:
 
 def main(argv=None):
     """``python -m ringzero.data [--data FILE]``: describe a corpus and its entropy.
-    ``python -m ringzero.data encode --tokenizer FILE IN.txt OUT.bin``: BPE tokens (app/tokens.py)."""
+    ``python -m ringzero.data encode --tokenizer FILE IN.txt OUT.bin``: BPE tokens (interop/tokens.py)."""
     import argparse
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["encode"]:
-        from ringzero.app.tokens import main as encode
+        from ringzero.interop.tokens import main as encode
         return encode(argv[1:])
     ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("--data", default=None, help="text file or uint16 .bin (default: stdlib corpus)")
+    ap.add_argument("--data", default=None, help="text file or token .bin (default: stdlib corpus)")
     ap.add_argument("--seq-len", type=int, default=128)
     a = ap.parse_args(argv)
     try:

@@ -53,7 +53,7 @@ from ringzero.sizes import parse_size
 def prepare(cfg: Config, n: int, rank: int | None = None):
     """Every input check that needs the data or the sizes; no MPI. Raises ConfigError.
     Returns (corpus, model, budget, source): source is the --init-from checkpoint
-    (app/hf_import.py), opened and checked (rank: this rank's share of its head check), or None."""
+    (interop/hf_import.py), opened and checked (rank: this rank's share of its head check), or None."""
     from ringzero.app.data import load_corpus
     from ringzero.nn import families
     from ringzero.nn.gpt import vocab_for
@@ -68,9 +68,10 @@ def prepare(cfg: Config, n: int, rank: int | None = None):
     src = None
     try:
         if cfg.init_from:       # the shapes and the vocabulary are the imported model's
-            from ringzero.app.hf_import import for_training
+            from ringzero.interop.hf_import import for_training
             src, gcfg = for_training(cfg, n, rank)
-            corpus = load_corpus(cfg.data, cfg.seq_len, vocab=gcfg.n_tokens)   # ids < vocab_size
+            # ids < vocab_size; --steps 0 (a conversion) needs no data, but checks any it is given
+            corpus = load_corpus(cfg.data, cfg.seq_len, vocab=gcfg.n_tokens) if cfg.data or cfg.steps else None
         else:
             corpus = load_corpus(cfg.data or None, cfg.seq_len)
             # the vocabulary from the data: 256 for bytes, else the largest id + 1 rounded up to 64
@@ -249,8 +250,14 @@ def run(cfg: Config, comm, stop=None) -> dict:
         src.close()
     if init is not None:
         agree(comm, lambda: _raise(src.error))    # a read that failed on any rank stops every rank
-        say(f"ringzero | initialized from {src.path}: GPT-2 {model.cfg.n_layer}L {model.cfg.n_embd}C, vocab "
+        say(f"ringzero | initialized from {src.path}: {src.hf.get('model_type', 'gpt2')} {model.cfg.n_layer}L "
+            f"{model.cfg.n_embd}C, vocab "
             f"{model.cfg.n_tokens} (padded to {model.cfg.vocab}), each rank read its own pieces")
+    if cfg.steps == 0:                  # a conversion: the imported weights as a checkpoint, no step taken
+        saved = _save(cfg, engine, 0)
+        say(f"ringzero | --steps 0: saved the imported weights (Ψ = {engine.layout.numel:,}) to {saved}, "
+            f"no step taken")
+        return {"steps": 0, "saved": saved, "psi": engine.layout.numel}
     xp = engine.xp
     train = Batches(corpus.train, cfg.batch, cfg.seq_len, rank, n, cfg.seed)
     held = Batches(corpus.val, cfg.batch, cfg.seq_len, rank, n, cfg.seed + 1)

@@ -5,8 +5,8 @@ pool, the ``Layer`` plumbing and ``Linear``; ``pointwise`` layernorm, GELU,
 residual and cross-entropy; ``attention`` the attention block; ``fused`` the
 elementwise passes they call (single-pass C kernels from ``csrc/fused.c``
 on the host, NumPy/CuPy formulas otherwise). ``gpt`` the GPT declaration
-(``GPTConfig``, ``gpt_units``) and model; ``hf_gpt2`` its Hugging Face
-GPT-2 names and config; ``mlp`` the MLP. The Llama family
+(``GPTConfig``, ``gpt_units``) and model; ``mlp`` the MLP (the Hugging Face
+names and configs are ``ringzero.interop``'s). The Llama family
 (docs/llama.md): ``llama_config`` its declaration (``LlamaConfig``,
 presets, ``llama_units``), ``llama`` the model, its layers ``rmsnorm``,
 ``rotary``, ``swiglu`` and ``gqa``; ``families`` the registry the trainer and

@@ -103,7 +103,7 @@ class Zero:
                  init=None, offload: OffloadPolicy | None = None):
         # init: None draws the weights from seed (Layout.init_param); else a callable(state) that fills
         # the master pieces this rank holds (state.held_ranks / state.piece) itself, before the params
-        # are published from them: the trainer's --init-from (app/hf_import.py) reads them from a file
+        # are published from them: the trainer's --init-from (interop/hf_import.py) reads them from a file
         self.model, self.comm = model, comm
         self.policy = P = StagePolicy.of(stage)
         self.stage = P.stage

@@ -4,13 +4,13 @@ What it is
     ``export(path, out, dtype)`` streams one parameter at a time from a
     checkpoint's shard files (any number of shards) into a safetensors file,
     checked afterwards by safetensors' own parser; ``write_tensors`` is that
-    streaming writer, which ``export --format hf`` (app/hf_export.py) drives
+    streaming writer, which ``export --format hf`` (interop/hf_export.py) drives
     with GPT-2's names. ``describe(path)`` prints the manifest; ``main`` is
     the ``export`` / ``inspect`` command line.
 
 What it is not
     No MPI and no engine: a checkpoint is read as plain files (manifest.py).
-    No model names: those of ``--format hf`` are the GPT's (nn/hf_gpt2.py).
+    No model names: those of ``--format hf`` are the GPT's (interop/gpt2.py).
 """
 from __future__ import annotations
 
@@ -104,13 +104,17 @@ def open_export(path: str, dtype: str) -> Export:
 
 
 def write_tensors(ex: Export, tensors, meta: dict, out: str):
-    """Write ``out`` (atomically) as safetensors: one tensor per (param name, key, shape) of ``tensors``,
-    in that order, each the leading prod(shape) elements of the parameter (an export may leave a padded
-    vocabulary's rows out), read from the checkpoint one parameter at a time."""
+    """Write ``out`` (atomically) as safetensors: one tensor per entry of ``tensors``, in that order, read
+    from the checkpoint one parameter at a time (consecutive entries of one parameter read it once).
+
+    An entry is (param name, key, shape): the leading prod(shape) elements of the parameter (an export
+    may leave a padded vocabulary's rows out); or (param name, key, shape, pick): ``pick(v)`` of the
+    parameter ``v`` in its own shape, a view (a column block, a transpose) of exactly ``shape``: how a
+    model's export splits one fused parameter into a format's several tensors, the runtime knowing none."""
     p, old, cls, out_dt, tag = ex.path, ex.layout, ex.cls, ex.out_dt, ex.tag
     safe_open = _safe_open()
     header, off = {}, 0
-    for name, key, shape in tensors:
+    for name, key, shape, *pick in tensors:
         n = int(np.prod(shape, dtype=np.int64)) * out_dt.itemsize
         if int(np.prod(shape)) > old.slots[name].spec.numel:
             raise CheckpointError(f"export: {key} {tuple(shape)} is larger than parameter {name} "
@@ -129,11 +133,19 @@ def write_tensors(ex: Export, tensors, meta: dict, out: str):
         with open(tmp, "wb") as fo:
             fo.write(struct.pack("<Q", len(hb)))
             fo.write(hb)
-            for name, key, shape in tensors:
+            last = None
+            for name, key, shape, *pick in tensors:
                 s, k = old.slots[name], int(np.prod(shape))
-                if k:
-                    read_range(fhs, p, cls, old, s.unit, s.in_unit, s.in_unit + k, buf)
-                v = buf[:k]
+                whole = s.spec.numel if pick else k
+                if whole and name != last:
+                    read_range(fhs, p, cls, old, s.unit, s.in_unit, s.in_unit + whole, buf)
+                last = name if pick else None       # a leading-elements read may be partial: read again
+                v = buf[:whole]
+                if pick:
+                    v = np.ascontiguousarray(pick[0](v.reshape(s.spec.shape)))
+                    if v.shape != tuple(shape):
+                        raise CheckpointError(f"export: {key} picked {v.shape} from {name}, expected {tuple(shape)}")
+                    v = v.reshape(-1)
                 if cast is not None:
                     np.copyto(cast[:k], v, casting="unsafe")      # fp32 -> fp16/bf16: round to nearest even
                     v = cast[:k]
@@ -141,7 +153,7 @@ def write_tensors(ex: Export, tensors, meta: dict, out: str):
             fo.flush()
             os.fsync(fo.fileno())
         with safe_open(tmp, framework="numpy") as st:      # the reference parser accepts it
-            if sorted(st.keys()) != sorted(key for _, key, _ in tensors):
+            if sorted(st.keys()) != sorted(t[1] for t in tensors):
                 raise CheckpointError(f"{tmp}: safetensors keys do not match the layout")
         os.replace(tmp, out)
         fsync_dir(os.path.dirname(os.path.abspath(out)))
@@ -189,19 +201,19 @@ def describe(path: str, check: bool = False) -> str:
 def main(argv=None, formats=None) -> int:
     """The command line. ``formats``: {name: export(dir, out, dtype, vocab) -> printed line} of
     the export formats beside ringzero's own; ``python -m ringzero.checkpoint`` hands in "hf"
-    (app/hf_export.py), so that the GPT-2 names stay with the model and the runtime imports none."""
+    (interop/hf_export.py), so that the GPT-2 names stay with the model and the runtime imports none."""
     formats = dict(formats or {})
     ap = argparse.ArgumentParser(prog="python -m ringzero.checkpoint",
                                  description="Export or inspect a ringzero checkpoint (serial, no MPI).")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("export", help="consolidate the weights into one safetensors file (or a GPT-2 folder)")
+    e = sub.add_parser("export", help="consolidate the weights into one safetensors file (or a Hugging Face folder)")
     e.add_argument("dir", help="a step-NNNNNN directory, or a save directory (its latest)")
     e.add_argument("out", help="output .safetensors path (written atomically); --format hf: a folder")
     e.add_argument("--dtype", choices=tuple(_OUT), default="fp32",
                    help="fp16/bf16 come from the run's params when it stored that dtype, else from master")
     e.add_argument("--format", choices=("ringzero",) + tuple(formats), default="ringzero",
                    help="ringzero: its own names" + ("; hf: config.json + model.safetensors that transformers' "
-                                                     "GPT2LMHeadModel.from_pretrained loads (a GPT only)"
+                                                     "from_pretrained loads (GPT-2, Llama, Qwen2)"
                                                      if "hf" in formats else ""))
     e.add_argument("--vocab", type=int, default=None,
                    help="--format hf: the token rows to keep (default: the imported model's vocab_size, else all)")

@@ -20,27 +20,27 @@ What it is
 What it is not
     No KV cache (each token reruns the forward over the last block_size
     tokens: fine for the sizes trained here, O(n·T) forwards). No tokenizer
-    of its own: ``--tokenizer tokenizer.json`` (app/tokens.py) encodes the
+    of its own: ``--tokenizer tokenizer.json`` (interop/tokens.py) encodes the
     prompt and decodes the output; without it a byte-level model (vocab <= 256)
     reads the prompt as UTF-8 bytes and prints bytes (errors="replace"), and a
     token-id model takes ``--prompt-ids`` and prints ids. DIR may also be a
-    Hugging Face GPT-2 folder (app/hf_import.py's ``load_full``).
+    Hugging Face folder of any family ringzero reads (interop/hf_import.py's
+    ``load_full``), and the model any family's (nn/families.py).
 """
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 
 import numpy as np
 
-from ringzero.nn.gpt import GPT, PRESETS, GPTConfig
+from ringzero.interop.gpt2 import HFConfigError
+from ringzero.interop.gpt2 import config_from_manifest as gpt_from_manifest
+from ringzero.nn.families import build
 from ringzero.runtime import checkpoint as ck
-from ringzero.runtime.flat import Layout, units_from_description
-
-_BLOCK_RE = re.compile(r"^h(\d+)\.ln1\.w$")
+from ringzero.runtime.flat import Layout
 
 
 class SampleError(ValueError):
@@ -48,46 +48,12 @@ class SampleError(ValueError):
 
 
 # ---------------------------------------------------------------- the model
-def config_from_manifest(m: dict) -> GPTConfig:
-    """The GPTConfig of a checkpoint: shapes from its layout table, heads from its config.
-
-    The layout gives vocab and width (wte is (V, C)), the context (wpe is
-    (T, C)) and the block count; it cannot give the head count, which comes
-    from the trainer's config (``n_head``) or its preset name (``model``).
-    A manifest that records its model (``model_config``: the family and its
-    fields, nn/families.py) gives that config whole: a Llama's, or a GPT's.
-    """
-    rec = (m.get("config") or {}).get("model_config")
-    if isinstance(rec, dict):
-        from ringzero.nn import families
-        try:
-            return families.from_dict(rec)
-        except (TypeError, ValueError) as e:
-            raise SampleError(f"the manifest's model_config makes no model: {e}") from None
-    shapes = {p.name: p.shape for u in units_from_description(m["layout"]) for p in u.params}
-    if "wte" not in shapes or "wpe" not in shapes:
-        raise SampleError(f"the checkpoint holds no GPT (no 'wte'/'wpe' among its {len(shapes)} "
-                          f"parameters): expected a model built by ringzero.nn.gpt")
-    (V, C), (T, _) = shapes["wte"], shapes["wpe"]
-    L = sum(1 for n in shapes if _BLOCK_RE.match(n))
-    conf = m.get("config") or {}
-    gpt = conf.get("gpt") if isinstance(conf.get("gpt"), dict) else {}
-    # the effective GPTConfig if the run saved it, else its preset, else the trainer's flag
-    if gpt.get("n_head"):
-        H = int(gpt["n_head"])
-    elif conf.get("model") in PRESETS:
-        H = PRESETS[conf["model"]].n_head
-    elif conf.get("n_head"):
-        H = int(conf["n_head"])
-    else:
-        raise SampleError("the manifest's config has no n_head (nor gpt.n_head, nor a preset model "
-                          f"name): expected one to rebuild the attention heads, got keys {sorted(conf)}")
+def config_from_manifest(m: dict):
+    """The model config of a checkpoint (interop/gpt2.py's ``config_from_manifest``), or SampleError."""
     try:
-        real = gpt.get("real_vocab")      # an imported GPT-2: the head scores its real rows only
-        return GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=T, vocab=V,
-                         real_vocab=int(real) if real else None)
-    except ValueError as e:
-        raise SampleError(f"the manifest's shapes make no GPT: {e}") from None
+        return gpt_from_manifest(m)
+    except HFConfigError as e:
+        raise SampleError(str(e)) from None
 
 
 def load(path: str, weights: str = "params"):
@@ -103,8 +69,7 @@ def load(path: str, weights: str = "params"):
     m = ck.read_manifest(p)
     ck.check_layout(m, p)                         # a well-formed manifest before reading it
     cfg = config_from_manifest(m)
-    from ringzero.nn.families import build
-    model = build(cfg)                            # a GPT or a Llama
+    model = build(cfg)
     new = Layout(model.units, shards=1)
     old = ck.check_layout(m, p, new)              # and the rebuilt model matches its table
     err = ck.verify(p, m, [ck.shard_file(weights, k) for k in range(old.shards)])
@@ -178,7 +143,7 @@ def generate(model, params, prompt_ids, n: int, temperature: float = 0.8, top_k:
 
 
 # ------------------------------------------------------------------ text
-def byte_level(cfg: GPTConfig, m: dict) -> bool:
+def byte_level(cfg, m: dict) -> bool:
     """Token ids are bytes: vocab <= 256 and the run did not train on a token .bin."""
     data = str((m.get("config") or {}).get("data", ""))
     return cfg.vocab <= 256 and not data.endswith(".bin")
@@ -214,7 +179,7 @@ def build_parser():
         epilog='Example: python -m ringzero.sample checkpoints --prompt "def " --tokens 200 '
                "--temperature 0.8 --top-k 40 --seed 1")
     ap.add_argument("dir", help="a step-NNNNNN checkpoint, a save directory (its latest), or a Hugging Face "
-                                "GPT-2 folder (config.json + model.safetensors)")
+                                "Hugging Face folder (config.json + model.safetensors)")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompt", default="\n", help='text, read as UTF-8 bytes (default "\\n")')
     src.add_argument("--prompt-ids", help="comma-separated token ids, for a token-id model")
@@ -252,14 +217,16 @@ def _prompt(a, model, m, tok, as_bytes) -> np.ndarray:
 
 
 def load_any(path: str, weights: str):
-    """(model, P, manifest, path, what) of a ringzero checkpoint or a Hugging Face GPT-2 folder."""
-    if os.path.isfile(os.path.join(path, "config.json")):      # a GPT-2 folder (app/hf_import.py)
-        from ringzero.app.hf_import import HFConfigError, load_full
+    """(model, P, manifest, path, what) of a ringzero checkpoint or a Hugging Face folder (GPT-2, Llama,
+    Qwen2, Mistral)."""
+    if os.path.isfile(os.path.join(path, "config.json")):      # a Hugging Face folder (interop/hf_import.py)
+        from ringzero.interop.hf_import import HFConfigError, load_full
         try:
-            cfg, L, buf, _ = load_full(path)
+            cfg, L, buf, hf = load_full(path)
+            model_type = hf.get("model_type", "gpt2")
         except HFConfigError as e:
             raise SampleError(str(e)) from None
-        return GPT(cfg), L.views(buf), {"config": {}}, path, "a Hugging Face GPT-2 (fp32)"
+        return build(cfg), L.views(buf), {"config": {}}, path, f"a Hugging Face {model_type} (fp32)"
     model, P, m, p = load(path, weights)
     return model, P, m, p, (f"step {m['step']}, Ψ = {m['psi']:,}, saved as {m['shards']} shard(s), stage "
                             f"{m['stage']}, {weights} ({m['classes'][weights]})")
@@ -277,10 +244,10 @@ def main(argv=None) -> int:
             raise SampleError(f"--top-k must be >= 1, got {a.top_k}")
         if not os.path.exists(a.dir):
             raise SampleError(f"{a.dir!r} does not exist: expected a checkpoint directory "
-                              f"(step-NNNNNN), a save directory or a GPT-2 folder")
+                              f"(step-NNNNNN), a save directory or a Hugging Face folder")
         tok = None
         if a.tokenizer:
-            from ringzero.app.tokens import TokenizerError, load_tokenizer
+            from ringzero.interop.tokens import TokenizerError, load_tokenizer
             try:
                 tok = load_tokenizer(a.tokenizer)
             except TokenizerError as e:
@@ -291,9 +258,8 @@ def main(argv=None) -> int:
         ids = _prompt(a, model, m, tok, as_bytes)
         c = model.cfg
         print(f"ringzero.sample: {path}: {type(model).__name__} L={c.n_layer} C={c.n_embd} H={c.n_head} "
-              f"T={c.block_size} "
-              f"V={c.n_tokens}{f' (padded {c.vocab})' if c.vocab != c.n_tokens else ''}, {what}, read in "
-              f"{time.perf_counter() - t0:.2f} s", file=sys.stderr)
+              f"T={c.block_size} V={c.n_tokens}{f' (padded {c.vocab})' if c.vocab != c.n_tokens else ''}, {what}, "
+              f"read in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     except (SampleError, ck.CheckpointError, OSError) as e:
         print(f"ringzero.sample: error: {ck.error_line(e)}", file=sys.stderr)
         return 2

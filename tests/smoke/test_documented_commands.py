@@ -63,6 +63,7 @@ TABLES = {
     ("ringzero.data", "encode"): r"tokens, ids 0\.\.\d+, uint16",
     ("ringzero.trace", "summary"): r"straggler",
     ("ringzero.trace", "merge"): r"^wrote .*merged_trace\.json",
+    ("ringzero.evaluate", None): r"^loss \d+\.\d+\s+perplexity \d",
 }
 TINY_TRAIN = TINY_GPT + ["--steps", "2", "--eval-interval", "1", "--eval-batches", "1", "--sample-chars", "16"]
 BENCH_TINY = {"-b": "1K", "--minbytes": "1K", "-e": "4K", "--maxbytes": "4K", "-n": "2", "--iters": "2",
@@ -76,6 +77,9 @@ def word(cmd):
     return cmd.args[0] if cmd.args and re.fullmatch(r"[a-z]+", cmd.args[0]) else None
 
 
+HF_DIRS = ("gpt2", "qwen", "CKPT_OR_HF_DIR")     # the recipes' Hugging Face folders: the GPT-2 fixture stands in
+
+
 def gpt2_input(a, prev, inputs):
     """The fixture file for an input argument of docs/gpt2.md's recipe, or None: the GPT-2
     folder "gpt2", its tokenizer, the encoded data, the text, the fine-tuned checkpoint "ft"."""
@@ -83,9 +87,9 @@ def gpt2_input(a, prev, inputs):
         return None
     if prev == "--tokenizer":
         return inputs["gpt2"]()["tokenizer"]
-    if prev == "--init-from" or a.rstrip("/") == "gpt2":
+    if prev == "--init-from" or a.rstrip("/") in HF_DIRS:
         return inputs["gpt2"]()["dir"]
-    if prev == "--data" and a.endswith(".bin"):
+    if prev == "--data" and (a.endswith(".bin") or a == "FILE"):
         return inputs["gpt2"]()["data"]
     if a.endswith(".txt"):
         return inputs["text"]
@@ -99,7 +103,7 @@ def tiny(cmd, inputs, out_dir):
     args, out = list(cmd.args), []
     bench_inputs_done = False
     # docs/gpt2.md's recipe (the user's GPT-2 folder "gpt2", the fine-tuned "ft"): its own fixtures
-    gpt2 = any(a in ("--init-from", "--tokenizer") or a.rstrip("/") in ("gpt2", "ft") for a in args)
+    gpt2 = any(a in ("--init-from", "--tokenizer") or a.rstrip("/") in HF_DIRS + ("ft",) for a in args)
     i = 0
     while i < len(args):
         a = args[i]
@@ -108,6 +112,8 @@ def tiny(cmd, inputs, out_dir):
         recipe = gpt2_input(a, prev, inputs) if gpt2 else None
         if recipe is not None:
             out.append(recipe)
+        elif cmd.module == "ringzero.evaluate" and prev == "--seq-len":    # within the fixture's context (32)
+            out.append("16")
         elif cmd.module == "ringzero.data" and a.endswith(".bin"):     # encode's output
             out.append(os.path.join(out_dir, os.path.basename(a)))
         elif prev in outputs and re.search(r"\.\w+$", a):                # an output file: into the temporary folder

@@ -22,16 +22,22 @@ What it is
     ``gpt_config(hf)``: the GPTConfig of a config.json, or ``HFConfigError``
     (one line naming the field) for anything ringzero does not compute
     exactly. ``hf_config(cfg, base)``: the config.json of an export.
+    ``config_from_manifest(m)``: the model config of a ringzero checkpoint's
+    manifest (its saved ``model_config``, any family; else a GPT's from its
+    layout table and trainer config), for the sampler, the evaluator and the
+    export.
 
 What it is not
-    No file I/O: reading the shards is ``ringzero.app.hf_import``'s, writing
-    them ``ringzero.app.hf_export``'s. No tokenizer.
+    No file I/O: reading the shards is ``ringzero.interop.hf_import``'s, writing
+    them ``ringzero.interop.hf_export``'s. No tokenizer.
 """
 from __future__ import annotations
 
 import re
 
-from ringzero.nn.gpt import GPTConfig, vocab_for
+from ringzero.interop.safetensors_files import HFConfigError
+from ringzero.nn.gpt import PRESETS, GPTConfig, vocab_for
+from ringzero.runtime.flat import units_from_description
 
 PREFIX = "transformer."
 HEAD = "lm_head.weight"
@@ -40,6 +46,7 @@ _BLOCK = {"ln1": "ln_1", "ln2": "ln_2", "attn": "attn.c_attn", "proj": "attn.c_p
           "fc": "mlp.c_fc", "fc2": "mlp.c_proj"}
 _SUFFIX = {"w": "weight", "b": "bias"}
 _NAME = re.compile(r"^h(\d+)\.(\w+)\.([wb])$")
+_BLOCK_RE = re.compile(r"^h(\d+)\.ln1\.w$")
 
 # the tanh approximation under its two names in transformers (ACT2FN: NewGELUActivation and
 # PytorchGELUTanh compute 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))), as ringzero's GELU does
@@ -47,8 +54,6 @@ GELUS = ("gelu_new", "gelu_pytorch_tanh")
 EPS = 1e-5                 # ringzero's LayerNorm epsilon (nn/pointwise.py LN_EPS)
 
 
-class HFConfigError(ValueError):
-    """A config.json (or a weight file) that describes a model ringzero does not compute exactly."""
 
 
 def hf_name(name: str) -> str:
@@ -148,3 +153,44 @@ def hf_config(cfg: GPTConfig, base: dict | None = None) -> dict:
         out.update(bos_token_id=last, eos_token_id=last)
     out.setdefault("initializer_range", 0.02)
     return out
+
+
+def config_from_manifest(m: dict):
+    """The model config of a checkpoint: the one the trainer saved with its family (``model_config``,
+    nn/families.py's ``to_dict``), else a GPT's: shapes from its layout table, heads from its config.
+
+    The layout gives vocab and width (wte is (V, C)), the context (wpe is
+    (T, C)) and the block count; it cannot give the head count, which comes
+    from the trainer's config (``n_head``) or its preset name (``model``).
+    """
+    mc = (m.get("config") or {}).get("model_config")
+    if isinstance(mc, dict):
+        from ringzero.nn.families import from_dict
+        try:
+            return from_dict(mc)
+        except (ValueError, TypeError) as e:
+            raise HFConfigError(f"the manifest's model_config makes no model: {e}") from None
+    shapes = {p.name: p.shape for u in units_from_description(m["layout"]) for p in u.params}
+    if "wte" not in shapes or "wpe" not in shapes:
+        raise HFConfigError(f"the checkpoint holds no GPT (no 'wte'/'wpe' among its {len(shapes)} "
+                            f"parameters): expected a model built by ringzero.nn.gpt")
+    (V, C), (T, _) = shapes["wte"], shapes["wpe"]
+    L = sum(1 for n in shapes if _BLOCK_RE.match(n))
+    conf = m.get("config") or {}
+    gpt = conf.get("gpt") if isinstance(conf.get("gpt"), dict) else {}
+    # the effective GPTConfig if the run saved it, else its preset, else the trainer's flag
+    if gpt.get("n_head"):
+        H = int(gpt["n_head"])
+    elif conf.get("model") in PRESETS:
+        H = PRESETS[conf["model"]].n_head
+    elif conf.get("n_head"):
+        H = int(conf["n_head"])
+    else:
+        raise HFConfigError("the manifest's config has no n_head (nor gpt.n_head, nor a preset model "
+                            f"name): expected one to rebuild the attention heads, got keys {sorted(conf)}")
+    try:
+        real = gpt.get("real_vocab")      # an imported GPT-2: the head scores its real rows only
+        return GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=T, vocab=V,
+                         real_vocab=int(real) if real else None)
+    except ValueError as e:
+        raise HFConfigError(f"the manifest's shapes make no GPT: {e}") from None

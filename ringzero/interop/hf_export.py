@@ -1,12 +1,16 @@
-"""``python -m ringzero.checkpoint export --format hf CKPT OUT/``: a checkpoint as a transformers GPT-2.
+"""``python -m ringzero.checkpoint export --format hf CKPT OUT/``: a checkpoint as a transformers model.
 
 What it is
     ``export_hf(ckpt, out_dir, dtype, vocab)`` writes OUT/config.json and
-    OUT/model.safetensors, which ``transformers.GPT2LMHeadModel.from_pretrained(OUT)``
-    loads with no missing and no unexpected key:
+    OUT/model.safetensors, which transformers' ``from_pretrained(OUT)`` (GPT2LMHeadModel,
+    LlamaForCausalLM, Qwen2ForCausalLM, by the family) loads with no missing and no
+    unexpected key. For a GPT-2 (a Llama writes its own names, interop/llama.py: each
+    fused parameter split into its q/k/v or gate/up tensors, transposed back to (out, in);
+    lm_head.weight only when untied; config.json with model_type llama, or qwen2 with a
+    q/k/v bias):
 
         model.safetensors   transformer.<GPT-2 name> for every parameter
-                            (nn/hf_gpt2.py), as save_pretrained writes them; no
+                            (interop/gpt2.py), as save_pretrained writes them; no
                             lm_head.weight (tied to wte, which transformers
                             restores); wte's padding rows left out, so its
                             first dimension is vocab_size again
@@ -25,12 +29,15 @@ What it is not
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
 import time
 
-from ringzero.nn.hf_gpt2 import PREFIX, hf_config, hf_name
+from ringzero.interop.gpt2 import config_from_manifest
+from ringzero.interop.hf_families import HEAD, family_of_config
+from ringzero.interop.safetensors_files import HFConfigError
 from ringzero.runtime.export import open_export, write_tensors
 from ringzero.runtime.flat import Layout
 from ringzero.runtime.manifest import CheckpointError, check_layout, fsync_dir
@@ -38,30 +45,52 @@ from ringzero.runtime.manifest import CheckpointError, check_layout, fsync_dir
 _TORCH_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
+def hf_tensors(layout, cfg, fam) -> list:
+    """write_tensors' entries of an export: (param, file key, shape[, pick]) for every Part of every
+    parameter; the padding rows of wte / head.w left out, the transposed Parts picked as views."""
+    out = []
+    for name, s in layout.slots.items():
+        shape = tuple(s.spec.shape)
+        parts, c = fam.sources(name, cfg), 0
+        for p in parts:
+            key = p.key if p.key == HEAD else fam.prefix + p.key
+            if len(shape) == 1:
+                out.append((name, key, (p.width,), lambda v, c=c, w=p.width: v[c:c + w]))
+            elif p.transposed:
+                out.append((name, key, (p.width, shape[0]), lambda v, c=c, w=p.width: v[:, c:c + w].T))
+            else:
+                rows = cfg.n_tokens if name in ("wte", "head.w") else shape[0]
+                if len(parts) == 1:           # whole rows: the leading elements, read as they are
+                    out.append((name, key, (rows, p.width)))
+                else:
+                    out.append((name, key, (rows, p.width), lambda v, c=c, w=p.width, r=rows: v[:r, c:c + w]))
+            c += p.width
+    return out
+
+
 def export_hf(path: str, out_dir: str, dtype: str = "fp32", vocab: int | None = None) -> dict:
     """Write ``out_dir``/config.json and model.safetensors from checkpoint ``path``. Serial."""
-    from ringzero.nn.gpt import GPTConfig, gpt_units
-    from ringzero.tools.sample import SampleError, config_from_manifest
+    from ringzero.nn.families import units_of
     ex = open_export(path, dtype)
     try:
         cfg = config_from_manifest(ex.manifest)
-    except SampleError as e:
-        raise CheckpointError(f"{ex.path}: --format hf exports a GPT: {e}") from None
-    check_layout(ex.manifest, ex.path, Layout(gpt_units(cfg), shards=1))   # the names are a GPT's
+    except HFConfigError as e:
+        raise CheckpointError(f"{ex.path}: --format hf exports a GPT or a Llama: {e}") from None
+    fam = family_of_config(cfg)
+    check_layout(ex.manifest, ex.path, Layout(units_of(cfg), shards=1))   # the names are the family's
     if vocab is not None:
         if not 1 <= vocab <= cfg.vocab:
             raise CheckpointError(f"--vocab must be in [1, {cfg.vocab}] (the checkpoint's wte rows), got {vocab}")
-        cfg = GPTConfig(**{**cfg.__dict__, "real_vocab": vocab})
+        cfg = dataclasses.replace(cfg, real_vocab=vocab)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise CheckpointError(f"{out_dir!r} is a file: --format hf writes a folder (config.json, model.safetensors)")
     os.makedirs(out_dir, exist_ok=True)
     V, C = cfg.n_tokens, cfg.n_embd
-    tensors = [(name, PREFIX + hf_name(name), (V, C) if name == "wte" else tuple(s.spec.shape))
-               for name, s in ex.layout.slots.items()]
+    tensors = hf_tensors(ex.layout, cfg, fam)
     weights = os.path.join(out_dir, "model.safetensors")
     write_tensors(ex, tensors, {"format": "pt"}, weights)     # transformers requires format "pt"
     base = (ex.manifest.get("config") or {}).get("hf")
-    conf = hf_config(cfg, base if isinstance(base, dict) else None)
+    conf = fam.hf_config(cfg, base if isinstance(base, dict) else None)
     conf.pop("torch_dtype", None)
     conf["dtype"] = _TORCH_DTYPE[dtype]
     conf_path = os.path.join(out_dir, "config.json")
@@ -78,9 +107,10 @@ def export_hf(path: str, out_dir: str, dtype: str = "fp32", vocab: int | None = 
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+    pad_rows = (cfg.vocab - V) * C * (1 if getattr(cfg, "tied", True) else 2)
     return {"out": out_dir, "source": ex.path, "tensors": len(tensors), "dtype": dtype, "class": ex.cls,
             "bytes": os.path.getsize(weights), "vocab": V, "padded": cfg.vocab, "step": ex.manifest["step"],
-            "psi": ex.layout.numel - (cfg.vocab - V) * C}
+            "psi": ex.layout.numel - pad_rows, "model_type": conf["model_type"]}
 
 
 def cli(ckpt: str, out_dir: str, dtype: str, vocab: int | None) -> str:
@@ -93,6 +123,7 @@ def cli(ckpt: str, out_dir: str, dtype: str, vocab: int | None) -> str:
 def report(r: dict, seconds: float) -> str:
     """The command's line."""
     pad = f", padding rows {r['vocab']}..{r['padded'] - 1} left out" if r["padded"] > r["vocab"] else ""
+    what = "GPT-2" if r["model_type"] == "gpt2" else r["model_type"]
     return (f"exported {r['tensors']} tensors ({r['psi']:,} params, {r['dtype']}, from {r['class']}) of "
-            f"{r['source']} (step {r['step']}) as a GPT-2 to {r['out']}: config.json + model.safetensors "
+            f"{r['source']} (step {r['step']}) as a {what} to {r['out']}: config.json + model.safetensors "
             f"{r['bytes']:,} bytes, vocab_size {r['vocab']}{pad}, in {seconds:.2f} s")

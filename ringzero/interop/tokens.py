@@ -2,17 +2,18 @@
 
 What it is
     ``load_tokenizer(path)``: a ``tokenizers`` tokenizer.json (GPT-2's own, or
-    any the user trained), with one-line errors. ``encode_file`` turns a text
-    file into the nanoGPT ``.bin`` the trainer reads (app/data.py): flat
-    uint16 token ids, no header. The text is read and encoded in pieces of
+    any the user trained: Llama 3's and Qwen2's included), with one-line errors.
+    ``encode_file`` turns a text file into the token file the trainer reads
+    (interop/token_files.py: llm.c's header, then uint16 ids when the
+    vocabulary fits 16 bits, uint32 when it does not, as Qwen2's 151,936 and
+    Llama 3's 128,256). The text is read and encoded in pieces of
     about ``PIECE`` bytes, each cut just after a newline between two non-space
-    characters; GPT-2's byte-level pre-tokenizer splits on both sides of such
-    a newline anyway (it is a pre-token of its own), so the ids are those
-    of encoding the whole text at once (tests/test_tokens.py checks it), while
-    memory stays one piece. The output is written beside itself and renamed.
-
-    A vocabulary over 65,535 ids does not fit uint16: it is refused (the
-    trainer reads uint16 only), as nanoGPT's format is.
+    characters; a byte-level or regex-split pre-tokenizer (GPT-2's, Llama 3's,
+    Qwen2's) splits on both sides of such a newline anyway, so the ids are
+    those of encoding the whole text at once (tests/test_tokens.py checks it),
+    while memory stays one piece. A tokenizer that prepends to every input
+    (sentencepiece-style, Llama 2's) encodes the whole text as one piece.
+    The output is written beside itself and renamed.
 
 What it is not
     No tokenizer training (the tests build small BPEs with the ``tokenizers``
@@ -24,13 +25,11 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import secrets
 import sys
 
-import numpy as np
+from ringzero.interop.token_files import TokenFileError, TokenWriter
 
 PIECE = 1 << 20                    # bytes of text encoded at a time
-MAX_UINT16 = 65535
 _CUT = re.compile(r"(?<=\S)\n(?=\S)")     # a newline between two non-space characters
 
 
@@ -75,56 +74,69 @@ def pieces(fh, size: int = PIECE):
         rest = text[cut:]
 
 
+def vocab_size(tok) -> int:
+    """1 + the largest id the tokenizer can emit (added tokens included): the width the ids need."""
+    ids = tok.get_vocab(with_added_tokens=True).values()
+    return max(max(ids, default=-1) + 1, tok.get_vocab_size(with_added_tokens=True))
+
+
+def splits_at_newlines(tok) -> bool:
+    """True when encoding in pieces cut after a newline gives the ids of the whole text: a pre-tokenizer
+    that splits there (byte-level, or a Split regex as Llama 3's and Qwen2's) and no normalizer that
+    prepends to every input (sentencepiece-style Llama 2 tokenizers prepend '▁' to each piece)."""
+    import json
+    conf = json.loads(tok.to_str())
+    text = json.dumps(conf.get("normalizer")) + json.dumps(conf.get("pre_tokenizer"))
+    pre = conf.get("pre_tokenizer") or {}
+    kinds = {pre.get("type")} | {p.get("type") for p in pre.get("pretokenizers", []) if isinstance(p, dict)}
+    return bool(kinds & {"ByteLevel", "Split"}) and '"Prepend"' not in text and '"Metaspace"' not in text
+
+
 def encode_file(tok, src: str, out: str, size: int = PIECE) -> dict:
-    """Write ``out``: the uint16 ids of ``src``'s text. Returns {tokens, vocab, max_id, bytes}."""
-    vocab = tok.get_vocab_size(with_added_tokens=True)
-    if vocab > MAX_UINT16 + 1:
-        raise TokenizerError(f"the tokenizer has {vocab:,} ids: the .bin format holds uint16 ids < 65,536 "
-                             "(the trainer reads uint16 only)")
+    """Write ``out``: the ids of ``src``'s text, as a token file with llm.c's header (uint16 when the
+    vocabulary fits, else uint32). Returns {tokens, vocab, max_id, bytes, dtype}."""
+    vocab = vocab_size(tok)
     if not os.path.isfile(src):
         raise TokenizerError(f"{src!r} does not exist: expected a UTF-8 text file")
     d = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(d):
         raise TokenizerError(f"cannot write {out!r}: folder {d!r} does not exist")
-    tmp = f"{out}.tmp-{secrets.token_hex(4)}"
-    n, top = 0, -1
+    whole = not splits_at_newlines(tok)
+    w = TokenWriter(out, vocab)
     try:
-        with open(src, encoding="utf-8") as fi, open(tmp, "wb") as fo:
-            for text in pieces(fi, size):
-                ids = np.asarray(tok.encode(text, add_special_tokens=False).ids, np.int64)
-                if ids.size:
-                    top = max(top, int(ids.max()))
-                    fo.write(ids.astype(np.uint16).tobytes())
-                    n += ids.size
-            fo.flush()
-            os.fsync(fo.fileno())
-        if n == 0:
+        with open(src, encoding="utf-8") as fi:
+            for text in ([fi.read()] if whole else pieces(fi, size)):     # whole: one piece, the text
+                w.write(tok.encode(text, add_special_tokens=False).ids)
+        if w.count == 0:
             raise TokenizerError(f"{src!r} encodes to no tokens: expected a non-empty text")
-        os.replace(tmp, out)
+        w.close()
     except UnicodeDecodeError as e:
+        w.abort()
         raise TokenizerError(f"{src!r} is not UTF-8 text: {e}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return {"tokens": n, "vocab": vocab, "max_id": top, "bytes": os.path.getsize(out)}
+    except BaseException:
+        w.abort()
+        raise
+    return {"tokens": w.count, "vocab": vocab, "max_id": w.top, "bytes": os.path.getsize(out),
+            "dtype": w.dtype.name}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ringzero.data encode",
                                  description="Encode a UTF-8 text file with a tokenizer.json into a "
-                                             "nanoGPT uint16 .bin for --data.")
+                                             "token .bin for --data (llm.c's header; uint16 ids when the "
+                                             "vocabulary fits, else uint32).")
     ap.add_argument("--tokenizer", required=True, help="a tokenizers tokenizer.json (GPT-2's, or your own)")
     ap.add_argument("src", metavar="IN.txt")
     ap.add_argument("out", metavar="OUT.bin")
     a = ap.parse_args(argv)
     try:
         if not a.out.endswith(".bin"):
-            raise TokenizerError(f"the output must end in .bin (the trainer reads *.bin as uint16 ids), got {a.out!r}")
+            raise TokenizerError(f"the output must end in .bin (the trainer reads *.bin as token ids), got {a.out!r}")
         tok = load_tokenizer(a.tokenizer)
         r = encode_file(tok, a.src, a.out)
-    except (TokenizerError, OSError) as e:
+    except (TokenizerError, TokenFileError, OSError) as e:
         print(f"ringzero.data encode: error: {e}", file=sys.stderr)
         return 2
     print(f"encoded {a.src} with {a.tokenizer} (vocab {r['vocab']:,}): {r['tokens']:,} tokens, ids 0..{r['max_id']}, "
-          f"uint16 -> {a.out} ({r['bytes']:,} bytes)")
+          f"{r['dtype']} with llm.c's header -> {a.out} ({r['bytes']:,} bytes)")
     return 0
