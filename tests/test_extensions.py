@@ -2,7 +2,7 @@
 extension, when this machine has a C compiler and Python's headers but an extension of setup.py
 is missing or does not import.
 
-setup.py marks the three extensions ``optional=True`` (an install without a compiler still
+setup.py marks the extensions ``optional=True`` (an install without a compiler still
 succeeds, and the code falls back to NumPy), so a compile error in adam.c would otherwise turn the
 fused-path tests into skips and leave CI green. The names come from setup.py itself (ast), so an
 extension added there is checked here too. Where no compiler or no Python.h is found, the test
@@ -36,8 +36,9 @@ def build_tools() -> tuple:
     return compiler, header if os.path.exists(header) else None
 
 
-def test_setup_py_names_the_three_extensions():
-    assert extension_names() == ["ringzero.comm._f16", "ringzero.nn._fused", "ringzero.runtime._adam"]
+def test_setup_py_names_the_four_extensions():
+    assert extension_names() == ["ringzero.comm._f16", "ringzero.comm._quant", "ringzero.nn._fused",
+                                 "ringzero.runtime._adam"]
 
 
 @pytest.mark.parametrize("name", extension_names())
