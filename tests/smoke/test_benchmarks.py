@@ -24,12 +24,16 @@ from smoke_run import PY, ROOT, TINY_GPT, check, prev_comm, run, smoke_dir  # no
 pytestmark = pytest.mark.smoke
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
+HAVE_DS = HAVE_TORCH and importlib.util.find_spec("deepspeed") is not None
 PEER = ["--ranks", "2", "--steps", "3", "--warmup", "1", "--modes", "ringzero,ddp", "--timeout", "200", *TINY_GPT]
 # a GPT-2 preset made tiny: gpt2's width and heads, one block, T = 16, a 1000-id vocabulary (its head
 # 1024 x 768, vocab_for's rounding)
 PRESET = ["--model", "gpt2", "--n-layer", "1", "--vocab", "1000"]
 PEER_PRESET = ["--ranks", "2", "--steps", "2", "--warmup", "1", "--modes", "ringzero,ddp", "--timeout", "200",
                "--seq-len", "16", "--batch", "1", "--compute-steps", "1", *PRESET]
+# the sharded peers: FSDP2 and DeepSpeed ZeRO-1/2/3 (meta-device and zero.Init starts) at the tiny size
+PEER_SHARDED = ["--ranks", "2", "--steps", "3", "--warmup", "1", "--modes", "ringzero,fsdp2-full,ds-zero1,ds-zero2,"
+                "ds-zero3", "--timeout", "200", "--compute-steps", "1", *TINY_GPT]
 PREV = "{prev}"   # replaced by the prev_comm fixture's folder
 
 # script -> [(ranks or None, args, a line of its table)]
@@ -59,10 +63,12 @@ RUNS = {
     "stage3_ring_before_after.py": [(2, [PREV, "2"], r"new/old step time: [\d.]+")],
     "sgemm_libs.py": [(None, ["--n-embd", "8", "--rows", "16"], r"^\s+the layer\s+\|\s+[\d.]+")],
     "train_peer.py": [(None, PEER, r"^\| ringzero \| 2 \| \d+"),
-                      (None, PEER_PRESET, r"^\| ringzero \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| -?[\d.]+ \|$")],
+                      (None, PEER_PRESET, r"^\| ringzero \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| -?[\d.]+ \|$"),
+                      (None, PEER_SHARDED, r"^\| ringzero \| 2 \| \d+")],
 }
 # not scripts of their own: what runs them
 COVERED_BY = {"torch_gpt.py": "bench_model.py and train_peer.py (the torch side)",
+              "peer_engines.py": "train_peer.py and capacity.py (how each torch-side mode is built)",
               "peer_tables.py": "train_peer.py (its tables)",
               "train_peer_worker.py": "train_peer.py (its ranks)",
               "cluster_opts.py": "bench_stages.py and check_simulate.py (their --cluster flags)"}
@@ -86,7 +92,9 @@ def test_benchmark(script, i, ranks, args, table, request):
     rc, out = run(argv, ranks=ranks)
     what = f"benchmarks/{script} ({f'mpirun -n {ranks} ' if ranks else ''}{' '.join(args)})"
     check(rc, out, table, what)
-    if script == "train_peer.py":
+    if script == "train_peer.py" and args == PEER_SHARDED:
+        _check_sharded_peers(rc, out, what)
+    elif script == "train_peer.py":
         if HAVE_TORCH:
             check(rc, out, r"^\| ddp \| 2 \| \d+", what + ": the torch row")
             if "--model" in args:      # the torch mode's step, compute and exposed communication too
@@ -95,6 +103,28 @@ def test_benchmark(script, i, ranks, args, table, request):
         else:
             check(rc, out, r"torch is not installed", what + ": the line saying the torch rows are skipped")
             print("train_peer.py: torch is not installed here, so its torch row was skipped", file=sys.stderr)
+
+
+def _check_sharded_peers(rc, out, what):
+    """FSDP2's row where torch is; DeepSpeed's three rows where deepspeed is, else the line saying they were
+    skipped; under CI's peer install (RINGZERO_PEER=1) deepspeed must be there."""
+    if not HAVE_TORCH:
+        check(rc, out, r"torch is not installed", what + ": the line saying the torch rows are skipped")
+        return
+    check(rc, out, r"^\| fsdp2-full \| 2 \| \d+", what + ": the FSDP2 row")
+    if not HAVE_DS:
+        if os.environ.get("RINGZERO_PEER") == "1":
+            pytest.fail("RINGZERO_PEER=1 but deepspeed is not installed (setup.cfg's peer extra pins it)")
+        check(rc, out, r"deepspeed is not installed", what + ": the line saying the ds-zero rows are skipped")
+        print("train_peer.py: deepspeed is not installed here, so its ds-zero rows were skipped", file=sys.stderr)
+        return
+    # each row's "loss first → last" (3 decimals) is ringzero's: the same model, weights, batches and AdamW
+    loss = re.search(r"^\| ringzero \| 2 \| \d+ \| [^|]+\| [^|]+\| ([\d.]+ → [\d.]+) \|", out, re.MULTILINE)
+    assert loss, f"{what}: no ringzero row with its losses"
+    for m in ("fsdp2-full", "ds-zero1", "ds-zero2", "ds-zero3"):
+        check(rc, out, rf"^\| {m} \| 2 \| \d+ \| [^|]+\| [^|]+\| {re.escape(loss.group(1))} \|",
+              what + f": the {m} row, with ringzero's losses {loss.group(1)}")
+    check(rc, out, r"ds-zero3 DeepSpeedCPUAdam|ds-zero3 torch.optim.AdamW", what + ": which AdamW DeepSpeed ran")
 
 
 @pytest.mark.parametrize("script", ["bench_stages.py", "check_simulate.py"])
