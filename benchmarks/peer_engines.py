@@ -144,10 +144,31 @@ def build_fsdp2(a, torch, cfg, rz, groups_of, adam):
                        lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip), a.grad_clip, weights)
 
 
-def ds_config(a, stage: int) -> dict:
-    """DeepSpeed's config for one rank: fp32, the global-norm clip, ZeRO at ``stage``, its defaults else."""
+def ds_config(a, stage: int, largest: int = 0) -> dict:
+    """DeepSpeed's config for one rank: fp32, the global-norm clip, ZeRO at ``stage``, its defaults else.
+    ``a.ds_offload`` nvme (ZeRO-Infinity): the optimizer state and (stage 3) the parameters swapped to files
+    under ``a.ds_nvme_dir`` through DeepSpeed's async_io op, its swap buffers sized to the largest parameter
+    (``largest`` elements; DeepSpeed's default of 1e8 elements a buffer would take 400 MB before any model),
+    unpinned; cpu (ZeRO-Offload): both held in host memory by DeepSpeed's CPU Adam. ``a.ds_buckets`` hf: the
+    bucket sizes Transformers' DeepSpeed integration derives from the width (a memory-bound user's setting;
+    benchmarks/capacity.py); deepspeed: DeepSpeed's own defaults (train_peer.py)."""
+    zero = {"stage": stage}
+    if a.ds_buckets == "hf":    # Transformers' "auto" values (hidden^2 buckets) instead of 5e8 elements (2 GB fp32)
+        C = a.n_embd
+        zero.update(reduce_bucket_size=C * C, allgather_bucket_size=C * C)
+        if stage == 3:
+            zero.update(stage3_prefetch_bucket_size=int(0.9 * C * C), stage3_param_persistence_threshold=10 * C)
+    if a.ds_offload:
+        dev = {"device": a.ds_offload, "pin_memory": False}
+        if a.ds_offload == "nvme":
+            dev["nvme_path"] = a.ds_nvme_dir
+        zero["offload_optimizer"] = dict(dev)
+        if stage == 3:
+            zero["offload_param"] = dict(dev, **({"buffer_size": largest, "max_in_cpu": largest}
+                                                 if a.ds_offload == "nvme" else {}))
+            zero["sub_group_size"] = max(largest, 1)
     return {"train_micro_batch_size_per_gpu": a.batch, "gradient_accumulation_steps": 1,
-            "gradient_clipping": a.grad_clip, "zero_optimization": {"stage": stage},
+            "gradient_clipping": a.grad_clip, "zero_optimization": zero,
             "fp16": {"enabled": False}, "bf16": {"enabled": False}, "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**9, "wall_clock_breakdown": False}
 
@@ -162,7 +183,8 @@ def build_ds(a, torch, cfg, rz, groups_of, adam):
     from torch_gpt import TorchGPT
     deepspeed.utils.logger.setLevel(logging.WARNING)
     stage = DS_MODES[a.mode]
-    config = ds_config(a, stage)
+    largest = max(s.spec.numel for s in rz.layout.slots.values())
+    config = ds_config(a, stage, largest)
     if stage == 3:
         # fp32 from the config (fp16 and bf16 off); not dtype=torch.float32: DeepSpeed 0.19.8 reads that as
         # `dtype or (fp16 if supported else bf16 ...)` and makes bf16 parameters on its CPU accelerator

@@ -247,6 +247,11 @@ def parser():
     ap.add_argument("--master", default="127.0.0.1", help="rank 0's address (the rendezvous)")
     ap.add_argument("--ifname", default="lo", help="the interface gloo binds to")
     ap.add_argument("--timeout", type=int, default=600)
+    ap.add_argument("--ds-offload", default="", choices=("", "cpu", "nvme"),
+                    help="ds-zero*: DeepSpeed's own offload of the optimizer state (and at stage 3 the parameters)")
+    ap.add_argument("--ds-buckets", default="deepspeed", choices=("deepspeed", "hf"),
+                    help="ds-zero*: DeepSpeed's default bucket sizes (5e8 elements) or Transformers' auto (width^2)")
+    ap.add_argument("--ds-nvme-dir", default="", help="--ds-offload nvme: the folder DeepSpeed swaps to")
     ap.add_argument("--rz-module", default="ringzero.train")
     ap.add_argument("--data", default="", help="the trainer's --data ('' = the default corpus)")
     for flag, typ, default in (("--steps", int, 15), ("--batch", int, 8), ("--seq-len", int, 128),
