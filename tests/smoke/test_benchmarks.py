@@ -34,6 +34,9 @@ PEER_PRESET = ["--ranks", "2", "--steps", "2", "--warmup", "1", "--modes", "ring
 # the sharded peers: FSDP2 and DeepSpeed ZeRO-1/2/3 (meta-device and zero.Init starts) at the tiny size
 PEER_SHARDED = ["--ranks", "2", "--steps", "3", "--warmup", "1", "--modes", "ringzero,fsdp2-full,ds-zero1,ds-zero2,"
                 "ds-zero3", "--timeout", "200", "--compute-steps", "1", *TINY_GPT]
+CAPACITY_PEERS = ["--cap", "600MiB", "--nd", "2", "--stages", "3", "--offload", "", "--peers", "fsdp2-full,ds-zero3",
+                  "--n-embd", "64", "--n-head", "2", "--seq-len", "16", "--max-layers", "1", "--no-baseline",
+                  "--timeout", "200"]
 PREV = "{prev}"   # replaced by the prev_comm fixture's folder
 
 # script -> [(ranks or None, args, a line of its table)]
@@ -53,6 +56,8 @@ RUNS = {
     "capacity.py": [(None, ["--cap", "300MiB", "--nd", "2", "--stages", "0,3", "--offload", "optimizer", "--peers", "",
                             "--n-embd", "512", "--n-head", "4", "--seq-len", "16", "--max-layers", "2",
                             "--no-baseline", "--timeout", "120"], r"^\| stage 3\+optimizer \| 2 \| [1-9]")],
+    # the meta-initialized FSDP2 and DeepSpeed ZeRO-3 (zero.Init) as capacity peers: each trains 1 layer under the cap
+    "capacity.py#peers": [(None, CAPACITY_PEERS, r"^\| stage 3 \| 2 \| 1 ")],
     "check_simulate.py": [(None, ["--ns", "2", "--models", "1L-32C", "--iters", "2", "--max-bytes", "16K"],
                            r"^\|error\|: median")],
     "interleave_bias.py": [(2, ["4096"], r"all_reduce\s+4096\s+loop\s+ring")],
@@ -72,18 +77,20 @@ COVERED_BY = {"torch_gpt.py": "bench_model.py and train_peer.py (the torch side)
               "peer_tables.py": "train_peer.py (its tables)",
               "train_peer_worker.py": "train_peer.py (its ranks)",
               "cluster_opts.py": "bench_stages.py and check_simulate.py (their --cluster flags)"}
-CASES = [(s, i, *r) for s, rs in RUNS.items() for i, r in enumerate(rs)]
+CASES = [(s.partition("#")[0], i, *r) for s, rs in RUNS.items() for i, r in enumerate(rs)]
+IDS = [f"{s}#{i}" for s, rs in RUNS.items() for i in range(len(rs))]
 
 
 def test_every_script_is_covered():
     scripts = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "benchmarks", "*.py"))}
-    missing = scripts - set(RUNS) - set(COVERED_BY)
+    runs = {s.partition("#")[0] for s in RUNS}          # "capacity.py#peers": a second group of capacity.py's
+    missing = scripts - runs - set(COVERED_BY)
     assert not missing, f"benchmarks/ scripts with no smoke run (add them to RUNS): {sorted(missing)}"
-    stale = (set(RUNS) | set(COVERED_BY)) - scripts
+    stale = (runs | set(COVERED_BY)) - scripts
     assert not stale, f"RUNS / COVERED_BY name scripts that are gone: {sorted(stale)}"
 
 
-@pytest.mark.parametrize("script,i,ranks,args,table", CASES, ids=[f"{c[0]}#{c[1]}" for c in CASES])
+@pytest.mark.parametrize("script,i,ranks,args,table", CASES, ids=IDS)
 def test_benchmark(script, i, ranks, args, table, request):
     if PREV in args:
         args = [request.getfixturevalue("prev_comm") if a == PREV else a for a in args]
@@ -94,6 +101,8 @@ def test_benchmark(script, i, ranks, args, table, request):
     check(rc, out, table, what)
     if script == "train_peer.py" and args == PEER_SHARDED:
         _check_sharded_peers(rc, out, what)
+    elif args == CAPACITY_PEERS:
+        _check_capacity_peers(rc, out, what)
     elif script == "train_peer.py":
         if HAVE_TORCH:
             check(rc, out, r"^\| ddp \| 2 \| \d+", what + ": the torch row")
@@ -112,11 +121,7 @@ def _check_sharded_peers(rc, out, what):
         check(rc, out, r"torch is not installed", what + ": the line saying the torch rows are skipped")
         return
     check(rc, out, r"^\| fsdp2-full \| 2 \| \d+", what + ": the FSDP2 row")
-    if not HAVE_DS:
-        if os.environ.get("RINGZERO_PEER") == "1":
-            pytest.fail("RINGZERO_PEER=1 but deepspeed is not installed (setup.cfg's peer extra pins it)")
-        check(rc, out, r"deepspeed is not installed", what + ": the line saying the ds-zero rows are skipped")
-        print("train_peer.py: deepspeed is not installed here, so its ds-zero rows were skipped", file=sys.stderr)
+    if not _need_ds(rc, out, what, r"deepspeed is not installed"):
         return
     # each row's "loss first → last" (3 decimals) is ringzero's: the same model, weights, batches and AdamW
     loss = re.search(r"^\| ringzero \| 2 \| \d+ \| [^|]+\| [^|]+\| ([\d.]+ → [\d.]+) \|", out, re.MULTILINE)
@@ -125,6 +130,28 @@ def _check_sharded_peers(rc, out, what):
         check(rc, out, rf"^\| {m} \| 2 \| \d+ \| [^|]+\| [^|]+\| {re.escape(loss.group(1))} \|",
               what + f": the {m} row, with ringzero's losses {loss.group(1)}")
     check(rc, out, r"ds-zero3 DeepSpeedCPUAdam|ds-zero3 torch.optim.AdamW", what + ": which AdamW DeepSpeed ran")
+
+
+def _need_ds(rc, out, what, line):
+    """True where deepspeed is installed; else the benchmark's line saying its rows were skipped is checked
+    (and under CI's peer install, RINGZERO_PEER=1, its absence fails)."""
+    if HAVE_DS:
+        return True
+    if os.environ.get("RINGZERO_PEER") == "1":
+        pytest.fail("RINGZERO_PEER=1 but deepspeed is not installed (setup.cfg's peer extra pins it)")
+    check(rc, out, line, what + ": the line saying the ds-zero rows are skipped")
+    print(f"{what}: deepspeed is not installed here, so its ds-zero rows were skipped", file=sys.stderr)
+    return False
+
+
+def _check_capacity_peers(rc, out, what):
+    """Each peer trains the 1-layer model under the cap (``layers`` 1, no 'did not start' row)."""
+    if not HAVE_TORCH:
+        check(rc, out, r"torch is not installed", what + ": the line saying the torch rows are skipped")
+        return
+    check(rc, out, r"^\| fsdp2-full \| 2 \| 1 ", what + ": the meta-initialized FSDP2 row")
+    if _need_ds(rc, out, what, r"deepspeed is not installed"):
+        check(rc, out, r"^\| ds-zero3 \| 2 \| 1 ", what + ": DeepSpeed ZeRO-3's row")
 
 
 @pytest.mark.parametrize("script", ["bench_stages.py", "check_simulate.py"])
