@@ -4,7 +4,8 @@ What it is
     The code that runs on every rank of one train_peer launch, started by the
     driver under mpirun, never by hand:
       torch     ``python benchmarks/train_peer_worker.py torch --mode ddp --out DIR --port P ...``
-                wraps ``torch_gpt.TorchGPT`` in DDP or FSDP on gloo, trains, and
+                builds the mode (benchmarks/peer_engines.py: DDP, FSDP, FSDP2, DeepSpeed ZeRO) on gloo,
+                trains, and
                 writes ``DIR/rank-R.json`` (step times, losses, peak RSS)
       ringzero  ``python -m mpi4py benchmarks/train_peer_worker.py ringzero --out DIR -- FLAGS``
                 runs ``python -m ringzero.train FLAGS`` as ``__main__`` on this rank
@@ -12,8 +13,8 @@ What it is
 
     The torch rank computes what the trainer computes (tests/test_peer_trajectory.py
     holds it to that): the same GPT and vocabulary (``vocab_for`` on the same
-    data), ringzero's initial weights for the seed (``Layout.init_full``, loaded
-    with ``load_from_flat``), the same batches (``Batches``), AdamW with the
+    data), ringzero's initial weights for the seed (``Layout.init_param``, one
+    parameter at a time: ``torch_gpt.RingzeroInit``), the same batches (``Batches``), AdamW with the
     trainer's betas, eps and weight decay on exactly the parameters the layout
     marks (not on biases and norms), global-norm clipping over the whole
     gradient, the trainer's learning-rate schedule (``ringzero.app.config.lr_at``),
