@@ -13,7 +13,7 @@ What it is
     rounding noise). ringzero runs once per world size; every mode is compared with that run.
 
     The comparison can fail (``test_comparison_catches_a_different_peer``): a peer with its own initial
-    draw (the loss off by about 3 %), with weight decay on every parameter (torch's default: the final
+    draw (the loss off by 3 % to 6 %), with weight decay on every parameter (torch's default: the final
     layernorm's gain off by about 4 x the weights' tolerance), with a constant lr (the schedule not
     applied) or with no clipping (both: the loss off by 7 % to 14 %) ends outside those tolerances.
 What it is not
@@ -183,8 +183,9 @@ def _all_decay(worker, monkeypatch):
 
 # (mode, what differs in the peer): its own initial draw, decay on every parameter, a constant lr
 # (the schedule not applied), no clipping; ringzero runs the flags as they are
-CHANGES = [("ddp", "init=torch"), ("ddp", "decay=all"), ("fsdp2-full", "lr=constant"), ("ds-zero1", "clip=none"),
-           ("ds-zero2", "lr=constant"), ("ds-zero3", "clip=none"), ("ds-zero3", "lr=constant")]
+# (the suite runs this at world sizes 1-4 inside one timeout per size: one case per kind of fault and engine)
+CHANGES = [("ddp", "init=torch"), ("ddp", "decay=all"), ("fsdp2-full", "lr=constant"), ("ds-zero2", "clip=none"),
+           ("ds-zero3", "lr=constant")]
 
 
 @pytest.mark.parametrize("mode,change", CHANGES, ids=[f"{m}-{c}" for m, c in CHANGES])
