@@ -233,9 +233,10 @@ def main(argv=None) -> int:
     if peers and importlib.util.find_spec("torch") is None:
         print("capacity: torch is not installed (RINGZERO_PEER=1 installs it): the torch rows are skipped")
         peers = []
-    bad = [p for p in peers if p.partition("+")[0] not in PEER_MODES or p.partition("+")[2] not in ("", "cpu", "nvme")]
+    bad = [p for p in peers if p.partition("+")[0] not in PEER_MODES
+           or p.partition("+")[2] not in (("", "cpu", "nvme") if p.startswith("ds-") else ("",))]
     if bad:
-        print(f"capacity: --peers must be from {', '.join(PEER_MODES)} (ds-zero3 +cpu or +nvme), got {bad}")
+        print(f"capacity: --peers must be from {', '.join(PEER_MODES)} (a ds-zero mode +cpu or +nvme), got {bad}")
         return 2
     if any(p.startswith("ds-") for p in peers) and importlib.util.find_spec("deepspeed") is None:
         print("capacity: deepspeed is not installed (RINGZERO_PEER=1 installs it): the ds-zero rows are skipped")
