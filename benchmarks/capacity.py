@@ -10,8 +10,18 @@ What it is
         ringzero stage 0, 1, 2, 3        python -m ringzero.train --stage S (fp16 storage, fp32 master and Adam)
         stage 3 + offload                the same with --offload optimizer / optimizer,params (where the
                                          trainer has the flag; else one line says the rows are skipped)
-        torch ddp, fsdp-full             benchmarks/train_peer_worker.py (fp32 params, grads, AdamW: 16 B a
-                                         parameter too), gloo, one thread per rank
+        torch ddp, fsdp-full, fsdp2-full benchmarks/train_peer_worker.py (fp32 params, grads, AdamW: 16 B a
+                                         parameter too), gloo, one thread per rank; FSDP built on the meta
+                                         device (no rank ever holds the whole model; peer_engines.py)
+        ds-zero3                         DeepSpeed ZeRO-3 under deepspeed.zero.Init, its CPU Adam, the same worker,
+                                         buckets as Transformers sizes them (width^2; DeepSpeed's own default
+                                         of 5e8 elements allocates 2 GB before the first step)
+        ds-zero3+nvme                    the same with DeepSpeed's own offload to files (ZeRO-Infinity:
+                                         offload_optimizer and offload_param on nvme, its async_io op);
+                                         ds-zero3+cpu: its offload to host memory (ZeRO-Offload)
+
+    A peer that cannot start at all (1 layer, no cap: a missing op, a refused config) gets a row that says
+    so with the last error line it printed, instead of a search.
 
     It prints the largest Ψ per mode, its ratio to stage 0's beside the ratio the accounting predicts
     for model state alone (16 : 4 + 12/Nd : 2 + 14/Nd : 16/Nd; the seed's 1 : ~4 : ~8 : Nd at large Nd),
@@ -37,6 +47,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from train_peer import THREAD_ENV, free_port, mpirun_prefix  # noqa: E402  (benchmarks/ on the path first)
+from train_peer_worker import PEER_MODES  # noqa: E402
 
 from ringzero.runtime import accounting as acc  # noqa: E402
 from ringzero.runtime.limits import data_limit_prefix  # noqa: E402
@@ -59,15 +70,20 @@ def has_offload() -> bool:
 
 
 def command(mode, n, cap, dims, a, work) -> list:
-    """The probe: mpirun, then ``prlimit --data=CAP`` around each rank."""
-    lim = data_limit_prefix(cap)
+    """The probe: mpirun, then ``prlimit --data=CAP`` around each rank (none where cap is None)."""
+    lim = data_limit_prefix(cap) if cap else []
     model = ["--n-layer", str(dims["n_layer"]), "--n-head", str(dims["n_head"]), "--n-embd", str(dims["n_embd"]),
              "--seq-len", str(a.seq_len), "--batch", str(a.batch), "--steps", str(a.steps)]
-    if mode in ("ddp", "fsdp-full"):
-        return mpirun_prefix(n) + lim + [sys.executable, os.path.join(HERE, "train_peer_worker.py"), "torch",
-                                         "--mode", mode, "--out", work, "--port", str(free_port()),
-                                         "--timeout", str(a.timeout), "--lr", "3e-4"] + model
     stage, _, off = mode.partition("+")
+    if stage in PEER_MODES:
+        # --compute-steps 0: the throughput benchmark's compute probe builds a whole plain model at the end
+        # DeepSpeed's buckets as Transformers sizes them (its defaults alone take 2 GB fp32 a rank)
+        ds = (["--ds-offload", off, "--ds-nvme-dir", os.path.join(work, "offload")] if off else []) + (
+            ["--ds-buckets", "hf"] if stage.startswith("ds-") else [])
+        return mpirun_prefix(n) + lim + [sys.executable, os.path.join(HERE, "train_peer_worker.py"), "torch",
+                                         "--mode", stage, "--out", work, "--port", str(free_port()),
+                                         "--timeout", str(a.timeout), "--lr", "3e-4", "--compute-steps", "0"
+                                         ] + ds + model
     extra = ["--offload", off.replace("+", ","), "--offload-dir", os.path.join(work, "offload")] if off else []
     return (mpirun_prefix(n) + lim + [sys.executable, "-m", "mpi4py", "-m", "ringzero.train", "--stage", stage,
                                       "--no-mem-check", "--warmup", "1", "--eval-interval", "0", "--eval-batches",
@@ -76,6 +92,21 @@ def command(mode, n, cap, dims, a, work) -> list:
 
 def probe(mode, n, cap, dims, a) -> bool:
     """True if every rank of one run trains --steps steps under the cap (exit 0)."""
+    return run_probe(mode, n, cap, dims, a)[0]
+
+
+def refusal(mode, n, a) -> str:
+    """'' if a peer trains its 1-layer model with no cap; else the last error line it printed."""
+    ok, out = run_probe(mode, n, None, {"n_embd": a.n_embd, "n_head": a.n_head, "n_layer": 1}, a)
+    if ok:
+        return ""
+    lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
+    errs = [ln for ln in lines if "Error" in ln or "error" in ln] or lines[-1:] or ["(no output)"]
+    return errs[-1][-300:].replace("|", "/")
+
+
+def run_probe(mode, n, cap, dims, a):
+    """(every rank exited 0, the run's output) for one run under the cap."""
     work = tempfile.mkdtemp(prefix="capacity-")
     os.makedirs(os.path.join(work, "offload"))         # --offload-dir must exist (the trainer checks it)
     try:
@@ -85,13 +116,13 @@ def probe(mode, n, cap, dims, a) -> bool:
                                stderr=subprocess.STDOUT, env=env, timeout=a.timeout, start_new_session=True)
         except subprocess.TimeoutExpired:
             print(f"    {mode} n={n} {dims['n_layer']} layers: timed out after {a.timeout} s (counted as not fitting)")
-            return False
+            return False, "timed out"
         if a.verbose:
             print(f"    {mode} n={n} cap {cap} {dims}: rc {p.returncode}")
         if p.returncode == 2:          # the trainer refused its flags: a broken probe, not a verdict
             last = p.stdout.decode(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
             raise SystemExit(f"capacity: the probe's command was refused (exit 2): {last[0]}")
-        return p.returncode == 0
+        return p.returncode == 0, p.stdout.decode(errors="replace")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -126,7 +157,7 @@ def predicted_ratio(mode, nd) -> float | None:
     """Model state alone: stage 0's bytes per parameter over this mode's (what the accounting predicts)."""
     stage, _, off = mode.partition("+")
     if stage not in acc.STAGES:
-        return {"ddp": 1.0, "fsdp-full": float(nd)}.get(mode)
+        return {"ddp": 1.0, "fsdp-full": float(nd), "fsdp2-full": float(nd), "ds-zero3": float(nd)}.get(mode)
     from ringzero.runtime import budget
     t = budget.tier_totals(budget.state_by_tier(stage, 10**6 * nd * 64, nd, offload=off.replace("+", ",")))
     return 16 * 10**6 * nd * 64 / t["ram"]
@@ -167,7 +198,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default="0,1,2,3", help="ringzero stages")
     ap.add_argument("--offload", default="optimizer,optimizer+params",
                     help="stage 3 with each of these offloads (+ joins tiers); '' for none")
-    ap.add_argument("--peers", default="ddp,fsdp-full", help="torch modes (needs torch: RINGZERO_PEER=1); '' for none")
+    ap.add_argument("--peers", default="ddp,fsdp-full,fsdp2-full,ds-zero3,ds-zero3+nvme",
+                    help="torch modes (needs torch: RINGZERO_PEER=1; ds-*: deepspeed); '' for none")
     ap.add_argument("--n-embd", type=int, default=256, help="the fixed width (default 256)")
     ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=32)
@@ -201,6 +233,14 @@ def main(argv=None) -> int:
     if peers and importlib.util.find_spec("torch") is None:
         print("capacity: torch is not installed (RINGZERO_PEER=1 installs it): the torch rows are skipped")
         peers = []
+    bad = [p for p in peers if p.partition("+")[0] not in PEER_MODES
+           or p.partition("+")[2] not in (("", "cpu", "nvme") if p.startswith("ds-") else ("",))]
+    if bad:
+        print(f"capacity: --peers must be from {', '.join(PEER_MODES)} (a ds-zero mode +cpu or +nvme), got {bad}")
+        return 2
+    if any(p.startswith("ds-") for p in peers) and importlib.util.find_spec("deepspeed") is None:
+        print("capacity: deepspeed is not installed (RINGZERO_PEER=1 installs it): the ds-zero rows are skipped")
+        peers = [p for p in peers if not p.startswith("ds-")]
     modes += peers
     how = "prlimit --data" if data_limit_prefix(cap)[0] == "prlimit" else "ulimit -d: this prlimit cannot run"
     print(f"capacity: RLIMIT_DATA {cap / 2**20:,.0f} MiB per rank ({how}), GPT width {a.n_embd}, "
@@ -219,6 +259,10 @@ def main(argv=None) -> int:
         ref = None
         for mode in modes:
             dims = {"n_embd": a.n_embd, "n_head": a.n_head}
+            why = refusal(mode, n, a) if mode in peers else ""
+            if why:
+                print(f"| {mode} | {n} | — | — | — | — | did not start (1 layer, no cap): {why} |", flush=True)
+                continue
             k = largest(lambda j: probe(mode, n, cap, {**dims, "n_layer": j}, a), a.max_layers, a.resolution / 100)
             psi = psi_of(k, a.n_embd, a.seq_len) if k else 0
             ref = psi if mode == "0" else ref
@@ -226,8 +270,9 @@ def main(argv=None) -> int:
             ratio = f"{psi / ref:.2f}" if ref else "—"
             side = "torch" if mode in peers else "ringzero"
             top = " (the search's top)" if k == a.max_layers else ""
+            pred = "—" if pred is None else f"{pred:.2f}"
             print(f"| {mode if mode in peers else 'stage ' + mode} | {n} | {k}{top} | {psi:,} | {ratio} | "
-                  f"{pred:.2f} | {what_else(mode, n, k, a, base.get(side))} |", flush=True)
+                  f"{pred} | {what_else(mode, n, k, a, base.get(side))} |", flush=True)
     return 0
 
 

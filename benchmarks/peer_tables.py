@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 
-TORCH_MODES = ("ddp", "fsdp-grad-op", "fsdp-full")
+TORCH_MODES = ("ddp", "fsdp-grad-op", "fsdp-full", "fsdp2-full", "ds-zero1", "ds-zero2", "ds-zero3")  # peer_engines
 RZ_MODES = {"ringzero": "fp32", "ringzero-fp16": "fp16"}   # mode -> --precision
 MODES = TORCH_MODES + tuple(RZ_MODES)
 TIMELINE = ("step_time_s", "fwd_bwd_s", "compute_s", "comm_s", "reduce_s", "reduce_exposed_s",

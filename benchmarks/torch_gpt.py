@@ -54,6 +54,19 @@ class Block(nn.Module):
         return x
 
 
+@torch.no_grad()
+def gpt2_init_(name: str, p, n_layer: int):
+    """torch's own draw for one parameter by GPT-2's rules (the same rules as ringzero's, other values)."""
+    if name.endswith("bias"):
+        nn.init.zeros_(p)
+    elif ".ln" in name or name.startswith("lnf"):
+        nn.init.ones_(p)
+    elif name.endswith(("proj.weight", "fc2.weight")):
+        nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * n_layer))
+    else:
+        nn.init.normal_(p, 0.0, 0.02)
+
+
 class TorchGPT(nn.Module):
     """GPT with ringzero's config semantics; forward returns (logits, loss)."""
 
@@ -64,17 +77,10 @@ class TorchGPT(nn.Module):
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.lnf = nn.LayerNorm(cfg.n_embd, eps=LN_EPS)
-        # same init rules as ringzero.nn.gpt.gpt_units (values differ: use load_from_flat to match)
-        std_proj = 0.02 / math.sqrt(2 * cfg.n_layer)
+        # same init rules as ringzero.nn.gpt.gpt_units (values differ: use load_from_flat to match);
+        # on the meta device (or under deepspeed.zero.Init) this draws nothing: the caller fills in later
         for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(p)
-            elif ".ln" in name or name.startswith("lnf"):
-                nn.init.ones_(p)
-            elif name.endswith(("proj.weight", "fc2.weight")):
-                nn.init.normal_(p, 0.0, std_proj)
-            else:
-                nn.init.normal_(p, 0.0, 0.02)
+            gpt2_init_(name, p, cfg.n_layer)
 
     def forward(self, idx, targets=None):                  # idx (B, T) int64
         B, T = idx.shape
@@ -143,6 +149,31 @@ def load_from_flat(model: TorchGPT, views: dict) -> TorchGPT:
         raise ValueError(f"load_from_flat: views cover {len(seen)} of {len(params)} torch parameters; "
                          f"missing {missing[:4]}")
     return model
+
+
+class RingzeroInit:
+    """ringzero's initial value of one torch parameter at a time (``Layout.init_param``: a pure function
+    of the seed and the name), so that a sharded peer loads its weights without any rank holding them all.
+    ``own_draw``: torch's draw by the same rules instead (the peer as it was before it took ringzero's)."""
+
+    def __init__(self, layout, seed: int, n_layer: int, own_draw: bool = False):
+        self.layout, self.seed, self.n_layer, self.own_draw = layout, seed, n_layer, own_draw
+        self.names = {}                                  # torch name -> (ringzero name, transpose?)
+        for n in layout.slots:
+            tn, tr = torch_name(n)
+            self.names[tn] = (n, tr)
+
+    def value(self, tname: str):
+        """The float32 tensor for torch parameter ``tname`` (torch's (out, in) layout)."""
+        n, transpose = self.names[tname]
+        spec = self.layout.slots[n].spec
+        if self.own_draw:
+            shape = spec.shape[::-1] if transpose else spec.shape
+            t = torch.empty(shape, dtype=torch.float32)
+            gpt2_init_(tname, t, self.n_layer)
+            return t
+        a = self.layout.init_param(n, self.seed).reshape(spec.shape)
+        return torch.from_numpy(np.ascontiguousarray(a.T if transpose else a))
 
 
 def grads_as_flat_names(model: TorchGPT) -> dict:

@@ -5,8 +5,10 @@ What it is
     count, the same GPT trained by
 
       ddp           torch DistributedDataParallel, fp32, gloo
-      fsdp-grad-op  torch FSDP SHARD_GRAD_OP (ZeRO-2), fp32, gloo, one unit per Block
-      fsdp-full     torch FSDP FULL_SHARD (ZeRO-3), fp32, gloo, one unit per Block
+      fsdp-grad-op  torch FSDP SHARD_GRAD_OP (ZeRO-2), fp32, gloo, one unit per Block, meta-device init
+      fsdp-full     torch FSDP FULL_SHARD (ZeRO-3), the same
+      fsdp2-full    torch FSDP2 ``fully_shard`` per Block and the root, meta-device init
+      ds-zero1/2/3  DeepSpeed ZeRO stage 1/2/3, fp32, gloo, its CPU Adam (stage 3 under zero.Init)
       ringzero      ``python -m ringzero.train --stage 2 --precision fp32 ...`` (``ringzero_args``)
       ringzero-fp16 the same with --precision fp16 (fp16 storage, fp32 compute)
 
@@ -25,7 +27,8 @@ What it is
     context 1024, and the dimension flags over it), the byte vocabulary (or
     ``--vocab N``: the same bytes as ids of an N-token vocabulary, so the
     embedding and head have GPT-2's 50304 rows), batch 8 per rank, T = 128,
-    from the same initial weights (ringzero's draw for ``--seed``), with the
+    from the same initial weights (ringzero's draw for ``--seed``, loaded one
+    parameter at a time: no sharded mode holds the whole model; benchmarks/peer_engines.py), with the
     same batches, the same AdamW (decay on the same parameters), the same
     global-norm clipping at 1.0 and the same learning-rate schedule (constant
     unless ``--lr-warmup`` / ``--min-lr-frac``), one thread per rank:
@@ -78,7 +81,8 @@ from peer_tables import (  # noqa: E402
 
 # one thread per rank (ranks share the cores); gloo stays on loopback
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-              "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo"}
+              "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo", "DS_ACCELERATOR": "cpu"}
+DS_MODES = tuple(m for m in TORCH_MODES if m.startswith("ds-"))     # need deepspeed too
 
 
 # ---- the command lines (each in one place) ----------------------------------
@@ -244,7 +248,8 @@ def run_mode(mode, n, a, work):
             times, losses = ranks[0]["step_time_s"], ranks[0]["loss"]
             row["params"], row["layout_params"] = ranks[0]["params"], ranks[0]["layout_params"]
             row.update(torch=ranks[0]["torch"], fwd_bwd_s=ranks[0].get("fwd_bwd_s"),
-                       compute_s=ranks[0].get("compute_s"))
+                       compute_s=ranks[0].get("compute_s"), optimizer=ranks[0].get("optimizer"),
+                       deepspeed=ranks[0].get("deepspeed"))
         timed = times[a.warmup:]
         if not timed:
             raise RuntimeError(f"no timed steps: {len(times)} steps, warm-up {a.warmup}")
@@ -338,6 +343,11 @@ def main(argv=None):
         a.modes = [m for m in a.modes if m not in TORCH_MODES]
         if not a.modes:
             return 0
+    if importlib.util.find_spec("deepspeed") is None and any(m in DS_MODES for m in a.modes):
+        print("train_peer: deepspeed is not installed (RINGZERO_PEER=1 installs it): the ds-zero rows are skipped")
+        a.modes = [m for m in a.modes if m not in DS_MODES]
+        if not a.modes:
+            return 0
     work = a.keep or tempfile.mkdtemp(prefix="train_peer-")
     os.makedirs(work, exist_ok=True)
     if a.vocab:
@@ -369,6 +379,10 @@ def main(argv=None):
     layout = [r["layout_params"] for r in rows if r.get("layout_params")]
     if layout:
         params["ringzero layout"] = layout[-1]
+    opts = {f"{r['mode']}": r["optimizer"] for r in rows if r.get("optimizer")}
+    if opts:
+        ds = next((r["deepspeed"] for r in rows if r.get("deepspeed")), None)
+        print("AdamW: " + ", ".join(f"{k} {v}" for k, v in opts.items()) + (f" (deepspeed {ds})" if ds else ""))
     if params:
         print("params: " + ", ".join(f"{k} {v:,}" for k, v in params.items())
               + ("" if len(set(params.values())) == 1 else "  !! MISMATCH: the models differ"))

@@ -4,7 +4,8 @@ What it is
     The code that runs on every rank of one train_peer launch, started by the
     driver under mpirun, never by hand:
       torch     ``python benchmarks/train_peer_worker.py torch --mode ddp --out DIR --port P ...``
-                wraps ``torch_gpt.TorchGPT`` in DDP or FSDP on gloo, trains, and
+                builds the mode (benchmarks/peer_engines.py: DDP, FSDP, FSDP2, DeepSpeed ZeRO) on gloo,
+                trains, and
                 writes ``DIR/rank-R.json`` (step times, losses, peak RSS)
       ringzero  ``python -m mpi4py benchmarks/train_peer_worker.py ringzero --out DIR -- FLAGS``
                 runs ``python -m ringzero.train FLAGS`` as ``__main__`` on this rank
@@ -12,8 +13,8 @@ What it is
 
     The torch rank computes what the trainer computes (tests/test_peer_trajectory.py
     holds it to that): the same GPT and vocabulary (``vocab_for`` on the same
-    data), ringzero's initial weights for the seed (``Layout.init_full``, loaded
-    with ``load_from_flat``), the same batches (``Batches``), AdamW with the
+    data), ringzero's initial weights for the seed (``Layout.init_param``, one
+    parameter at a time: ``torch_gpt.RingzeroInit``), the same batches (``Batches``), AdamW with the
     trainer's betas, eps and weight decay on exactly the parameters the layout
     marks (not on biases and norms), global-norm clipping over the whole
     gradient, the trainer's learning-rate schedule (``ringzero.app.config.lr_at``),
@@ -42,6 +43,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+PEER_MODES = ("ddp", "fsdp-grad-op", "fsdp-full", "fsdp2-full", "ds-zero1", "ds-zero2", "ds-zero3")  # peer_engines
 FSDP_PREFIXES = ("_fsdp_wrapped_module.", "module.")     # what DDP and FSDP put before a parameter's name
 
 
@@ -73,9 +75,20 @@ def rss_now_bytes() -> int:
 
 def torch_model(a, torch, init=True):
     """(cfg, corpus, TorchGPT): the GPT the driver resolved (--n-layer ... --block), the vocabulary the
-    data needs (``vocab_for``, as the trainer), with ringzero's initial weights for --seed (``init``)."""
-    import numpy as np
-    from torch_gpt import TorchGPT, load_from_flat
+    data needs (``vocab_for``, as the trainer), with ringzero's initial weights for --seed (``init``;
+    else torch's own draw). The compute probe's plain model; the modes build theirs in peer_engines."""
+    cfg, corpus, rz = model_init(a, own_draw=not init)
+    from torch_gpt import TorchGPT
+    model = TorchGPT(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(rz.value(n))
+    return cfg, corpus, model
+
+
+def model_init(a, own_draw=False):
+    """(cfg, corpus, RingzeroInit): the shapes, the data and the initial values, one parameter at a time."""
+    from torch_gpt import RingzeroInit
 
     from ringzero.app.data import load_corpus
     from ringzero.nn.gpt import GPTConfig, gpt_units, vocab_for
@@ -83,12 +96,7 @@ def torch_model(a, torch, init=True):
     corpus = load_corpus(a.data or None, a.seq_len)
     cfg = GPTConfig(a.n_layer, a.n_head, a.n_embd, a.block,
                     vocab_for(corpus.vocab - 1, byte_level=corpus.byte_level))
-    torch.manual_seed(a.seed)
-    model = TorchGPT(cfg)           # torch's own draw by GPT-2's rules, replaced by ringzero's below
-    if init:
-        layout = Layout(gpt_units(cfg))
-        load_from_flat(model, layout.views(layout.init_full(np.empty(layout.padded, np.float32), a.seed)))
-    return cfg, corpus, model
+    return cfg, corpus, RingzeroInit(Layout(gpt_units(cfg)), a.seed, cfg.n_layer, own_draw)
 
 
 def decay_groups(model, cfg, wd):
@@ -108,36 +116,21 @@ def decay_groups(model, cfg, wd):
     return [{"params": groups[0], "weight_decay": wd}, {"params": groups[1], "weight_decay": 0.0}]
 
 
-def wrap(model, mode, torch):
-    if mode == "ddp":
-        return torch.nn.parallel.DistributedDataParallel(model)
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import ShardingStrategy
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-    from torch_gpt import Block
-    strategy = {"fsdp-grad-op": ShardingStrategy.SHARD_GRAD_OP, "fsdp-full": ShardingStrategy.FULL_SHARD}[mode]
-    # device_id=cpu: without it FSDP looks for an accelerator and refuses to start;
-    # use_orig_params: the optimizer sees each parameter (by name) for its decay group
-    return FSDP(model, sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({Block}),
-                device_id=torch.device("cpu"), use_orig_params=True)
+def build(a, torch, own_draw=False):
+    """(cfg, corpus, peer_engines.Peer, parameters) of a torch rank; the process group is up."""
+    import peer_engines
 
-
-def build(a, torch):
-    """(cfg, corpus, wrapped model, optimizer, clip, parameters) of a torch rank; the process group is up."""
+    from ringzero.nn.gpt import gpt_units
+    from ringzero.runtime.flat import Layout
     from ringzero.runtime.optim import AdamConfig
-    cfg, corpus, model = torch_model(a, torch)
-    n_params = sum(p.numel() for p in model.parameters())   # tied head counted once; before FSDP shards it
-    model = wrap(model, a.mode, torch)
-    adam = AdamConfig()                   # the trainer's betas and eps
-    opt = torch.optim.AdamW(decay_groups(model, cfg, a.weight_decay), lr=a.lr, betas=(adam.beta1, adam.beta2),
-                            eps=adam.eps)
-    # the whole gradient's norm: DDP's grads are the reduced ones; FSDP's method reduces over the shards
-    clip = ((lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)) if a.mode == "ddp"
-            else (lambda: model.clip_grad_norm_(a.grad_clip)))
-    return cfg, corpus, model, opt, clip, n_params
+    cfg, corpus, rz = model_init(a, own_draw)
+    n_params = Layout(gpt_units(cfg)).numel      # the tied head counted once, as torch counts it
+    peer = peer_engines.build(a, torch, cfg, rz, lambda m: decay_groups(m, cfg, a.weight_decay),
+                              AdamConfig())      # the trainer's betas and eps
+    return cfg, corpus, peer, n_params
 
 
-def train(a, model, opt, clip, batches, torch):
+def train(a, peer, batches, torch):
     """a.steps steps on this rank's batches: (step seconds, forward+backward seconds, local losses)."""
     from ringzero.app.config import Config, lr_at
     sched = Config(lr=a.lr, warmup=a.lr_warmup, min_lr_frac=a.min_lr_frac, steps=a.steps)
@@ -145,15 +138,10 @@ def train(a, model, opt, clip, batches, torch):
     for step in range(a.steps):
         t0 = time.perf_counter()
         x, y = batches.get(step)                                  # (B, T) int64, reused
-        _, loss = model(torch.from_numpy(x), torch.from_numpy(y))
-        loss.backward()
+        _, loss = peer.model(torch.from_numpy(x), torch.from_numpy(y))
+        peer.backward(loss)
         t1 = time.perf_counter()
-        if a.grad_clip > 0:
-            clip()
-        for g in opt.param_groups:
-            g["lr"] = lr_at(sched, step)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        peer.update(lr_at(sched, step))                           # clip, AdamW, zero the gradients
         losses.append(loss.item())
         times.append(time.perf_counter() - t0)
         fwd_bwd.append(t1 - t0)
@@ -175,25 +163,39 @@ def torch_worker(a):
     torch.set_num_threads(1)
     rank, world = env_rank_world()
     os.environ["GLOO_SOCKET_IFNAME"] = a.ifname      # the node's interface (lo on one host)
-    dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{a.port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=a.timeout))
+    init = dict(init_method=f"tcp://{a.master}:{a.port}", rank=rank, world_size=world,
+                timeout=datetime.timedelta(seconds=a.timeout))
+    if a.mode.startswith("ds-"):         # DeepSpeed's own entry, on the same rendezvous as the torch modes
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, **init)
+    else:
+        dist.init_process_group("gloo", **init)
     rss_start = rss_now_bytes()          # libraries and process group, before any model
-    cfg, corpus, model, opt, clip, n_params = build(a, torch)
+    cfg, corpus, peer, n_params = build(a, torch)
     batches = Batches(corpus.train, a.batch, a.seq_len, rank, world, a.seed)
     dist.barrier()
-    times, fwd_bwd, losses = train(a, model, opt, clip, batches, torch)
+    times, fwd_bwd, losses = train(a, peer, batches, torch)
     # the logged loss: the mean over ranks, as the trainer's (one reduction after the timed steps)
     mean_loss = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(mean_loss)
-    del model, opt, clip
+    optimizer = peer.optimizer
+    del peer
     compute = compute_probe(a, torch, dist, batches) if a.compute_steps else []
     res = {"rank": rank, "world": world, "step_time_s": times, "fwd_bwd_s": fwd_bwd,
            "loss": (mean_loss / world).tolist(), "compute_s": compute,
            "peak_rss_bytes": peak_rss_bytes(), "rss_start_bytes": rss_start, "params": n_params,
-           "layout_params": Layout(gpt_units(cfg)).numel, "torch": torch.__version__}
+           "layout_params": Layout(gpt_units(cfg)).numel, "torch": torch.__version__,
+           "optimizer": optimizer, "deepspeed": ds_version()}
     with open(os.path.join(a.out, f"rank-{rank}.json"), "w") as f:
         json.dump(res, f)
     dist.destroy_process_group()
+
+
+def ds_version():
+    """DeepSpeed's version where it is imported (a ds-* mode), else None."""
+    ds = sys.modules.get("deepspeed")
+    return getattr(ds, "__version__", None)
 
 
 def compute_probe(a, torch, dist, batches):
@@ -241,11 +243,16 @@ def parser():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("side", choices=("torch", "ringzero"))
     ap.add_argument("--out", required=True, help="folder for rank-R.json")
-    ap.add_argument("--mode", default="ddp", choices=("ddp", "fsdp-grad-op", "fsdp-full"))
+    ap.add_argument("--mode", default="ddp", choices=PEER_MODES)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--master", default="127.0.0.1", help="rank 0's address (the rendezvous)")
     ap.add_argument("--ifname", default="lo", help="the interface gloo binds to")
     ap.add_argument("--timeout", type=int, default=600)
+    ap.add_argument("--ds-offload", default="", choices=("", "cpu", "nvme"),
+                    help="ds-zero*: DeepSpeed's own offload of the optimizer state (and at stage 3 the parameters)")
+    ap.add_argument("--ds-buckets", default="deepspeed", choices=("deepspeed", "hf"),
+                    help="ds-zero*: DeepSpeed's default bucket sizes (5e8 elements) or Transformers' auto (width^2)")
+    ap.add_argument("--ds-nvme-dir", default="", help="--ds-offload nvme: the folder DeepSpeed swaps to")
     ap.add_argument("--rz-module", default="ringzero.train")
     ap.add_argument("--data", default="", help="the trainer's --data ('' = the default corpus)")
     for flag, typ, default in (("--steps", int, 15), ("--batch", int, 8), ("--seq-len", int, 128),

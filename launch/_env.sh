@@ -11,8 +11,8 @@
 #   RINGZERO_MPI=system     use the mpirun on PATH (a cluster's MPI); mpi4py is
 #                           then built from source against it (needs mpicc)
 #   RINGZERO_PYTHON=python3 the interpreter that makes the venv
-#   RINGZERO_PEER=1         also install the peer extra (setup.cfg: torch CPU, pinned, and
-#                           transformers) for the peer benchmarks and the torch and
+#   RINGZERO_PEER=1         also install the peer extra (setup.cfg: torch CPU, pinned,
+#                           transformers and deepspeed) for the peer benchmarks and the torch and
 #                           transformers comparison tests
 #   MPIRUN_ARGS="..."       extra flags for mpirun (hostfile, mca, ...)
 set -euo pipefail
@@ -49,10 +49,11 @@ ensure_venv() {
         echo "$want" > "$VENV/.ringzero-stamp"
     fi
     # the peer is installed once and kept: a run without RINGZERO_PEER=1 neither needs nor removes it.
-    # Its pins (torch's CPU build, transformers) are setup.cfg's "peer" extra
+    # Its pins (torch's CPU build, transformers, deepspeed) are setup.cfg's "peer" extra
     if [ "$PEER" = 1 ] && { ! compgen -G "$VENV/lib/python*/site-packages/torch/__init__.py" >/dev/null ||
-                            ! compgen -G "$VENV/lib/python*/site-packages/transformers/__init__.py" >/dev/null; }; then
-        echo "ringzero: installing ringzero[peer] (torch, transformers: peer benchmarks, comparison tests)" >&2
+                            ! compgen -G "$VENV/lib/python*/site-packages/transformers/__init__.py" >/dev/null ||
+                            ! compgen -G "$VENV/lib/python*/site-packages/deepspeed/__init__.py" >/dev/null; }; then
+        echo "ringzero: installing ringzero[peer] (torch, transformers, deepspeed: peer benchmarks, comparison tests)" >&2
         "$VENV/bin/python" -m pip install -q -e "$ROOT[peer]" >&2
     fi
     mca_defaults

@@ -24,12 +24,19 @@ from smoke_run import PY, ROOT, TINY_GPT, check, prev_comm, run, smoke_dir  # no
 pytestmark = pytest.mark.smoke
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
+HAVE_DS = HAVE_TORCH and importlib.util.find_spec("deepspeed") is not None
 PEER = ["--ranks", "2", "--steps", "3", "--warmup", "1", "--modes", "ringzero,ddp", "--timeout", "200", *TINY_GPT]
 # a GPT-2 preset made tiny: gpt2's width and heads, one block, T = 16, a 1000-id vocabulary (its head
 # 1024 x 768, vocab_for's rounding)
 PRESET = ["--model", "gpt2", "--n-layer", "1", "--vocab", "1000"]
 PEER_PRESET = ["--ranks", "2", "--steps", "2", "--warmup", "1", "--modes", "ringzero,ddp", "--timeout", "200",
                "--seq-len", "16", "--batch", "1", "--compute-steps", "1", *PRESET]
+# the sharded peers: FSDP2 and DeepSpeed ZeRO-1/2/3 (meta-device and zero.Init starts) at the tiny size
+PEER_SHARDED = ["--ranks", "2", "--steps", "3", "--warmup", "1", "--modes", "ringzero,fsdp2-full,ds-zero1,ds-zero2,"
+                "ds-zero3", "--timeout", "200", "--compute-steps", "1", *TINY_GPT]
+CAPACITY_PEERS = ["--cap", "600MiB", "--nd", "2", "--stages", "3", "--offload", "", "--peers", "fsdp2-full,ds-zero3",
+                  "--n-embd", "64", "--n-head", "2", "--seq-len", "16", "--max-layers", "1", "--no-baseline",
+                  "--timeout", "200"]
 PREV = "{prev}"   # replaced by the prev_comm fixture's folder
 
 # script -> [(ranks or None, args, a line of its table)]
@@ -54,6 +61,8 @@ RUNS = {
     "capacity.py": [(None, ["--cap", "300MiB", "--nd", "2", "--stages", "0,3", "--offload", "optimizer", "--peers", "",
                             "--n-embd", "512", "--n-head", "4", "--seq-len", "16", "--max-layers", "2",
                             "--no-baseline", "--timeout", "120"], r"^\| stage 3\+optimizer \| 2 \| [1-9]")],
+    # the meta-initialized FSDP2 and DeepSpeed ZeRO-3 (zero.Init) as capacity peers: each trains 1 layer under the cap
+    "capacity.py#peers": [(None, CAPACITY_PEERS, r"^\| stage 3 \| 2 \| 1 ")],
     "check_simulate.py": [(None, ["--ns", "2", "--models", "1L-32C", "--iters", "2", "--max-bytes", "16K"],
                            r"^\|error\|: median")],
     "interleave_bias.py": [(2, ["4096"], r"all_reduce\s+4096\s+loop\s+ring")],
@@ -64,25 +73,29 @@ RUNS = {
     "stage3_ring_before_after.py": [(2, [PREV, "2"], r"new/old step time: [\d.]+")],
     "sgemm_libs.py": [(None, ["--n-embd", "8", "--rows", "16"], r"^\s+the layer\s+\|\s+[\d.]+")],
     "train_peer.py": [(None, PEER, r"^\| ringzero \| 2 \| \d+"),
-                      (None, PEER_PRESET, r"^\| ringzero \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| -?[\d.]+ \|$")],
+                      (None, PEER_PRESET, r"^\| ringzero \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| -?[\d.]+ \|$"),
+                      (None, PEER_SHARDED, r"^\| ringzero \| 2 \| \d+")],
 }
 # not scripts of their own: what runs them
 COVERED_BY = {"torch_gpt.py": "bench_model.py and train_peer.py (the torch side)",
+              "peer_engines.py": "train_peer.py and capacity.py (how each torch-side mode is built)",
               "peer_tables.py": "train_peer.py (its tables)",
               "train_peer_worker.py": "train_peer.py (its ranks)",
               "cluster_opts.py": "bench_stages.py and check_simulate.py (their --cluster flags)"}
-CASES = [(s, i, *r) for s, rs in RUNS.items() for i, r in enumerate(rs)]
+CASES = [(s.partition("#")[0], i, *r) for s, rs in RUNS.items() for i, r in enumerate(rs)]
+IDS = [f"{s}#{i}" for s, rs in RUNS.items() for i in range(len(rs))]
 
 
 def test_every_script_is_covered():
     scripts = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "benchmarks", "*.py"))}
-    missing = scripts - set(RUNS) - set(COVERED_BY)
+    runs = {s.partition("#")[0] for s in RUNS}          # "capacity.py#peers": a second group of capacity.py's
+    missing = scripts - runs - set(COVERED_BY)
     assert not missing, f"benchmarks/ scripts with no smoke run (add them to RUNS): {sorted(missing)}"
-    stale = (set(RUNS) | set(COVERED_BY)) - scripts
+    stale = (runs | set(COVERED_BY)) - scripts
     assert not stale, f"RUNS / COVERED_BY name scripts that are gone: {sorted(stale)}"
 
 
-@pytest.mark.parametrize("script,i,ranks,args,table", CASES, ids=[f"{c[0]}#{c[1]}" for c in CASES])
+@pytest.mark.parametrize("script,i,ranks,args,table", CASES, ids=IDS)
 def test_benchmark(script, i, ranks, args, table, request):
     if PREV in args:
         args = [request.getfixturevalue("prev_comm") if a == PREV else a for a in args]
@@ -91,7 +104,11 @@ def test_benchmark(script, i, ranks, args, table, request):
     rc, out = run(argv, ranks=ranks)
     what = f"benchmarks/{script} ({f'mpirun -n {ranks} ' if ranks else ''}{' '.join(args)})"
     check(rc, out, table, what)
-    if script == "train_peer.py":
+    if script == "train_peer.py" and args == PEER_SHARDED:
+        _check_sharded_peers(rc, out, what)
+    elif args == CAPACITY_PEERS:
+        _check_capacity_peers(rc, out, what)
+    elif script == "train_peer.py":
         if HAVE_TORCH:
             check(rc, out, r"^\| ddp \| 2 \| \d+", what + ": the torch row")
             if "--model" in args:      # the torch mode's step, compute and exposed communication too
@@ -122,6 +139,46 @@ def test_bench_offload_split_adds_up_to_the_step(ahead):
         assert parts["update arithmetic"] == parts["I/O waited"] == 0.0 and io is None, ln
     else:
         assert io and abs(sum(float(g) for g in io.groups()[1:]) - float(io[1])) <= 0.002, ln
+
+
+def _check_sharded_peers(rc, out, what):
+    """FSDP2's row where torch is; DeepSpeed's three rows where deepspeed is, else the line saying they were
+    skipped; under CI's peer install (RINGZERO_PEER=1) deepspeed must be there."""
+    if not HAVE_TORCH:
+        check(rc, out, r"torch is not installed", what + ": the line saying the torch rows are skipped")
+        return
+    check(rc, out, r"^\| fsdp2-full \| 2 \| \d+", what + ": the FSDP2 row")
+    if not _need_ds(rc, out, what, r"deepspeed is not installed"):
+        return
+    # each row's "loss first → last" (3 decimals) is ringzero's: the same model, weights, batches and AdamW
+    loss = re.search(r"^\| ringzero \| 2 \| \d+ \| [^|]+\| [^|]+\| ([\d.]+ → [\d.]+) \|", out, re.MULTILINE)
+    assert loss, f"{what}: no ringzero row with its losses"
+    for m in ("fsdp2-full", "ds-zero1", "ds-zero2", "ds-zero3"):
+        check(rc, out, rf"^\| {m} \| 2 \| \d+ \| [^|]+\| [^|]+\| {re.escape(loss.group(1))} \|",
+              what + f": the {m} row, with ringzero's losses {loss.group(1)}")
+    check(rc, out, r"ds-zero3 DeepSpeedCPUAdam|ds-zero3 torch.optim.AdamW", what + ": which AdamW DeepSpeed ran")
+
+
+def _need_ds(rc, out, what, line):
+    """True where deepspeed is installed; else the benchmark's line saying its rows were skipped is checked
+    (and under CI's peer install, RINGZERO_PEER=1, its absence fails)."""
+    if HAVE_DS:
+        return True
+    if os.environ.get("RINGZERO_PEER") == "1":
+        pytest.fail("RINGZERO_PEER=1 but deepspeed is not installed (setup.cfg's peer extra pins it)")
+    check(rc, out, line, what + ": the line saying the ds-zero rows are skipped")
+    print(f"{what}: deepspeed is not installed here, so its ds-zero rows were skipped", file=sys.stderr)
+    return False
+
+
+def _check_capacity_peers(rc, out, what):
+    """Each peer trains the 1-layer model under the cap (``layers`` 1, no 'did not start' row)."""
+    if not HAVE_TORCH:
+        check(rc, out, r"torch is not installed", what + ": the line saying the torch rows are skipped")
+        return
+    check(rc, out, r"^\| fsdp2-full \| 2 \| 1 ", what + ": the meta-initialized FSDP2 row")
+    if _need_ds(rc, out, what, r"deepspeed is not installed"):
+        check(rc, out, r"^\| ds-zero3 \| 2 \| 1 ", what + ": DeepSpeed ZeRO-3's row")
 
 
 @pytest.mark.parametrize("script", ["bench_stages.py", "check_simulate.py"])
