@@ -13,7 +13,8 @@
 #   RINGZERO_PYTHON=python3 the interpreter that makes the venv
 #   RINGZERO_PEER=1         also install the peer extra (setup.cfg: torch CPU, pinned,
 #                           transformers and deepspeed) for the peer benchmarks and the torch and
-#                           transformers comparison tests
+#                           transformers comparison tests, and Holistic Trace Analysis (the hta
+#                           extra) for the trace reader's test
 #   MPIRUN_ARGS="..."       extra flags for mpirun (hostfile, mca, ...)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -52,9 +53,13 @@ ensure_venv() {
     # Its pins (torch's CPU build, transformers, deepspeed) are setup.cfg's "peer" extra
     if [ "$PEER" = 1 ] && { ! compgen -G "$VENV/lib/python*/site-packages/torch/__init__.py" >/dev/null ||
                             ! compgen -G "$VENV/lib/python*/site-packages/transformers/__init__.py" >/dev/null ||
-                            ! compgen -G "$VENV/lib/python*/site-packages/deepspeed/__init__.py" >/dev/null; }; then
-        echo "ringzero: installing ringzero[peer] (torch, transformers, deepspeed: peer benchmarks, comparison tests)" >&2
-        "$VENV/bin/python" -m pip install -q -e "$ROOT[peer]" >&2
+                            ! compgen -G "$VENV/lib/python*/site-packages/deepspeed/__init__.py" >/dev/null ||
+                            ! compgen -G "$VENV/lib/python*/site-packages/hta/__init__.py" >/dev/null; }; then
+        echo "ringzero: installing ringzero[peer,hta] (torch, transformers, deepspeed: peer benchmarks, comparison" \
+             "tests; Holistic Trace Analysis: the independent reader of --trace)" >&2
+        "$VENV/bin/python" -m pip install -q -e "$ROOT[peer,hta]" >&2
+        # HTA's metadata pulls in jupyterlab, which nothing here uses: HTA alone, and what it imports from the extra
+        "$VENV/bin/python" -m pip install -q --no-deps holistictraceanalysis==0.5.0 >&2
     fi
     mca_defaults
     PY="$VENV/bin/python"
