@@ -85,7 +85,7 @@ class Config:
                                      "(the same bits)")
     offload_depth: int = opt(2, "with --offload: tiles the update reads ahead of the one it computes (its host "
                                 "buffers: depth + 2 tiles of each offloaded class, counted by the memory check)")
-    offload_threads: int = opt(4, "with --offload: I/O requests per rank in the kernel at once (O_DIRECT where the "
+    offload_threads: int = opt(8, "with --offload: I/O requests per rank in the kernel at once (O_DIRECT where the "
                                   "filesystem takes it, docs/offload.md)")
     # ---- reporting
     eval_interval: int = opt(100, "steps between held-out evaluations (0 = only at the end)")
@@ -301,7 +301,7 @@ def offload_policy(cfg: Config):
 
 def io_knobs(cfg) -> dict:
     """OffloadPolicy's buffers and io_threads of --offload-depth and --offload-threads (one line if below 1)."""
-    depth, threads = getattr(cfg, "offload_depth", 2), getattr(cfg, "offload_threads", 4)
+    depth, threads = getattr(cfg, "offload_depth", 2), getattr(cfg, "offload_threads", 8)
     for flag, v in (("--offload-depth", depth), ("--offload-threads", threads)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{flag} must be an integer >= 1, got {v!r}")

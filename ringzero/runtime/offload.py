@@ -71,7 +71,7 @@ class OffloadPolicy:
     dir: str = ""               # the folder the files are made in
     tile: int = 1 << 18         # elements per tile of the update's stream (1 MiB of fp32 per class)
     buffers: int = 4            # tile slots: buffers - 2 tiles read ahead, one updated, one written
-    io_threads: int = 4         # requests in the kernel at once per rank (aio.IOEngine's pool)
+    io_threads: int = 8         # requests in the kernel at once per rank (aio.IOEngine's pool)
     direct: bool = True         # O_DIRECT where the filesystem takes it (aio.py), else the page cache
     drop_cache: bool = True     # posix_fadvise(DONTNEED) behind the stream: the page cache stays small
     ahead: bool = False         # params sharded: the update runs beside the next forward, unit by unit

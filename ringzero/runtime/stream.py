@@ -3,18 +3,20 @@
 What it is
     ``TileStream(state, policy)`` owns a fixed pool of ``policy.buffers`` host
     slots (each a tile of master, m and v in fp32, and of params where they are
-    offloaded) and two threads, a reader and a writer. ``run(tiles, compute)``
+    offloaded; page-aligned, aio.AlignedBuffer), a reader and a writer thread,
+    and the I/O engine (aio.IOEngine: O_DIRECT where the filesystem takes it,
+    ``policy.io_threads`` requests in flight). ``run(tiles, compute)``
     pipelines a list of tiles through them::
 
-        tile        i-1            i              i+1
+        tile        i-1            i              i+1 .. i+depth
         writer      write back     .              .
         caller      .              compute        .
-        reader      .              .              read
+        reader      .              .              read (every class at once)
 
-    tile i+1 is read (os.preadv) while tile i is computed and tile i-1 written
-    (os.pwritev); slot j is read into again only once the write of the tile
-    that last held it has returned (three slots: the one being written, the
-    one computed, the one read). Behind the stream, posix_fadvise(DONTNEED)
+    tiles i+1 .. i+depth (depth = buffers - 2) are read while tile i is computed
+    and tile i-1 written; each tile's classes are requests of their own, in
+    flight together on the engine's threads; slot j is read into again only
+    once the write of the tile that last held it has returned. Behind the stream, posix_fadvise(DONTNEED)
     drops the pages a tile read, starts the write-back of those a tile wrote,
     and asks again for the tile written two before (whose write-back has had
     a tile's time to finish); a sweep over the written files at the end drops
@@ -43,9 +45,8 @@ What it is
     slot later); ``agree`` turns it into one OffloadError on every rank.
 
 What it is not
-    The files (offload.py) or what the update computes (optim.py). Not
-    O_DIRECT, not io_uring: preadv/pwritev release the GIL, which is all
-    two threads need here.
+    The files (offload.py), the requests (aio.py) or what the update computes
+    (optim.py). Not io_uring: preadv/pwritev on a pool of threads release the GIL.
 """
 from __future__ import annotations
 
