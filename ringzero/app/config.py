@@ -77,9 +77,9 @@ class Config:
                            'or in files with --offload-dir (docs/offload.md)')
     offload_dir: str = opt("", "the folder of the offload files (one per class per rank, freed at exit); "
                                "a local disk with room for the offloaded state")
-    offload_pin_limit: str = opt("2GiB", "--device cuda with --offload: host bytes per rank the offloaded state "
-                                         "and the update's tile buffers may pin (page-locked, for async copies); "
-                                         "past it, pageable memory; 0 pins nothing")
+    offload_pin_limit: str = opt("2GiB", "--device cuda with --offload: host bytes per rank the update's transfer "
+                                         "slots may pin (page-locked, for async copies; master, m, v are never "
+                                         "pinned); past it, pageable memory; 0 pins nothing")
     offload_ahead: bool = opt(False, "stage 3/hybrid with --offload: the update streams unit by unit beside the "
                                      "next step's forward, which starts on unit 0 while later units are updated "
                                      "(the same bits)")
