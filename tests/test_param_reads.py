@@ -3,7 +3,8 @@
 - every params read after a pass's first, from the second pass of a kind on, runs on the
   rz-offload-params thread (the reads of the file recorded by thread), and the run is bitwise the
   run in RAM (stage 3 and hybrid, K = 1 and 2 with overlap; the update blocking and running ahead);
-- an eval (a forward alone) between steps records its own order and leaves the steps' alone;
+- an eval (a forward alone) between steps records its own order and leaves the steps' alone; the
+  memory report counts the staging buffer;
 - a take of another unit than the one recorded reads it where it is taken, the right bytes, and
   stops reading ahead for that pass.
 """
@@ -72,7 +73,11 @@ def test_an_eval_between_steps_keeps_both_orders(comm, tmp_path):
     ram_evals = [ram[3].eval_loss(x, y)]
     pr = eng.workspaces.param_reads
     ok = losses == ram[0] and evals[-1] == ram_evals[0] and pr.ahead > 0 and set(pr._orders) == {"train", "forward"}
-    assert_all(comm, ok, f"losses {losses} vs {ram[0]}, eval {evals[-1]} vs {ram_evals[0]}, ahead {pr.ahead}")
+    # the memory report counts the staging buffer (one piece of the storage dtype) with the offload buffers
+    staged = eng.memory_report()["offload_buffers"] - eng.offload_stream.nbytes()
+    ok &= staged == max(eng.layout.piece_numel) * eng.state.params.dtype.itemsize
+    assert_all(comm, ok, f"losses {losses} vs {ram[0]}, eval {evals[-1]} vs {ram_evals[0]}, ahead {pr.ahead}, "
+                         f"staging counted {staged} B")
     eng.close()
     ram[3].close()
 

@@ -95,6 +95,8 @@ def need_of(cfg: Config, model, run: budget.Run, nodes: int = 1) -> budget.Need:
         return budget.Need(tiers["device"], ws, act, tiers["disk"], init, end)
     # the streamed update's host buffers (stream.TileStream): at most `buffers` tiles of each offloaded class
     staging = _stream_bytes(tiers["disk"], np.dtype(sd).itemsize, getattr(cfg, "offload_depth", 2) + 2)
+    if tiers["disk"] and "params" in run.offload:       # param_reads.ParamReads: one piece read ahead
+        staging += max(L.piece_numel) * np.dtype(sd).itemsize
     # an --offload-dir on tmpfs/ramfs: its "disk" bytes are the node's memory (counted by Need.node)
     shm = tiers["disk"] if tiers["disk"] and _memory_fs(getattr(cfg, "offload_dir", "")) else 0
     return budget.Need(tiers["ram"] + staging, ws, act, tiers["disk"], init, end, shm)

@@ -78,6 +78,10 @@ class ParamReads:
             nxt = order[self._k]
             self._pending = (self._k, nxt, self._ex.submit(self._read_ahead, nxt))
 
+    def nbytes(self) -> int:
+        """The staging buffer (the memory report counts it with the offload buffers)."""
+        return int(self._stage.nbytes)
+
     def _read_now(self, src, own):
         read_into(src, own)
         self.now += 1
