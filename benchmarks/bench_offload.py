@@ -145,6 +145,8 @@ def main() -> int:
     ap.add_argument("--offload", default="optimizer")
     ap.add_argument("--offload-dir", required=True)
     ap.add_argument("--ahead", action="store_true", help="the update beside the next forward (stage 3, hybrid)")
+    ap.add_argument("--depth", type=int, default=2, help="tiles read ahead (the trainer's --offload-depth)")
+    ap.add_argument("--threads", type=int, default=8, help="I/O requests in flight per rank (--offload-threads)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--compare-ram", action="store_true",
                     help="then the same steps with every class in RAM, and offloaded / in RAM (one command)")
@@ -160,7 +162,8 @@ def main() -> int:
         wr, rd = probe(a.offload_dir, parse_size(a.probe), comm)
         a.disk = rd, wr
         eng = Zero(GPT(cfg), comm, a.stage, precision=a.precision, seed=1,
-                   offload=OffloadPolicy.parse(a.offload, a.offload_dir, ahead=a.ahead))
+                   offload=OffloadPolicy.parse(a.offload, a.offload_dir, ahead=a.ahead, buffers=a.depth + 2,
+                                               io_threads=a.threads))
     except (OSError, OffloadError) as e:
         return leave(comm, 2, f"bench_offload: {e}")
     say = print if comm.rank == 0 else (lambda *x, **k: None)
