@@ -292,7 +292,8 @@ def test_memcheck_on_a_device_checks_the_host_tier_against_the_host():
     cfg = Config(device="cuda", stage="3", batch=1, seq_len=64, sample_chars=0, precision="fp16", offload="optimizer")
     L = Layout(model.units, shards=2)
     piece = max(L.piece_numel)
-    want = 12 * L.shard_numel + max(4 * L.shard_numel, 2 * 3 * min(1 << 18, piece) * 2 + 4 * piece)
+    # the update's buffers: grads and params slots, --offload-depth 2 + 2 = 4 of each (host_tier.DeviceLink)
+    want = 12 * L.shard_numel + max(4 * L.shard_numel, 2 * 4 * min(1 << 18, piece) * 2 + 4 * piece)
     assert memcheck.host_tier_need(cfg, model, memcheck.base_run(cfg, 2, 2)) == want
 
     def room(avail):
