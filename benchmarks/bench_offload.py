@@ -1,7 +1,7 @@
 """The offloaded step beside what bounds it: compute, and the offload I/O at the disk's measured rate.
 
     mpirun -n 8 python -m mpi4py benchmarks/bench_offload.py --model gpt2-large --stage 3 \\
-        --offload optimizer --offload-dir /tmp/rz-offload --steps 3
+        --offload optimizer --offload-dir /tmp/rz-offload --steps 3 --compare-ram
     mpirun -n 2 python -m mpi4py benchmarks/bench_offload.py --n-layer 2 --n-embd 64 --offload-dir /tmp/x
 
 First every rank writes, then reads back, a file of ``--probe`` bytes in DIR at
@@ -23,8 +23,11 @@ each measured on that rank in that step:
 
 then beside it the offload I/O at the measured rates (the bytes the node's ranks
 read and wrote in a step, the files' counters, at the probe's rates: what the disk
-alone would need), and step / max(compute + arithmetic, I/O): 1 is a step bound by
-the slower of the two, with the other hidden behind it.
+alone would need), the I/O engine's achieved rates (aio.py: the bytes the node's ranks'
+update streams moved, over the slowest rank's seconds with a tile's requests in flight, for
+reads and for writes) beside the probe's, and step / max(compute + arithmetic, I/O): 1 is a
+step bound by the slower of the two, with the other hidden behind it. ``--compare-ram`` then
+runs the same steps on the same tokens with every class in RAM and prints offloaded / in RAM.
 
 What it is not: a test (the bitwise checks are tests/test_offload.py).
 """
@@ -94,6 +97,38 @@ def line(r: dict) -> str:
     return f"step {r['step']:.3f} s = {parts}"
 
 
+def steps(eng, a, comm, say) -> list:
+    """``a.steps`` timed steps after a warm-up, on the same random tokens whatever the engine: per step
+    (the slowest rank's split, the offload I/O at the probe's rates, the I/O engine's (read, write)
+    bytes/s or None)."""
+    rng = np.random.default_rng(comm.rank)
+    rows = []
+    for s in range(a.steps + 1):
+        x = rng.integers(0, 256, (a.batch, a.seq_len))
+        y = rng.integers(0, 256, (a.batch, a.seq_len))
+        comm.Barrier()
+        t0 = time.perf_counter()
+        res = eng.step(x, y, 1e-4)
+        dt = time.perf_counter() - t0
+        if res.skipped:
+            say(f"step {s}: skipped by the loss scaler (no update, no offload I/O)")
+        every = comm.allgather(split(dt, eng.timeline, a.ahead))
+        if eng.offload_stream is None:
+            if s:
+                rows.append((max(every, key=lambda r: r["step"]), 0.0, None))
+            continue
+        io = eng.io_report()
+        nbytes = comm.allreduce(io["read_bytes_per_step"]), comm.allreduce(io["write_bytes_per_step"])
+        tl = eng.timeline
+        moved = comm.allreduce(tl.get("offload_read_bytes", 0.0)), comm.allreduce(tl.get("offload_write_bytes", 0.0))
+        busy = comm.allreduce(tl.get("offload_read_s", 0.0), MPI.MAX), comm.allreduce(tl.get("offload_write_s", 0.0),
+                                                                                      MPI.MAX)
+        rates = (moved[0] / busy[0], moved[1] / busy[1]) if min(busy) > 0 else None
+        if s:                                   # the first step warms up
+            rows.append((max(every, key=lambda r: r["step"]), nbytes[0] / a.disk[0] + nbytes[1] / a.disk[1], rates))
+    return rows
+
+
 def main() -> int:
     comm = MPI.COMM_WORLD
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -110,7 +145,11 @@ def main() -> int:
     ap.add_argument("--offload", default="optimizer")
     ap.add_argument("--offload-dir", required=True)
     ap.add_argument("--ahead", action="store_true", help="the update beside the next forward (stage 3, hybrid)")
+    ap.add_argument("--depth", type=int, default=2, help="tiles read ahead (the trainer's --offload-depth)")
+    ap.add_argument("--threads", type=int, default=8, help="I/O requests in flight per rank (--offload-threads)")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--compare-ram", action="store_true",
+                    help="then the same steps with every class in RAM, and offloaded / in RAM (one command)")
     ap.add_argument("--probe", default="256M", help="bytes each rank writes and reads to measure the disk")
     a = ap.parse_args()
     from ringzero.nn.gpt import GPT, model_config
@@ -121,37 +160,34 @@ def main() -> int:
     cfg = model_config(a.model or None, 256, block_size=None if a.model else a.seq_len, **dims)
     try:
         wr, rd = probe(a.offload_dir, parse_size(a.probe), comm)
+        a.disk = rd, wr
         eng = Zero(GPT(cfg), comm, a.stage, precision=a.precision, seed=1,
-                   offload=OffloadPolicy.parse(a.offload, a.offload_dir, ahead=a.ahead))
+                   offload=OffloadPolicy.parse(a.offload, a.offload_dir, ahead=a.ahead, buffers=a.depth + 2,
+                                               io_threads=a.threads))
     except (OSError, OffloadError) as e:
         return leave(comm, 2, f"bench_offload: {e}")
     say = print if comm.rank == 0 else (lambda *x, **k: None)
     say(f"disk in {a.offload_dir}: {comm.size} ranks at once write {wr / 1e9:.2f} GB/s, read {rd / 1e9:.2f} GB/s; "
-        f"Ψ = {eng.layout.numel:,}, stage {eng.stage}, offload {eng.offload.describe()}, Nd = {comm.size}")
-    rng = np.random.default_rng(comm.rank)
-    rows = []
-    for s in range(a.steps + 1):
-        x = rng.integers(0, 256, (a.batch, a.seq_len))
-        y = rng.integers(0, 256, (a.batch, a.seq_len))
-        comm.Barrier()
-        t0 = time.perf_counter()
-        res = eng.step(x, y, 1e-4)
-        dt = time.perf_counter() - t0
-        if res.skipped:
-            say(f"step {s}: skipped by the loss scaler (no update, no offload I/O)")
-        io = eng.io_report()
-        nbytes = comm.allreduce(io["read_bytes_per_step"]), comm.allreduce(io["write_bytes_per_step"])
-        mine = split(dt, eng.timeline, a.ahead)
-        every = comm.allgather(mine)
-        if s:                                   # the first step warms up
-            rows.append((max(every, key=lambda r: r["step"]), nbytes[0] / rd + nbytes[1] / wr))
-    row, io_s = sorted(rows, key=lambda r: r[0]["step"])[(len(rows) - 1) // 2]     # the median step
+        f"Ψ = {eng.layout.numel:,}, stage {eng.stage}, offload {eng.offload.describe()}, Nd = {comm.size}; "
+        f"I/O engine: {eng.offload_stream.io.mode}, {eng.offload_stream.depth} tiles read ahead, "
+        f"{eng.offload.io_threads} requests in flight per rank")
+    rows = steps(eng, a, comm, say)
+    row, io_s, rates = sorted(rows, key=lambda r: r[0]["step"])[(len(rows) - 1) // 2]     # the median step
     say(f"per step (the median of {a.steps} by the slowest rank's time; that rank's split, which adds up to it):")
     say("  " + line(row))
     work = row["compute"] + row["update arithmetic"]
     say(f"  offload I/O at the measured rate {io_s:.3f} s (the node's bytes at the probe's rates)")
+    if rates:
+        say(f"  I/O engine achieved: read {rates[0] / 1e9:.2f} GB/s ({rates[0] / rd:.0%} of the disk's), write "
+            f"{rates[1] / 1e9:.2f} GB/s ({rates[1] / wr:.0%}) (the node's bytes over the slowest rank's busy seconds)")
     say(f"step / max(compute + arithmetic, I/O) = {row['step'] / max(work, io_s):.2f}")
     eng.close()
+    if a.compare_ram:          # the same shapes, steps and tokens with every class in RAM, in this command
+        ram = Zero(GPT(cfg), comm, a.stage, precision=a.precision, seed=1)
+        ram_row = sorted(steps(ram, a, comm, say), key=lambda r: r[0]["step"])[(len(rows) - 1) // 2][0]
+        say(f"in RAM: step {ram_row['step']:.3f} s (the median of {a.steps}); offloaded / in RAM = "
+            f"{row['step'] / ram_row['step']:.2f}")
+        ram.close()
     return 0
 
 

@@ -130,9 +130,11 @@ def test_gpt2_xl_stage3_refuses_on_20_gib(monkeypatch, offload_ok):
         # node's 8 ranks would need about 21 GiB, so it goes too
         assert "HINT: --offload optimizer --sample-chars 0 fits" in line, line
         fit = memcheck.need_of(cfg, model, budget.Run("3", 8, 8, offload=frozenset({"optimizer"})))
-        # 4Ψ/Nd of fp16 params and grads in RAM, plus the update's tile buffers (stream.py): 3 tiles of
-        # 2**18 elements of master, m, v (fp32) and params (fp16)
-        assert fit.model_state == 4 * L.padded // 8 + 3 * 2 ** 18 * (3 * 4 + 2) and 8 * fit.total <= 20 * GiB
+        # 4Ψ/Nd of fp16 params and grads in RAM, plus the update's tile buffers (stream.py): --offload-depth
+        # 2 + 2 = 4 tiles of 2**18 elements of master, m, v (fp32) and params (fp16), each of the four
+        # classes' page-aligned buffers with at most 3 pages of slack (aio.AlignedBuffer)
+        slots = 4 * (2 ** 18 * (3 * 4 + 2) + 4 * 3 * 4096)
+        assert fit.model_state == 4 * L.padded // 8 + slots and 8 * fit.total <= 20 * GiB
         assert fit.end == 0 and need.end == 4 * L.padded
     else:
         assert "nodes of 8" in line, line

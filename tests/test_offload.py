@@ -236,7 +236,8 @@ def test_write_slot_waits_are_counted(comm, tmp_path, monkeypatch):
         time.sleep(0.02)
         return slow(self, *a, **k)
     monkeypatch.setattr(stream.TileStream, "_write", write)
-    eng = run(comm, "3", steps=1, offload=policy(tmp_path), precision="fp32")[3]
+    # three slots (depth 1, the default before --offload-depth): with 8 ranks the tiny model has 4 tiles a rank
+    eng = run(comm, "3", steps=1, offload=policy(tmp_path, buffers=3), precision="fp32")[3]
     tl, n = eng.timeline, len(eng.offload_tiles)
     parts = tl["offload_read_wait_s"] + tl["offload_slot_wait_s"] + tl["offload_drain_s"]
     # n tiles, 3 slots: n - 3 reads wait for a write; each write holds its slot >= 20 ms

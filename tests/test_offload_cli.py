@@ -171,3 +171,22 @@ def test_missing_offload_dir_is_made(tmp_path):
     rcs, out, err = cli.run(cli.TINY + ["--data", data, "--steps", "1", *OFF, "--offload-dir", str(d)], tmp_path)
     assert rcs == {0: 0, 1: 0}, cli.tail(out, err)
     assert f"made --offload-dir {d}" in out and d.is_dir() and os.listdir(d) == [], cli.tail(out, err)
+
+
+def test_io_knobs_in_the_report_and_refused_below_one(tmp_path):
+    """--offload-depth and --offload-threads: the start report says them and whether the files take
+    O_DIRECT (tmp_path: a disk here); the losses are the default's; 0 is one line on every rank, exit 2."""
+    data = cli.corpus(tmp_path / "corpus.txt")
+    base = cli.TINY + ["--data", data, "--steps", "3", *OFF, "--offload-dir", str(tmp_path)]
+    rcs, out, err = cli.run(base + ["--offload-depth", "5", "--offload-threads", "2",
+                                    "--metrics", str(tmp_path / "deep.jsonl")], tmp_path)
+    assert rcs == {0: 0, 1: 0}, cli.tail(out, err)
+    assert re.search(r"through 7 buffers \([^)]*\), 5 read ahead, 2 requests in flight, (O_DIRECT|page cache)",
+                     out), cli.tail(out, err)
+    rcs, out, err = cli.run(base + ["--metrics", str(tmp_path / "default.jsonl")], tmp_path)
+    assert rcs == {0: 0, 1: 0}, cli.tail(out, err)
+    assert cli.losses(tmp_path / "deep.jsonl") == cli.losses(tmp_path / "default.jsonl")
+    assert updates_ran(tmp_path / "deep.jsonl")
+    rcs, out, err = cli.run(base + ["--offload-depth", "0"], tmp_path)
+    assert rcs == {0: 2, 1: 2}, cli.tail(out, err)
+    assert [ln for ln in lines_of(err) if "--offload-depth must be an integer >= 1, got 0" in ln], cli.tail(out, err)

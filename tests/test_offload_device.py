@@ -1,12 +1,12 @@
 """The offload tier of a device run (runtime/host_tier.py), on the strict CuPy stand-in.
 
-- bitwise: a "cuda" engine with the fp32 master, Adam m and v in host memory (pinned, or past
-  the pin limit pageable) or in files, against the same engine with everything on the device:
+- bitwise: a "cuda" engine with the fp32 master, Adam m and v in host memory (pageable: only
+  the update's transfer slots are pinned) or in files, against the same engine with everything on the device:
   losses, gradient norms and every state class equal bytes, stages 0-3, fp32 and fp16 (CuPy has
   no bfloat16), K = 1 and 2; tiles of 1024 elements, so pieces cross several tiles and the
   pinned slots wrap (the stand-in refuses a pinned slot reused before its async copy ran);
 - where the state lives: params and grads on the device, master/m/v on the host or disk, as the
-  memory report counts them; the pinned bytes within the limit and the rest pageable;
+  memory report counts them; the transfer slots pinned, master, m, v pageable with room to spare;
 - checkpoints: saved from the host tier, resumed into a device engine without offload and back,
   bit for bit the run that never stopped;
 - the accounting: budget.state_by_tier and memcheck on "cuda" count the offloaded classes off the
@@ -87,11 +87,13 @@ def test_device_offload_is_bitwise_on_device(comm, cp, stage, precision, k, wher
     kw = dict(precision=precision, grad_accum=k)
     ref = _engine(comm, stage, **kw)
     want = _steps(comm, cp, ref, 0, 3)
-    # host: the first class pinned, the rest past the limit (pageable); disk: the files, slots pinned
+    # only the transfer slots pinned (the update's grads and params tiles, `buffers` each, of min(tile,
+    # the largest piece) elements of the storage dtype: host_tier.DeviceLink); master, m, v pageable even
+    # where the limit has room for them (host: a limit of the slots and master; disk: the files)
+    from ringzero.runtime.offload import OffloadPolicy
     dev = _engine(comm, stage, None, **kw)
-    # the update's tile buffers (grads and params slots, 3 each, of min(tile, the largest piece) elements of
-    # the storage dtype: host_tier.DeviceLink) and master pinned; m and v past the limit
-    slots = 2 * 3 * min(1024, max(dev.layout.piece_numel)) * np.dtype(dev.storage_dtype).itemsize
+    nslots = 2 * OffloadPolicy().buffers
+    slots = nslots * min(1024, max(dev.layout.piece_numel)) * np.dtype(dev.storage_dtype).itemsize
     limit = dev.state.master.nbytes + slots
     eng = _engine(comm, stage, _off(str(tmp_path) if where == "disk" else None, pin_limit=limit), **kw)
     master0, t0 = eng.full_state("master").tobytes(), eng.adam.t
@@ -107,8 +109,9 @@ def test_device_offload_is_bitwise_on_device(comm, cp, stage, precision, k, wher
     ok &= rep["tiers"]["device"] == sum(eng.state.bufs[c].nbytes for c in on_device)
     pin = eng.pinned
     if where == "host":
-        ok &= pin.kinds.get("master") == "pinned" and pin.kinds.get("adam_m") == pin.kinds.get("adam_v") == "pageable"
-        ok &= pin.pinned <= limit and rep["tiers"]["ram"] == 3 * eng.state.master.nbytes
+        ok &= all(pin.kinds.get(c) == "pageable" for c in ("master", "adam_m", "adam_v"))
+        ok &= pin.pinned == slots and rep["tiers"]["ram"] == 3 * eng.state.master.nbytes
+    ok &= sum(v == "pinned" for k, v in pin.kinds.items() if " tile " in k) == nslots
     assert_all(comm, ok, f"stage {stage} {precision} K={k} {where}: {got} vs {want}; tiers {tiers}, "
                          f"pinned {pin.kinds}; updates: {updated or 'ran'}")
     eng.close()
@@ -289,7 +292,8 @@ def test_memcheck_on_a_device_checks_the_host_tier_against_the_host():
     cfg = Config(device="cuda", stage="3", batch=1, seq_len=64, sample_chars=0, precision="fp16", offload="optimizer")
     L = Layout(model.units, shards=2)
     piece = max(L.piece_numel)
-    want = 12 * L.shard_numel + max(4 * L.shard_numel, 2 * 3 * min(1 << 18, piece) * 2 + 4 * piece)
+    # the update's buffers: grads and params slots, --offload-depth 2 + 2 = 4 of each (host_tier.DeviceLink)
+    want = 12 * L.shard_numel + max(4 * L.shard_numel, 2 * 4 * min(1 << 18, piece) * 2 + 4 * piece)
     assert memcheck.host_tier_need(cfg, model, memcheck.base_run(cfg, 2, 2)) == want
 
     def room(avail):

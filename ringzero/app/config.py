@@ -79,12 +79,16 @@ class Config:
                            'or in files with --offload-dir (docs/offload.md)')
     offload_dir: str = opt("", "the folder of the offload files (one per class per rank, freed at exit); "
                                "a local disk with room for the offloaded state")
-    offload_pin_limit: str = opt("2GiB", "--device cuda with --offload: host bytes per rank the offloaded state "
-                                         "and the update's tile buffers may pin (page-locked, for async copies); "
-                                         "past it, pageable memory; 0 pins nothing")
+    offload_pin_limit: str = opt("2GiB", "--device cuda with --offload: host bytes per rank the update's transfer "
+                                         "slots may pin (page-locked, for async copies; master, m, v are never "
+                                         "pinned); past it, pageable memory; 0 pins nothing")
     offload_ahead: bool = opt(False, "stage 3/hybrid with --offload: the update streams unit by unit beside the "
                                      "next step's forward, which starts on unit 0 while later units are updated "
                                      "(the same bits)")
+    offload_depth: int = opt(2, "with --offload: tiles the update reads ahead of the one it computes (its host "
+                                "buffers: depth + 2 tiles of each offloaded class, counted by the memory check)")
+    offload_threads: int = opt(8, "with --offload: I/O requests per rank in the kernel at once (O_DIRECT where the "
+                                  "filesystem takes it, docs/offload.md)")
     # ---- reporting
     eval_interval: int = opt(100, "steps between held-out evaluations (0 = only at the end)")
     eval_batches: int = opt(4, "batches per evaluation, per rank")
@@ -326,9 +330,18 @@ def offload_policy(cfg: Config):
         raise ConfigError(str(e)) from None
     try:
         return OffloadPolicy.parse(cfg.offload, cfg.offload_dir, ahead=bool(cfg.offload_ahead),
-                                   device=cfg.device, pin_limit=pin)
+                                   device=cfg.device, pin_limit=pin, **io_knobs(cfg))
     except OffloadError as e:
         raise ConfigError(str(e)) from None
+
+
+def io_knobs(cfg) -> dict:
+    """OffloadPolicy's buffers and io_threads of --offload-depth and --offload-threads (one line if below 1)."""
+    depth, threads = getattr(cfg, "offload_depth", 2), getattr(cfg, "offload_threads", 8)
+    for flag, v in (("--offload-depth", depth), ("--offload-threads", threads)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{flag} must be an integer >= 1, got {v!r}")
+    return {"buffers": depth + 2, "io_threads": threads}
 
 
 def _validate_offload(cfg: Config):

@@ -94,7 +94,9 @@ def need_of(cfg: Config, model, run: budget.Run, nodes: int = 1) -> budget.Need:
             init = 0
         return budget.Need(tiers["device"], ws, act, tiers["disk"], init, end)
     # the streamed update's host buffers (stream.TileStream): at most `buffers` tiles of each offloaded class
-    staging = _stream_bytes(tiers["disk"], np.dtype(sd).itemsize)
+    staging = _stream_bytes(tiers["disk"], np.dtype(sd).itemsize, getattr(cfg, "offload_depth", 2) + 2)
+    if tiers["disk"] and "params" in run.offload:       # param_reads.ParamReads: one piece read ahead
+        staging += max(L.piece_numel) * np.dtype(sd).itemsize
     # an --offload-dir on tmpfs/ramfs: its "disk" bytes are the node's memory (counted by Need.node)
     shm = tiers["disk"] if tiers["disk"] and _memory_fs(getattr(cfg, "offload_dir", "")) else 0
     return budget.Need(tiers["ram"] + staging, ws, act, tiers["disk"], init, end, shm)
@@ -105,13 +107,15 @@ def _memory_fs(path: str) -> str | None:
     return memory_fs(path) if path else None
 
 
-def _stream_bytes(on_disk: int, storage_itemsize: int) -> int:
-    """An upper bound of the update's tile buffers: every tile full, of master, m, v (fp32) and params."""
+def _stream_bytes(on_disk: int, storage_itemsize: int, buffers: int) -> int:
+    """An upper bound of the update's tile buffers (--offload-depth + 2 of them): every tile full, of
+    master, m, v (fp32) and params, each with aio.AlignedBuffer's two pages of slack."""
     if not on_disk:
         return 0
+    from ringzero.runtime.aio import PAGE
     from ringzero.runtime.offload import OffloadPolicy
-    pol = OffloadPolicy()
-    return pol.buffers * pol.tile * (3 * 4 + storage_itemsize)
+    tile = OffloadPolicy().tile
+    return buffers * (tile * (3 * 4 + storage_itemsize) + 4 * 3 * PAGE)
 
 
 def _room_on_device():
@@ -196,7 +200,7 @@ def host_tier_need(cfg: Config, model, run: budget.Run) -> int:
                               cfg.grad_accum, run.offload, "cuda", "ram")
     pol, piece = OffloadPolicy(), max(L.piece_numel)
     tiles = DeviceLink.nbytes_for(storage_dtype(cfg.precision), DeviceLink.slot_elements(pol.tile, piece),
-                                  pol.buffers)
+                                  getattr(cfg, "offload_depth", 2) + 2)
     init = 4 * (L.padded if P.full_optimizer else L.shard_numel)
     return budget.tier_totals(by)["ram"] + max(init, tiles + 4 * piece)
 

@@ -288,6 +288,7 @@ class Zero:
             self.update_ahead.close()
         if self.offload_stream is not None:
             self.offload_stream.close()
+        self.workspaces.close()                  # its params reads ahead (offload params)
         self.state.close()
 
     def wait_params(self, units=None):

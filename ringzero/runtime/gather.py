@@ -33,16 +33,24 @@ from ringzero.runtime.state import cast_into
 class GatherCast:
     """Unit params into a compute-dtype slot: gathered (now or prefetched), then cast."""
 
-    def __init__(self, slots, layout, policy, state, topology, inflight, touch):
+    def __init__(self, slots, layout, policy, state, topology, inflight, touch, reads=None):
         self.slots, self.layout, self.policy, self.state, self.topology = slots, layout, policy, state, topology
         self.inflight, self._touch = inflight, touch
+        self.reads = reads          # params in a file (offload params): param_reads.ParamReads, read ahead
+
+    def _own(self, w, own):
+        """This rank's params piece of unit w into ``own``: from RAM, or its file (read ahead where it can)."""
+        if self.reads is not None:
+            self.reads.take(w, own)
+        else:
+            read_into(self.layout.unit_shard(self.state.params, w), own)
 
     def start(self, w, slot, land):
         """Prefetch (overlap, params gathered): start unit w's all-gather into its landing; the plan's
         ``materialize`` at a later position waits for it. The landing is the gather's until then."""
         seg, own = self.slots.landing(w, slot, land)
         self._touch(seg)
-        read_into(self.layout.unit_shard(self.state.params, w), own)   # from RAM, or its file (offload)
+        self._own(w, own)                                  # from RAM, or its file (offload)
         self.inflight.gather(w, slot, self.topology.ring.all_gather_start(own, seg))
 
     def materialize(self, w, slot, land=0):
@@ -54,7 +62,7 @@ class GatherCast:
             if not self.inflight.gathered(w, slot):      # not prefetched: gather it here
                 t0 = time.perf_counter()
                 self._touch(seg)
-                read_into(L.unit_shard(state.params, w), own)
+                self._own(w, own)
                 self.topology.ring.all_gather(own, seg)
                 self.inflight.blocking("gather", time.perf_counter() - t0)
             src = seg

@@ -10,8 +10,10 @@ What it is
     a copy to or from the device is a DMA that can run beside other work) while the bytes pinned stay
     within ``limit``, ordinary pageable memory past it. Pinned memory cannot be swapped or reclaimed:
     too much of it starves the host (DeepSpeed#4571's runs killed with -9), hence a bound per rank
-    (``--offload-pin-limit``, default ``DEFAULT_PIN_LIMIT``). The update's tile buffers are taken
-    first, then the state classes in order (master, m, v).
+    (``--offload-pin-limit``, default ``DEFAULT_PIN_LIMIT``). Only the transfer slots are pinned
+    (DeviceLink's grads and params tiles, the only host memory a device copy reads or writes);
+    master, m and v, which no device copy touches, are pageable host arrays whatever the bound
+    (ZeRO-Offload pins them too; pinned host memory exhausting RAM is its most reported failure).
 
     ``DeviceLink(dtype, tile, buffers, arena).bind(state)``: the update's copies, per tile of a rank's pieces::
 
@@ -59,10 +61,11 @@ class PinnedArena:
         self.pinned = self.pageable = 0          # bytes handed out of each kind
         self.kinds = {}                          # name -> "pinned" | "pageable"
 
-    def empty(self, n: int, dtype, name: str = "") -> np.ndarray:
+    def empty(self, n: int, dtype, name: str = "", pin: bool = True) -> np.ndarray:
+        """pin=False: pageable whatever the room (state no device copy reads: master, m, v)."""
         dt = np.dtype(dtype)
         nbytes = int(n) * dt.itemsize
-        mem = self._pin(nbytes) if nbytes and self.pinned + nbytes <= self.limit else None
+        mem = self._pin(nbytes) if pin and nbytes and self.pinned + nbytes <= self.limit else None
         if mem is not None:
             out = np.ndarray((int(n),), dt, buffer=mem)       # the array keeps the pinned block alive
             self.pinned += nbytes
@@ -86,8 +89,8 @@ class PinnedArena:
         except (MemoryError, RuntimeError):         # CuPy's OutOfMemoryError, CUDARuntimeError
             return None
 
-    def zeros(self, n: int, dtype, name: str = "") -> np.ndarray:
-        out = self.empty(n, dtype, name)
+    def zeros(self, n: int, dtype, name: str = "", pin: bool = True) -> np.ndarray:
+        out = self.empty(n, dtype, name, pin)
         out[...] = 0
         return out
 

@@ -34,8 +34,8 @@ What it is
 
 What it is not
     No schedule: the update's tiles and threads are stream.py's; which
-    buffers a stage holds is state.py's. No O_DIRECT (the page cache is kept
-    from growing by posix_fadvise in the stream instead).
+    buffers a stage holds is state.py's. The update's aligned O_DIRECT requests
+    are aio.py's; reads and writes here (checkpoints, gathers) go through the page cache.
 """
 from __future__ import annotations
 
@@ -70,7 +70,9 @@ class OffloadPolicy:
     params: bool = False        # the storage-dtype params shard in a file too (params sharded: 3, hybrid)
     dir: str = ""               # the folder the files are made in
     tile: int = 1 << 18         # elements per tile of the update's stream (1 MiB of fp32 per class)
-    buffers: int = 3            # tiles in flight: tile i+1 read, i updated, i-1 written
+    buffers: int = 4            # tile slots: buffers - 2 tiles read ahead, one updated, one written
+    io_threads: int = 8         # requests in the kernel at once per rank (aio.IOEngine's pool)
+    direct: bool = True         # O_DIRECT where the filesystem takes it (aio.py), else the page cache
     drop_cache: bool = True     # posix_fadvise(DONTNEED) behind the stream: the page cache stays small
     ahead: bool = False         # params sharded: the update runs beside the next forward, unit by unit
     device: str = "cpu"         # the engine's: on "cuda" without dir, the classes live in host memory
@@ -84,6 +86,8 @@ class OffloadPolicy:
             raise OffloadError("offload needs a folder for its files: give --offload-dir DIR")
         if self.pin_limit < 0:
             raise OffloadError(f"offload pin_limit must be >= 0 bytes, got {self.pin_limit}")
+        if self.io_threads < 1:
+            raise OffloadError(f"offload io_threads must be >= 1, got {self.io_threads}")
         if self.tile < 1024 or self.buffers < 3:
             raise OffloadError(f"offload tile must be >= 1024 elements and buffers >= 3, got tile "
                                f"{self.tile}, buffers {self.buffers}")
@@ -306,8 +310,13 @@ class FileStore:
             if not got:
                 raise OffloadError(f"offload file of {self.name}: short read at byte {off + n} of {self.nbytes}")
             n += got
+        self.count(read=n)
+
+    def count(self, read: int = 0, written: int = 0):
+        """Add to the byte counters (thread-safe: the I/O engine's threads call it too)."""
         with self._lock:
-            self.bytes_read += n
+            self.bytes_read += read
+            self.bytes_written += written
 
     def write(self, start: int, src: np.ndarray):
         """Elements [start, start + src.size) = src."""
@@ -315,8 +324,7 @@ class FileStore:
         off, n = start * self.dtype.itemsize, 0
         while n < mv.nbytes:
             n += os.pwritev(self.fd, [mv[n:]], off + n)
-        with self._lock:
-            self.bytes_written += n
+        self.count(written=n)
 
     def drop(self, start: int, count: int):
         """Let the kernel drop these elements' pages from the page cache (clean ones at once)."""

@@ -36,6 +36,8 @@ def train_pass(engine, x, y, micro: int = 0) -> float:
     # compute time (its wall time less the exposed communication)
     rec = RECORDER if RECORDER.active else None
     tp = perf_counter() if micro or not rec else engine.trace_t0     # the step's start (engine.step)
+    ua = engine.update_ahead
+    ws.begin_pass("train", (lambda w: ua.wait([w])) if ua else None)   # params read ahead in the plan's order
     for i in range(U):
         if gathers:                      # stages 1-2 with overlap: the update's gathers, unit by unit
             gathers.wait(engine.layout.needs(i))
@@ -101,6 +103,7 @@ def forward_pass(engine, x, y) -> float:
     m, plan, ws = engine.model, engine.plan, engine.workspaces
     U = plan.units
     h = x
+    ws.begin_pass("forward")
     for i in range(U):
         for w, s, g in plan.forward_materialize[i]:
             ws.materialize(w, s, g)

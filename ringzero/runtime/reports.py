@@ -72,7 +72,8 @@ def memory_report(engine) -> dict:
             "tiers": {t: sum(d[f"{t}_bytes"] for d in classes.values()) for t in TIERS},
             "offload": engine.offload.describe(),
             "offload_buffers": (int(engine.offload_stream.nbytes()) if engine.offload_stream else 0)
-            + (engine.device_link.nbytes() if engine.device_link else 0),
+            + (engine.device_link.nbytes() if engine.device_link else 0)
+            + (engine.workspaces.param_reads.nbytes() if engine.workspaces.param_reads else 0),
             # a device run's host tier (host_tier.PinnedArena): the host bytes pinned and pageable
             "host_pinned": engine.pinned.pinned if engine.pinned else 0,
             "host_pageable": engine.pinned.pageable if engine.pinned else 0}

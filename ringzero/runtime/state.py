@@ -68,14 +68,14 @@ class ShardedState:
         # a class the offload policy moves is a FileStore (offload.py): the same elements at the
         # same offsets, in a file, sliced by the same layout arithmetic
         # a device run's class offloaded without a DIR is a host array from ``arena`` (host_tier.py:
-        # pinned up to the user's bound), in ``hosted``
+        # pageable: only the update's transfer slots are pinned), in ``hosted``
         self.bufs, self.files, self.hosted = {}, {}, set()
         for name in names:
             n = layout.padded if policy.is_full(name) else layout.shard_numel
             if offload is not None and offload.on_disk(name):
                 self.bufs[name] = self.files[name] = FileStore(offload.dir, name, self.dtypes[name], n)
             elif offload is not None and arena is not None and offload.in_host_memory(name):
-                self.bufs[name] = arena.zeros(n, self.dtypes[name], name)
+                self.bufs[name] = arena.zeros(n, self.dtypes[name], name, pin=False)   # no copy reads it
                 self.hosted.add(name)
             else:
                 self.bufs[name] = zeros(xp, n, self.dtypes[name], name)   # AllocationError names the buffer

@@ -3,18 +3,20 @@
 What it is
     ``TileStream(state, policy)`` owns a fixed pool of ``policy.buffers`` host
     slots (each a tile of master, m and v in fp32, and of params where they are
-    offloaded) and two threads, a reader and a writer. ``run(tiles, compute)``
+    offloaded; page-aligned, aio.AlignedBuffer), a reader and a writer thread,
+    and the I/O engine (aio.IOEngine: O_DIRECT where the filesystem takes it,
+    ``policy.io_threads`` requests in flight). ``run(tiles, compute)``
     pipelines a list of tiles through them::
 
-        tile        i-1            i              i+1
+        tile        i-1            i              i+1 .. i+depth
         writer      write back     .              .
         caller      .              compute        .
-        reader      .              .              read
+        reader      .              .              read (every class at once)
 
-    tile i+1 is read (os.preadv) while tile i is computed and tile i-1 written
-    (os.pwritev); slot j is read into again only once the write of the tile
-    that last held it has returned (three slots: the one being written, the
-    one computed, the one read). Behind the stream, posix_fadvise(DONTNEED)
+    tiles i+1 .. i+depth (depth = buffers - 2) are read while tile i is computed
+    and tile i-1 written; each tile's classes are requests of their own, in
+    flight together on the engine's threads; slot j is read into again only
+    once the write of the tile that last held it has returned. Behind the stream, posix_fadvise(DONTNEED)
     drops the pages a tile read, starts the write-back of those a tile wrote,
     and asks again for the tile written two before (whose write-back has had
     a tile's time to finish); a sweep over the written files at the end drops
@@ -43,9 +45,8 @@ What it is
     slot later); ``agree`` turns it into one OffloadError on every rank.
 
 What it is not
-    The files (offload.py) or what the update computes (optim.py). Not
-    O_DIRECT, not io_uring: preadv/pwritev release the GIL, which is all
-    two threads need here.
+    The files (offload.py), the requests (aio.py) or what the update computes
+    (optim.py). Not io_uring: preadv/pwritev on a pool of threads release the GIL.
 """
 from __future__ import annotations
 
@@ -56,9 +57,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
-import numpy as np
-
 from ringzero.comm.trace import RECORDER
+from ringzero.runtime.aio import PAGE, AlignedBuffer, IOEngine
 from ringzero.runtime.offload import FAULT_ENV, OPTIMIZER, FileView, OffloadFailed, fault, on_disk
 
 
@@ -91,38 +91,59 @@ class TileStream:
     def __init__(self, state, policy):
         self.state, self.policy = state, policy
         n = self.tile = min(policy.tile, max(state.layout.piece_numel))   # no slot larger than a piece
-        self.slots = [{name: np.empty(n, state.dtypes[name]) for name in state.files} for _ in range(policy.buffers)]
-        self._rd = ThreadPoolExecutor(1, thread_name_prefix="rz-offload-read")
-        self._wr = ThreadPoolExecutor(1, thread_name_prefix="rz-offload-write")
+        # each slot: a page-aligned buffer per class (aio.AlignedBuffer), and the tile's views into it,
+        # bound per tile at the tile's file offset mod 4096 (so its whole pages go O_DIRECT)
+        self.bufs = [{name: AlignedBuffer(n * state.dtypes[name].itemsize) for name in state.files}
+                     for _ in range(policy.buffers)]
+        self.slots = [{name: b.view(0, state.dtypes[name], n) for name, b in bufs.items()} for bufs in self.bufs]
+        self.io = IOEngine(policy.io_threads, direct=policy.direct)
+        self._rd = ThreadPoolExecutor(1, thread_name_prefix="rz-offload-read")      # tiles in order,
+        self._wr = ThreadPoolExecutor(1, thread_name_prefix="rz-offload-write")     # classes on self.io
         # tests: RINGZERO_FAULT_OFFLOAD's mode and the stream it strikes ("update", "cast", "resume")
         self.fault, self.fault_at = fault(int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0"))))
         self.fault_at = self.fault_at or "update"
         self.casts = 0                                     # params casts run (the first at start)
-        # seconds: read_s / write_s on the I/O threads; on the caller's, the arithmetic (compute_s) and
-        # what it waited for: a tile's read (read_wait_s), a slot whose write had not returned
-        # (slot_wait_s), the last writes and the sweep (drain_s); exposed_s is those three together
+        # seconds: read_s / write_s on the I/O threads (a tile's requests, all classes at once); on the
+        # caller's, the arithmetic (compute_s) and what it waited for: a tile's read (read_wait_s), a slot
+        # whose write had not returned (slot_wait_s), the last writes and the sweep (drain_s); exposed_s is
+        # those three together. read_bytes / write_bytes: what the stream moved (the engine's rate: / read_s)
         self.timeline = dict.fromkeys(("read_s", "write_s", "exposed_s", "compute_s", "read_wait_s",
-                                       "slot_wait_s", "drain_s"), 0.0)
+                                       "slot_wait_s", "drain_s", "read_bytes", "write_bytes"), 0.0)
+
+    @property
+    def depth(self) -> int:
+        """Tiles read ahead of the one computed (the slots less the one computed and the one written)."""
+        return len(self.slots) - 2
 
     def nbytes(self) -> int:
-        return sum(int(a.nbytes) for s in self.slots for a in s.values())
+        return sum(b.size for bufs in self.bufs for b in bufs.values())
 
     def _views(self, t: Tile, names):
         return [(name, self.state.piece(name, t.u, t.r)[t.lo:t.hi]) for name in names]
 
-    def _read(self, t: Tile, slot, names, strike=None):
+    def _bind(self, t: Tile, j: int, names):
+        """Slot j's views for tile t: each class at its file offset mod 4096 in its buffer."""
+        slot, n = self.slots[j], t.hi - t.lo
+        for name, view in self._views(t, names):
+            slot[name] = self.bufs[j][name].view(view.start * view.dtype.itemsize % PAGE, view.dtype, n)
+
+    def _read(self, t: Tile, j: int, names, strike=None):
         t0 = time.perf_counter()
         if strike == "short":                             # tests: the file ends before this tile
             store = self.state.files[names[0]]
             os.ftruncate(store.fd, self.state.piece(names[0], t.u, t.r).start * store.dtype.itemsize)
-        for name, view in self._views(t, names):
-            view.read(slot[name][:view.size])
+        views = self._views(t, names)
+        reqs = [self.io.submit(self.io.read, v.store, v.start, v.size, self.bufs[j][name])
+                for name, v in views]                     # every class's request in flight at once
+        _results(reqs)
+        for name, view in views:
             if self.policy.drop_cache:
-                view.store.drop(view.start, view.size)     # clean pages: dropped at once
+                view.store.drop(view.start, view.size)     # pages the cached path read: dropped at once
+        self.timeline["read_bytes"] += sum(v.nbytes for _, v in views)
         self.timeline["read_s"] += time.perf_counter() - t0
         if RECORDER.active:                               # --trace: the read on the reader thread, its bytes
             RECORDER.span(f"read u{t.u} r{t.r}", "offload_read", t0, time.perf_counter(),
-                          nbytes=sum(v.store.dtype.itemsize * v.size for _, v in self._views(t, names)))
+                          nbytes=sum(v.nbytes for _, v in views))
 
     def _write(self, t: Tile, slot, names, strike, behind, written=None):
         t0 = time.perf_counter()
@@ -130,17 +151,19 @@ class TileStream:
             os._exit(86)
         if strike == "enospc":                            # tests: the disk fills mid-stream
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"offload file ({self.policy.dir})")
-        for name, view in self._views(t, names):
-            view.write(slot[name][:view.size])
+        views = self._views(t, names)
+        _results([self.io.submit(self.io.write, v.store, v.start, slot[name][:v.size]) for name, v in views])
+        for name, view in views:
             if self.policy.drop_cache:
-                view.store.drop(view.start, view.size)     # starts the write-back of these pages
+                view.store.drop(view.start, view.size)     # starts the write-back of the cached pages
         if self.policy.drop_cache and behind is not None:  # two tiles back: written back by now, dropped
             for name, view in self._views(behind, names):
                 view.store.drop(view.start, view.size)
+        self.timeline["write_bytes"] += sum(v.nbytes for _, v in views)
         self.timeline["write_s"] += time.perf_counter() - t0
         if RECORDER.active:
             RECORDER.span(f"write u{t.u} r{t.r}", "offload_write", t0, time.perf_counter(),
-                          nbytes=sum(v.store.dtype.itemsize * v.size for _, v in self._views(t, names)))
+                          nbytes=sum(v.nbytes for _, v in views))
         if written is not None:
             written(t)
 
@@ -163,13 +186,14 @@ class TileStream:
                 t0 = time.perf_counter()
                 pending_w.pop(i - nb).result()
                 self._waited("slot_wait_s", time.perf_counter() - t0)   # the disk's writes hold the update here
-            pending_r[i] = self._rd.submit(self._read, tiles[i], self.slots[i % nb], reads, strike(i, ("short",)))
+            self._bind(tiles[i], i % nb, set(reads) | set(writes))
+            pending_r[i] = self._rd.submit(self._read, tiles[i], i % nb, reads, strike(i, ("short",)))
         try:
-            if tiles:
-                start_read(0)
+            for i in range(min(self.depth, len(tiles))):      # read ahead: as deep as the slots allow
+                start_read(i)
             for i, t in enumerate(tiles):
-                if i + 1 < len(tiles):
-                    start_read(i + 1)
+                if i + self.depth < len(tiles):
+                    start_read(i + self.depth)
                 t0 = time.perf_counter()
                 pending_r.pop(i).result()
                 t1 = time.perf_counter()
@@ -206,6 +230,15 @@ class TileStream:
     def close(self):
         self._rd.shutdown(wait=True)
         self._wr.shutdown(wait=True)
+        self.io.close()
+
+
+def _results(futures):
+    """Wait for every request; then raise the first one's error (no request left writing a slot)."""
+    for f in futures:
+        f.exception()
+    for f in futures:
+        f.result()
 
 
 def update(engine, coef, lr: float, unit_done=None):

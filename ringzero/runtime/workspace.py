@@ -73,6 +73,8 @@ import numpy as np
 from ringzero.runtime.buckets import BucketTable, ReduceBuckets
 from ringzero.runtime.gather import GatherCast
 from ringzero.runtime.inflight import Inflight, OwnershipCheck
+from ringzero.runtime.offload import on_disk
+from ringzero.runtime.param_reads import ParamReads
 from ringzero.runtime.reduce import CastReduce
 from ringzero.runtime.slots import Slots
 
@@ -90,7 +92,9 @@ class Workspaces:
         touch = OwnershipCheck(topology)
         self.reduce_buckets = ReduceBuckets(table, slots.bufs.get("reduce_bucket", ()), layout, policy, state,
                                             topology, self.inflight, touch, overlap=overlap)
-        self.gather_cast = GatherCast(slots, layout, policy, state, topology, self.inflight, touch)
+        # offload params (stage 3, hybrid): the next gather's disk read on an I/O thread (param_reads.py)
+        self.param_reads = (ParamReads(layout, state) if policy.gather_params and on_disk(state.params) else None)
+        self.gather_cast = GatherCast(slots, layout, policy, state, topology, self.inflight, touch, self.param_reads)
         self.cast_reduce = CastReduce(slots, self.reduce_buckets, layout, policy, state, topology, self.inflight,
                                 touch, overlap=overlap, grad_accum=grad_accum)
         self.bufs = slots.bufs                        # {workspace: [unit-sized buffers]}
@@ -111,6 +115,15 @@ class Workspaces:
     def materialize(self, w, slot, land=0):
         """Unit w's full params in the compute dtype, in ``slot`` (gather.py)."""
         self.gather_cast.materialize(w, slot, land)
+
+    def begin_pass(self, kind: str, final=None):
+        """A pass of ``kind`` ("train", "forward") starts: params reads ahead follow its order (param_reads.py)."""
+        if self.param_reads is not None:
+            self.param_reads.begin(kind, final)
+
+    def close(self):
+        if self.param_reads is not None:
+            self.param_reads.close()
 
     # ------------------------------------------------------------------- grads
     def zero_grad(self, w, slot):
