@@ -8,8 +8,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from ringzero.nn.layers import (
     GELU,
     CausalSelfAttention,
@@ -22,10 +20,8 @@ from ringzero.nn.layers import (
     Unembed,
     acc_dtype,
     array_module,
-    cache_nbytes,
-    check_ids,
 )
-from ringzero.nn.units import UnitModel
+from ringzero.nn.units import Decoder
 from ringzero.runtime.flat import ParamSpec as P
 from ringzero.runtime.flat import Unit
 
@@ -139,7 +135,7 @@ def gpt_units(cfg: GPTConfig) -> tuple:
 # ---------------------------------------------------------------------------
 
 
-class GPT(UnitModel):
+class GPT(Decoder):
     """A GPT-2-style decoder over the units of ``gpt_units(cfg)``.
 
     Unit 0 embeds, units 1..n_layer are blocks, the last unit is the final
@@ -213,10 +209,6 @@ class GPT(UnitModel):
         g["attn"] = {k: G[h + k] for k in ("attn.w", "attn.b", "proj.w", "proj.b")}
         return g
 
-    def _check_unit(self, u):
-        if not 0 <= u <= self.last:
-            raise ValueError(f"unit index must be in [0, {self.last}], got {u}")
-
     # ---- blocks --------------------------------------------------------------
     def _block_forward(self, u, pd, x, recompute=False):       # x (B, T, C)
         """Block u's forward. recompute=True (checkpointed backward) stops
@@ -255,93 +247,3 @@ class GPT(UnitModel):
         dx = self.pool.get((f"unit{u}", "dx"), dy.shape, dy.dtype, xp)
         xp.add(d, dres2, out=dx)
         return dx
-
-    # ---- the contract used by the runtime ------------------------------------
-    def forward_unit(self, u, P, x, targets=None):
-        """Unit u's forward. Returns (y, cache); the last unit returns (loss, cache)
-        with targets, or (logits (B, T, V), None) without them."""
-        self._check_unit(u)
-        pd = self._params(u, P)
-        if u == 0:
-            return self.embed.forward(pd["embed"], x)           # (B, T) -> (B, T, C)
-        if u == self.last:
-            B, T, C = x.shape
-            xl, c_lnf = self.lnf.forward(pd["lnf"], x)
-            logits, c_head = self.head.forward(pd["head"], xl)  # (B, T, V)
-            if targets is None:
-                return logits, None
-            if tuple(targets.shape) != (B, T):
-                raise ValueError(f"targets must have shape {(B, T)}, got {tuple(targets.shape)}")
-            loss, c_ce = self.ce.forward(None, (logits.reshape(B * T, -1), targets.reshape(B * T)))
-            return float(loss), (c_lnf, c_head, c_ce)
-        if self.checkpoint:
-            y, _ = self._block_forward(u, pd, x)
-            return y, (x,)
-        return self._block_forward(u, pd, x)
-
-    def backward_unit(self, u, dy, cache, P, G):
-        """Unit u's backward: adds into G, returns d(input) (None for unit 0)."""
-        self._check_unit(u)
-        if cache is None:
-            raise ValueError(f"unit {u} has no cache: run forward_unit (with targets for the last unit) first")
-        gd = self._params_like(u, G)
-        if u == 0:                  # reads no weights: see backward_reads_params
-            return self.embed.backward(dy, cache, gd["embed"])
-        pd = self._params(u, P)     # refill the dicts the caches point at
-        if u == self.last:
-            c_lnf, c_head, c_ce = cache
-            dl = self.ce.backward(dy, c_ce, None)               # (B*T, V)
-            dxl = self.head.backward(dl, c_head, gd["head"])    # (B, T, C)
-            return self.lnf.backward(dxl, c_lnf, gd["lnf"])
-        if self.checkpoint:
-            _, cache = self._block_forward(u, pd, cache[0], recompute=True)
-        return self._block_backward(u, dy, cache, gd)
-
-    def check_tokens(self, *arrays):
-        """Host check that token ids (and targets) lie in [0, vocab), before they
-        move to the device: on a GPU the layers do not check (a check there is a
-        blocking reduction per step, and CuPy's take wraps a bad id silently)."""
-        for a in arrays:
-            check_ids(a, self.n_tokens, "token ids")
-
-    def backward_reads_params(self, u) -> bool:
-        """False for the embedding unit: its backward scatters dy by token id
-        and reads no weights, so a sharded runtime need not gather it again."""
-        return u != 0
-
-    @staticmethod
-    def cache_nbytes(cache) -> int:
-        """Bytes of activations a unit's cache holds."""
-        return cache_nbytes(cache)
-
-    # ---- conveniences built on the unit calls ---------------------------------
-    def logits(self, P, idx):
-        """(B, T, V) logits; buffers are not reused (T may vary)."""
-        reuse, self.pool.reuse = self.pool.reuse, False
-        try:
-            x = idx
-            for u in range(self.last + 1):
-                x, _ = self.forward_unit(u, P, x)
-            return x
-        finally:
-            self.pool.reuse = reuse
-
-    def generate(self, P, idx, n_new, temperature=1.0, rng=None):
-        """Append n_new sampled tokens to idx (B, T0); temperature 0 is greedy."""
-        xp = array_module(P["wte"])
-        rng = rng if rng is not None else np.random.default_rng()
-        out = idx
-        for _ in range(int(n_new)):
-            ctx = out[:, -self.cfg.block_size:]
-            lg = self.logits(P, ctx)[:, -1, :].astype(np.float64)  # (B, V)
-            if temperature <= 0:
-                nxt = lg.argmax(axis=1)
-            else:
-                lg = lg / temperature
-                lg -= lg.max(axis=1, keepdims=True)
-                pr = xp.exp(lg)
-                cdf = xp.cumsum(pr, axis=1)
-                u = xp.asarray(rng.random(lg.shape[0])) * cdf[:, -1]
-                nxt = xp.minimum((cdf < u[:, None]).sum(axis=1), lg.shape[1] - 1)
-            out = xp.concatenate([out, nxt[:, None].astype(out.dtype)], axis=1)
-        return out

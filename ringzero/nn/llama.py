@@ -1,7 +1,7 @@
 """The Llama-family decoder (Llama, Qwen2, SmolLM2, TinyLlama): forward and backward per unit, by hand.
 
 What it is
-    ``Llama(cfg)``, a ``UnitModel`` over ``llama_units(cfg)`` (the declaration,
+    ``Llama(cfg)``, a ``Decoder`` (nn/units.py) over ``llama_units(cfg)`` (the declaration,
     ``ringzero.nn.llama_config``, re-exported here with ``LlamaConfig``,
     ``RopeScaling``, ``PRESETS`` and ``model_config``). Unit 0 embeds
     (no position table: positions are rotary), units 1..n_layer are blocks,
@@ -29,19 +29,18 @@ What it is not
 """
 from __future__ import annotations
 
-from ringzero.nn.gpt import GPT
 from ringzero.nn.gqa import GroupedQueryAttention
-from ringzero.nn.layers import Embedding, Linear, Pool, SoftmaxCrossEntropy, Unembed, array_module, check_ids
+from ringzero.nn.layers import Embedding, Linear, Pool, SoftmaxCrossEntropy, Unembed, array_module
 from ringzero.nn.llama_config import PRESETS, LlamaConfig, RopeScaling, llama_units, model_config
 from ringzero.nn.rmsnorm import RMSNorm
 from ringzero.nn.rotary import Rotary
 from ringzero.nn.swiglu import SwiGLU
-from ringzero.nn.units import UnitModel
+from ringzero.nn.units import Decoder
 
 __all__ = ["Llama", "LlamaConfig", "RopeScaling", "PRESETS", "llama_units", "model_config"]
 
 
-class Llama(UnitModel):
+class Llama(Decoder):
     """A Llama-style decoder over the units of ``llama_units(cfg)``; see the module docstring."""
 
     def __init__(self, cfg: LlamaConfig = LlamaConfig(), checkpoint: bool = False, pool: Pool | None = None):
@@ -106,10 +105,6 @@ class Llama(UnitModel):
             g["attn"]["attn.b"] = G[h + "attn.b"]
         return g
 
-    def _check_unit(self, u):
-        if not 0 <= u <= self.last:
-            raise ValueError(f"unit index must be in [0, {self.last}], got {u}")
-
     # ---- blocks --------------------------------------------------------------
     def _block_forward(self, u, pd, x, recompute=False):       # x (B, T, C)
         """Block u's forward. recompute=True (checkpointed backward) stops
@@ -144,59 +139,3 @@ class Llama(UnitModel):
         dx = self.pool.get((f"unit{u}", "dx"), dy.shape, dy.dtype, xp)
         xp.add(d, dx2, out=dx)
         return dx
-
-    # ---- the contract used by the runtime ------------------------------------
-    def forward_unit(self, u, P, x, targets=None):
-        """Unit u's forward. Returns (y, cache); the last unit returns (loss, cache)
-        with targets, or (logits (B, T, V), None) without them."""
-        self._check_unit(u)
-        pd = self._params(u, P)
-        if u == 0:
-            if x.ndim == 2 and x.shape[1] > self.cfg.block_size:
-                raise ValueError(f"sequence length T={x.shape[1]} exceeds block_size={self.cfg.block_size}")
-            return self.embed.forward(pd["embed"], x)           # (B, T) -> (B, T, C)
-        if u == self.last:
-            B, T, C = x.shape
-            xl, c_lnf = self.lnf.forward(pd["lnf"], x)
-            logits, c_head = self.head.forward(pd["head"], xl)  # (B, T, V)
-            if targets is None:
-                return logits, None
-            if tuple(targets.shape) != (B, T):
-                raise ValueError(f"targets must have shape {(B, T)}, got {tuple(targets.shape)}")
-            loss, c_ce = self.ce.forward(None, (logits.reshape(B * T, -1), targets.reshape(B * T)))
-            return float(loss), (c_lnf, c_head, c_ce)
-        if self.checkpoint:
-            y, _ = self._block_forward(u, pd, x)
-            return y, (x,)
-        return self._block_forward(u, pd, x)
-
-    def backward_unit(self, u, dy, cache, P, G):
-        """Unit u's backward: adds into G, returns d(input) (None for unit 0)."""
-        self._check_unit(u)
-        if cache is None:
-            raise ValueError(f"unit {u} has no cache: run forward_unit (with targets for the last unit) first")
-        gd = self._params_like(u, G)
-        if u == 0:                  # reads no weights: see backward_reads_params
-            return self.embed.backward(dy, cache, gd["embed"])
-        pd = self._params(u, P)     # refill the dicts the caches point at
-        if u == self.last:
-            c_lnf, c_head, c_ce = cache
-            dl = self.ce.backward(dy, c_ce, None)               # (B*T, V)
-            dxl = self.head.backward(dl, c_head, gd["head"])    # (B, T, C)
-            return self.lnf.backward(dxl, c_lnf, gd["lnf"])
-        if self.checkpoint:
-            _, cache = self._block_forward(u, pd, cache[0], recompute=True)
-        return self._block_backward(u, dy, cache, gd)
-
-    def check_tokens(self, *arrays):
-        """Host check that token ids (and targets) lie in [0, n_tokens) (see GPT.check_tokens)."""
-        for a in arrays:
-            check_ids(a, self.n_tokens, "token ids")
-
-    def backward_reads_params(self, u) -> bool:
-        """False for the embedding unit: its backward scatters dy by token id and reads no weights."""
-        return u != 0
-
-    # whole-model logits and sampling: the GPT's, which read only logits(), cfg.block_size and P["wte"]
-    logits = GPT.logits
-    generate = GPT.generate
