@@ -186,6 +186,11 @@ def test_internode_bytes_are_the_wire_sizes(comm):
     ok &= abs(rep["zeropp_measured_psi"] - rep["zeropp_formula_psi"]) < 0.05
     mem = eng.memory_report()
     ok &= mem["hpz_secondary_bytes"] == mem["hpz_secondary_formula_bytes"] == 2 * L.padded // (n // 2)
+    # the memory check (app/memcheck.py) counts the secondary shard the engine allocated
+    from ringzero.app import memcheck
+    from ringzero.app.config import parse_config
+    cfg, _ = parse_config(["--stage", "3", "--zeropp", "hpz", "--precision", "fp16"])
+    ok &= memcheck.zeropp_bytes(cfg, L, eng.policy, n // 2, np.dtype(np.float16)) == mem["hpz_secondary_bytes"]
     assert_all(comm, ok, f"internode {got} vs codes {codes} scales {scales}; report "
                f"{rep['measured_internode_bytes_per_step']} psi {rep['zeropp_measured_psi']:.4f} vs "
                f"{rep['zeropp_formula_psi']:.4f}; hpz {mem['hpz_secondary_bytes']}")
@@ -207,3 +212,83 @@ def test_policy_parse_and_refusals():
         assert "\n" not in str(e.value) and "expected" in str(e.value)
     check(p, StagePolicy.of("hybrid"))          # qwz, qgz run at hybrid
     check(ZeroPPPolicy(), StagePolicy.of("0"))  # off: nothing to refuse
+
+
+def test_memcheck_counts_zeropp():
+    """The memory check's need grows by --zeropp's buffers: hpZ's 2Ψ/P, qgZ's 4Ψ residual and scratch."""
+    from ringzero.app import memcheck
+    from ringzero.app.config import parse_config
+    from ringzero.nn import families
+    base = ["--stage", "3", "--n-layer", "2", "--n-embd", "64", "--seq-len", "32"]
+    plain, _ = parse_config(base)
+    zpp, _ = parse_config(base + ["--zeropp", "qwz,hpz,qgz", "--zeropp-error-feedback"])
+    model = families.build(memcheck_model_cfg(plain))
+    run = memcheck.base_run(plain, 4, 2)
+    a, b = memcheck.need_of(plain, model, run), memcheck.need_of(zpp, model, run)
+    from ringzero.runtime.flat import Layout
+    psi = Layout(model.units, shards=4).padded
+    assert b.model_state - a.model_state >= 2 * psi // 2 + 4 * psi     # secondary (P = 2) + residual
+    assert b.model_state - a.model_state < 2 * psi // 2 + 4 * psi + 16 * psi    # + scratch below a few Ψ
+
+
+def memcheck_model_cfg(cfg):
+    from ringzero.app.config import model_config
+    return model_config(cfg, 256)
+
+
+# ------------------------------------------------------------------ the trainer
+@pytest.mark.parametrize("args, needle", [
+    (["--zeropp", "qwz"], "expected --stage 3 or hybrid, got stage 2"),
+    (["--zeropp", "qwz,fast", "--stage", "3"], "got 'fast'"),
+    (["--zeropp", "hpz", "--stage", "hybrid"], "expected --stage 3 with hpz, got hybrid"),
+    (["--zeropp", "qgz", "--zeropp-bits", "3", "--stage", "3"], "--zeropp-bits: expected 4 or 8, got 3"),
+    (["--zeropp-bits", "8", "--stage", "3"], "--zeropp-bits is given without --zeropp"),
+    (["--zeropp", "qwz", "--stage", "3", "--overlap"], "expected no --overlap"),
+    (["--zeropp", "qwz", "--stage", "3", "--zeropp-error-feedback"], "expected --zeropp with qgz"),
+    (["--zeropp", "qwz", "--stage", "3", "--zeropp-block", "0"], "--zeropp-block: expected an int >= 1"),
+])
+def test_bad_flags_one_line_exit_2(tmp_path, args, needle):
+    from test_train import _check
+    rc, err, new = _check(args + ["--metrics", str(tmp_path / "m.jsonl")], tmp_path)
+    assert rc == 2 and len(err) == 1 and needle in err[0] and err[0].startswith("ringzero.train: error:"), err
+    assert not new
+
+
+@pytest.mark.mpi
+def test_trainer_smoke_all_switches_two_emulated_nodes(comm, tmp_path_factory, monkeypatch):
+    """4 ranks as 2 emulated nodes x 2, stage 3 with qwz,hpz,qgz: it learns, and each step's metrics
+    record the bytes that crossed the nodes (codes and scales): the full figure (the forward's qwZ
+    gathers + qgZ) after a step that updated, and qgZ's alone after a skipped one (fp16 overflow: the
+    params did not change, so the secondary shard still holds them and the forward gathers from it)."""
+    if comm.size != 4:
+        pytest.skip("the smoke run is 4 ranks in 2 emulated nodes")
+    import json
+    import os
+
+    from test_train import TINY, _text
+
+    from ringzero.app.train import parse_config, run
+    monkeypatch.setenv("RINGZERO_EMULATE_NODES", "2")
+    d = comm.bcast(str(tmp_path_factory.mktemp("zpptrain")) if comm.rank == 0 else None)
+    data = comm.bcast(_text(os.path.join(d, "corpus.txt")) if comm.rank == 0 else None)
+    metrics = os.path.join(d, "m.jsonl")
+    cfg, _ = parse_config(TINY + ["--data", data, "--stage", "3", "--steps", "30", "--lr", "1e-2", "--warmup", "5",
+                                  "--eval-interval", "0", "--metrics", metrics, "--zeropp", "qwz,hpz,qgz",
+                                  "--zeropp-block", "256"])
+    summary = run(cfg, comm)
+    ok, msg = True, ""
+    if comm.rank == 0:
+        lines = [json.loads(ln) for ln in open(metrics)]
+        steps, summ = lines[:-1], lines[-1]
+        net = [s["bytes_sent_internode"] for s in steps]
+        first, last = np.mean([s["loss"] for s in steps[:5]]), np.mean([s["loss"] for s in steps[-5:]])
+        tr = summ["traffic"]
+        full = [net[i] for i in range(30) if i == 0 or not steps[i - 1]["skipped"]]
+        rs = [net[i] for i in range(1, 30) if steps[i - 1]["skipped"]]
+        ok = len(steps) == 30 and last < 0.9 * first and len(set(full)) == 1 and len(set(rs)) <= 1
+        ok &= not rs or 0 < rs[0] < 0.5 * full[0]
+        ok &= tr["nodes"] == 2 and net[-1] == tr["measured_internode_bytes_per_step"]
+        ok &= tr["zeropp_measured_psi"] < 0.3 * 3       # the unquantized step sends 3 of these units
+        msg = f"loss {first:.3f} -> {last:.3f}, internode {net}, skipped {[s['skipped'] for s in steps]}, {tr}"
+    assert_all(comm, ok, msg)
+    assert summary["eval_loss"] < summary["unigram_entropy"]
