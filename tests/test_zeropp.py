@@ -33,7 +33,7 @@ def policy(spec, **kw):
 
 
 # ------------------------------------------------------------- the reference
-def ref_quant(x, bits):
+def ref_quant(x, bits, rnd=np.rint):
     """x (fp32, 1-D) -> its dequantized values, written from the format's definition."""
     qmax = np.float32(127 if bits == 8 else 7)
     nb = -(-len(x) // BLOCK)
@@ -43,7 +43,7 @@ def ref_quant(x, bits):
     scale = (np.abs(blocks).max(axis=1).astype(np.float32) / qmax).astype(np.float32)
     ok = (scale != 0) & np.isfinite(scale)
     with np.errstate(divide="ignore", invalid="ignore"):
-        codes = np.clip(np.rint(blocks / np.where(ok, scale, 1)[:, None]), -qmax, qmax)
+        codes = np.clip(rnd(blocks / np.where(ok, scale, 1)[:, None]), -qmax, qmax)
     codes[~ok] = 0
     vals = (codes.astype(np.float32) * scale[:, None]).astype(np.float32)
     vals[~ok] = np.where(np.isfinite(scale[~ok]), 0, np.nan)[:, None]
@@ -53,10 +53,11 @@ def ref_quant(x, bits):
 class RefComm:
     """The engine's QuantizedComm, redone from MPI's Allgather and ref_quant."""
 
-    def __init__(self, qc, comm):
+    def __init__(self, qc, comm, order=1, rnd=np.rint):
         from ringzero.comm.qledger import QLedger
         self.comm, self.nodes, self.ledger = comm, qc.nodes, QLedger()
         self.wbits, self.gbits = qc.wq.spec.bits, qc.gq.spec.bits
+        self.order, self.rnd = order, rnd       # the broken variants of test_reference_can_fail
 
     def _everyone(self, a):
         out = np.empty((self.comm.size, len(a)), np.float32)
@@ -65,7 +66,7 @@ class RefComm:
 
     def all_gather(self, send, recv):
         for b, row in enumerate(self._everyone(send)):
-            recv[b * len(send):(b + 1) * len(send)] = ref_quant(row, self.wbits).astype(recv.dtype)
+            recv[b * len(send):(b + 1) * len(send)] = ref_quant(row, self.wbits, self.rnd).astype(recv.dtype)
         return recv
 
     def reduce_scatter(self, send, recv, op="sum", residual=None):
@@ -73,32 +74,34 @@ class RefComm:
         x = np.asarray(send, np.float32).copy()
         if residual is not None:
             x = (x + residual).astype(np.float32)
-            deq = np.concatenate([ref_quant(x[b * m:(b + 1) * m], self.gbits) for b in range(n)])
+            deq = np.concatenate([ref_quant(x[b * m:(b + 1) * m], self.gbits, self.rnd) for b in range(n)])
             residual[...] = x - deq
         xs = self._everyone(x)
-        v = lambda src, b: ref_quant(xs[src][b * m:(b + 1) * m], self.gbits)   # noqa: E731 (chunk b from src)
+        v = lambda src, b: ref_quant(xs[src][b * m:(b + 1) * m], self.gbits, self.rnd)   # noqa: E731
         if not nm.uniform:                               # one hop: rank order
-            acc = v(0, r).copy()
-            for src in range(1, n):
+            srcs = list(range(n))[::self.order]
+            acc = v(srcs[0], r).copy()
+            for src in srcs[1:]:
                 acc += v(src, r)
         else:                                            # hop 1 in the node (local order), hop 2 node order
             at = {(nm.node_of[b], nm.local_of[b]): b for b in range(n)}
             acc = None
             for k in range(nm.count):
-                part = v(at[k, 0], r).copy()
-                for i in range(1, nm.ppn):
+                loc = list(range(nm.ppn))[::self.order]
+                part = v(at[k, loc[0]], r).copy()
+                for i in loc[1:]:
                     part += v(at[k, i], r)
-                q = ref_quant(part, self.gbits)
+                q = ref_quant(part, self.gbits, self.rnd)
                 acc = q.copy() if acc is None else acc + q
         recv[...] = acc.astype(recv.dtype)
         return recv
 
 
-def run(comm, spec, steps=4, ref=False, precision="fp16", **kw):
+def run(comm, spec, steps=4, ref=False, precision="fp16", broken=None, **kw):
     eng = engine(comm, "3", precision=precision, nodes=labels_of(comm.size),
                  zeropp=policy(spec, **kw) if spec else None)
     if ref:
-        eng.topology.zeropp.qc = RefComm(eng.topology.zeropp.qc, comm)
+        eng.topology.zeropp.qc = RefComm(eng.topology.zeropp.qc, comm, **(broken or {}))
     losses = train(eng, batches(comm, comm.size, comm.rank), steps=steps)
     return eng, losses, eng.full_state("master")
 
@@ -116,6 +119,19 @@ def test_quantized_run_matches_numpy_reference(comm, spec, kw, precision):
     assert_all(comm, np.array_equal(mg, mw), f"{spec}: master differs from the reference's in "
                f"{int((mg != mw).sum())} elements")
     assert_all(comm, not np.array_equal(mg, mp), f"{spec}: the quantized run equals the unquantized one")
+
+
+@pytest.mark.mpi
+def test_reference_can_fail(comm):
+    """The comparison above sees a wrong rounding (truncation instead of ties-to-even) and, where a
+    sum has three or more terms (two commute exactly), a wrong order of the fp32 sums."""
+    _, got, mg = run(comm, "qwz,qgz", precision="fp32")
+    n = comm.size
+    terms = n // 2 if labels_of(n)[-1] == 1 else n       # fp32 terms a sum adds (a + b == b + a: 3 needed)
+    cases = [{"rnd": np.trunc}] + ([{"order": -1}] if terms >= 3 else [])
+    for broken in cases:
+        _, want, mw = run(comm, "qwz,qgz", ref=True, precision="fp32", broken=broken)
+        assert_all(comm, not np.array_equal(mg, mw), f"the reference with {broken} still agrees")
 
 
 @pytest.mark.mpi
@@ -292,3 +308,33 @@ def test_trainer_smoke_all_switches_two_emulated_nodes(comm, tmp_path_factory, m
         msg = f"loss {first:.3f} -> {last:.3f}, internode {net}, skipped {[s['skipped'] for s in steps]}, {tr}"
     assert_all(comm, ok, msg)
     assert summary["eval_loss"] < summary["unigram_entropy"]
+
+
+# ------------------------------------------------------------------ a device run (the CuPy stand-in)
+def _device_run(comm, cp, spec, **kw):
+    eng = engine(comm, "3", precision="fp32", device="cuda", nodes=labels_of(comm.size), zeropp=policy(spec, **kw))
+    data, losses = batches(comm, comm.size, comm.rank), []
+    for s in range(4):
+        x, y = data.get(s)
+        losses.append(eng.step(cp.asarray(x), cp.asarray(y), 3e-3).loss)
+    return losses, eng.full_state("master")
+
+
+@pytest.mark.mpi
+@pytest.mark.standin
+def test_device_run(comm, monkeypatch):
+    """--device cuda under the strict CuPy stand-in (tests/cupy_standin/): the switches' device path
+    (the collectives' CUDA kernels, staging through pinned host memory, hpZ's device secondary shard)
+    runs; hpZ changes no bit there either; the run follows the host run (fp32, both computing in
+    float32; the device's AdamW and kernels round differently from the host's C pass, so within 1e-6)."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    import cupy_standin
+    _, host, _ = run(comm, "qwz,hpz,qgz", precision="fp32", error_feedback=True)
+    cp = cupy_standin.install(monkeypatch)
+    dev, _ = _device_run(comm, cp, "qwz,hpz,qgz", error_feedback=True)
+    a, ma = _device_run(comm, cp, "qwz")
+    b, mb = _device_run(comm, cp, "qwz,hpz")
+    assert_all(comm, np.allclose(dev, host, rtol=1e-6, atol=0), f"device {dev} vs host {host}")
+    assert_all(comm, a == b and np.array_equal(ma, mb), f"device qwz {a} vs qwz,hpz {b}")
