@@ -55,7 +55,7 @@ class RefComm:
 
     def __init__(self, qc, comm, order=1, rnd=np.rint):
         from ringzero.comm.qledger import QLedger
-        self.comm, self.nodes, self.ledger = comm, qc.nodes, QLedger()
+        self.comm, self.nodes, self.ledger = qc.comm, qc.nodes, QLedger()   # the shard group (hybrid: a node)
         self.wbits, self.gbits = qc.wq.spec.bits, qc.gq.spec.bits
         self.order, self.rnd = order, rnd       # the broken variants of test_reference_can_fail
 
@@ -97,8 +97,8 @@ class RefComm:
         return recv
 
 
-def run(comm, spec, steps=4, ref=False, precision="fp16", broken=None, **kw):
-    eng = engine(comm, "3", precision=precision, nodes=labels_of(comm.size),
+def run(comm, spec, steps=4, ref=False, precision="fp16", broken=None, stage="3", **kw):
+    eng = engine(comm, stage, precision=precision, nodes=labels_of(comm.size),
                  zeropp=policy(spec, **kw) if spec else None)
     if ref:
         eng.topology.zeropp.qc = RefComm(eng.topology.zeropp.qc, comm, **(broken or {}))
@@ -119,6 +119,18 @@ def test_quantized_run_matches_numpy_reference(comm, spec, kw, precision):
     assert_all(comm, np.array_equal(mg, mw), f"{spec}: master differs from the reference's in "
                f"{int((mg != mw).sum())} elements")
     assert_all(comm, not np.array_equal(mg, mp), f"{spec}: the quantized run equals the unquantized one")
+
+
+@pytest.mark.mpi
+def test_hybrid_matches_numpy_reference(comm):
+    """Hybrid (shard group = an emulated node, replicas all-reduced across): qwz and qgz inside the node."""
+    if labels_of(comm.size)[-1] != 1:
+        pytest.skip(f"needs 2 emulated nodes (an even world size >= 4), have {comm.size}")
+    _, got, mg = run(comm, "qwz,qgz", stage="hybrid")
+    _, want, mw = run(comm, "qwz,qgz", stage="hybrid", ref=True)
+    _, plain, mp = run(comm, "", stage="hybrid")
+    assert_all(comm, got == want and np.array_equal(mg, mw), f"hybrid: losses {got} vs reference {want}")
+    assert_all(comm, not np.array_equal(mg, mp), "hybrid: the quantized run equals the unquantized one")
 
 
 @pytest.mark.mpi
