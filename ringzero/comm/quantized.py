@@ -34,7 +34,7 @@ What it is
     ``residual`` (float32, len(send), kept by the caller between calls): error feedback on hop 1:
     send + residual is quantized, and residual becomes (send + residual) - dequant(quant(...)).
 
-    For the engine (the --zeropp switches, next): qwZ calls ``all_gather`` where runtime/gather.py
+    The engine (--zeropp, runtime/zeropp.py) does this: qwZ calls ``all_gather`` where runtime/gather.py
     calls ``Ring.all_gather`` on a unit's flat shard (one QuantizedComm per shard Ring, kept as
     long as the Ring); qgZ calls ``reduce_scatter`` where runtime/reduce.py calls the Ring's,
     with one residual per unit if error feedback is on; hpZ needs no new collective: a plain
