@@ -274,6 +274,7 @@ def memcheck_model_cfg(cfg):
     (["--zeropp", "qwz", "--stage", "3", "--overlap"], "expected no --overlap"),
     (["--zeropp", "qwz", "--stage", "3", "--zeropp-error-feedback"], "expected --zeropp with qgz"),
     (["--zeropp", "qwz", "--stage", "3", "--zeropp-block", "0"], "--zeropp-block: expected an int >= 1"),
+    (["--zeropp", "qwz", "--stage", "3", "--prefetch", "1"], "expected no --prefetch, got --prefetch 1"),
 ])
 def test_bad_flags_one_line_exit_2(tmp_path, args, needle):
     from test_train import _check

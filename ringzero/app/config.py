@@ -311,7 +311,7 @@ def _validate_zeropp(cfg: Config):
                                   "(or a subset)")
         return
     try:
-        check(pol, StagePolicy.of(cfg.stage), offload_policy(cfg), cfg.overlap)
+        check(pol, StagePolicy.of(cfg.stage), offload_policy(cfg), cfg.overlap, cfg.prefetch)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

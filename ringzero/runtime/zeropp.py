@@ -104,7 +104,7 @@ class ZeroPPPolicy:
         return out + ")"
 
 
-def check(zpp: ZeroPPPolicy, stage_policy, offload=None, overlap=None) -> None:
+def check(zpp: ZeroPPPolicy, stage_policy, offload=None, overlap=None, prefetch=None) -> None:
     """Refuse a combination the engine does not run, in one line (ValueError)."""
     if not zpp.enabled:
         return
@@ -117,6 +117,9 @@ def check(zpp: ZeroPPPolicy, stage_policy, offload=None, overlap=None) -> None:
     if overlap:
         raise ValueError("--zeropp runs without overlap (the quantized collectives block): expected no --overlap, "
                          "got --overlap; HINT: drop --overlap (--zeropp turns it off by default)")
+    if prefetch:
+        raise ValueError(f"--zeropp gathers each unit where it is read (no overlap): expected no --prefetch, got "
+                         f"--prefetch {prefetch}; HINT: drop --prefetch")
     if zpp.hpz and offload is not None and getattr(offload, "ahead", False):
         raise ValueError("--zeropp hpz with --offload-ahead: the update beside the forward would change units "
                          "under the secondary shard; HINT: drop --offload-ahead or hpz")
