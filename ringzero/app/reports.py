@@ -68,9 +68,10 @@ def start_report(say, cfg: Config, corpus, engine, H: float) -> dict:
                 f"{_mib(engine.pinned.limit).strip()}), pageable {_mib(mem['host_pageable']).strip()}; "
                 "grads and params tiles cross the link on a CuPy stream each")
     if mem.get("zeropp"):          # ZeRO++'s own buffers (runtime/zeropp.py), beside their formulas
-        say(f"  ZeRO++ {mem['zeropp']}: hpZ secondary shard {_mib(mem['hpz_secondary_bytes']).strip()} (formula "
-            f"2Ψ/P, P = {mem['hpz_ranks_per_node']} ranks per node: "
-            f"{_mib(mem['hpz_secondary_formula_bytes']).strip()})"
+        say(f"  ZeRO++ {mem['zeropp']}:"
+            + (f" hpZ secondary shard {_mib(mem['hpz_secondary_bytes']).strip()} (formula 2Ψ/P, P = "
+               f"{mem['hpz_ranks_per_node']} ranks per node: {_mib(mem['hpz_secondary_formula_bytes']).strip()})"
+               if engine.zeropp.hpz else " no hpZ shard")
             + (f", qgZ error-feedback residual {_mib(mem['qgz_residual_bytes']).strip()} (formula 4Ψ: "
                f"{_mib(mem['qgz_residual_formula_bytes']).strip()})" if mem["qgz_residual_bytes"] else ""))
     say("  workspace (not model state): " + ", ".join(f"{k} {_mib(v).strip()}" for k, v in mem["workspace"].items()))
@@ -111,14 +112,20 @@ def end_report(say, cfg: Config, engine, loop, eval_loss: float, H: float) -> di
         f = traffic["formula_internode_bytes_per_step"]
         say(f"  across nodes ({traffic['node_map']})  measured {traffic['measured_internode_bytes_per_step']:,} B   "
             + (f"formula {traffic['internode_formula']} = {f:,} B" if f is not None else "no formula"))
-    if traffic.get("zeropp"):              # ZeRO++: the cross-node bytes in Ψ units beside 3Ψ -> 0.75Ψ
+    if traffic.get("zeropp_hybrid"):
+        say(f"  ZeRO++ {traffic['zeropp']} at hybrid: quantized inside the node; across nodes only the replicas' "
+            "all-reduce (full precision)")
+    elif traffic.get("zeropp"):            # ZeRO++: the cross-node bytes in Ψ units beside 3Ψ -> 0.75Ψ
         ph = traffic["zeropp_phases_psi"]
-        split = traffic["zeropp_quantized_bytes_so_far"]
         say(f"  ZeRO++ {traffic['zeropp']} across nodes: measured {traffic['zeropp_measured_psi']:.4f} x (N-1)/Nd·Ψ·"
             f"{np.dtype(engine.storage_dtype).itemsize} B   formula {traffic['zeropp_formula_psi']:.4f} (forward "
             f"gather {ph['forward_all_gather']:.4f} + backward gather {ph['backward_all_gather']:.4f} + "
             f"reduce-scatter {ph['reduce_scatter']:.4f}; unquantized 3; ZeRO++'s 0.75 with no block scales) = "
-            f"{traffic['zeropp_formula_internode_bytes_per_step']:,} B")
+            f"{traffic['zeropp_formula_internode_bytes_per_step']:,} B"
+            + (" (a step after a skipped one sends qgZ's bytes alone: the params are still in the secondary shard)"
+               if engine.zeropp.hpz else ""))
+    if traffic.get("zeropp"):
+        split = traffic["zeropp_quantized_bytes_so_far"]
         say(f"  quantized bytes of the run so far: codes {split['codes_inter']:,} B + scales "
             f"{split['scales_inter']:,} B across nodes, codes {split['codes_intra']:,} B + scales "
             f"{split['scales_intra']:,} B inside")

@@ -169,6 +169,8 @@ def zeropp_traffic(engine, itemsize: int) -> dict:
     split = {k: sum(rec[k] for rec in q.values()) for k in ("codes_intra", "scales_intra", "codes_inter",
                                                              "scales_inter")}
     measured = sum(getattr(engine, "last_step_internode", {}).values())
+    if engine.policy.hybrid:         # the switches act inside the node; only the replicas' all-reduce crosses
+        return {"zeropp": pol.describe(), "zeropp_hybrid": True, "zeropp_quantized_bytes_so_far": split}
     return {"zeropp": pol.describe(), "zeropp_phases_psi": {k: v for k, v in vol.items() if k != "total"},
             "zeropp_formula_psi": vol["total"],
             "zeropp_formula_internode_bytes_per_step": int(K * vol["total"] * unit) if unit else 0,
