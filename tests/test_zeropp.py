@@ -97,8 +97,8 @@ class RefComm:
         return recv
 
 
-def run(comm, spec, steps=4, ref=False, precision="fp16", broken=None, stage="3", **kw):
-    eng = engine(comm, stage, precision=precision, nodes=labels_of(comm.size),
+def run(comm, spec, steps=4, ref=False, precision="fp16", broken=None, stage="3", eng_kw=None, **kw):
+    eng = engine(comm, stage, precision=precision, **(eng_kw or {}), nodes=labels_of(comm.size),
                  zeropp=policy(spec, **kw) if spec else None)
     if ref:
         eng.topology.zeropp.qc = RefComm(eng.topology.zeropp.qc, comm, **(broken or {}))
@@ -144,6 +144,28 @@ def test_reference_can_fail(comm):
     for broken in cases:
         _, want, mw = run(comm, "qwz,qgz", ref=True, precision="fp32", broken=broken)
         assert_all(comm, not np.array_equal(mg, mw), f"the reference with {broken} still agrees")
+
+
+@pytest.mark.mpi
+def test_accumulation_matches_numpy_reference(comm):
+    """grad_accum = 2: each micro-batch's gradient goes through qgZ into the fp32 shard accumulator."""
+    kw = {"eng_kw": {"grad_accum": 2}}
+    _, got, mg = run(comm, "qwz,hpz,qgz", **kw)
+    _, want, mw = run(comm, "qwz,hpz,qgz", ref=True, **kw)
+    assert_all(comm, got == want and np.array_equal(mg, mw), f"K=2: losses {got} vs reference {want}")
+
+
+@pytest.mark.mpi
+def test_offload_changes_no_bit(comm, tmp_path_factory):
+    """--offload optimizer,params beside all three switches: the same bits as in RAM."""
+    from test_checkpoint import shared_dir
+
+    from ringzero.runtime.offload import OffloadPolicy
+    d = shared_dir(comm, tmp_path_factory, "zppoff")
+    off = OffloadPolicy(optimizer=True, params=True, dir=d, tile=1024)
+    _, a, ma = run(comm, "qwz,hpz,qgz", eng_kw={"offload": off})
+    _, b, mb = run(comm, "qwz,hpz,qgz")
+    assert_all(comm, a == b and np.array_equal(ma, mb), f"offloaded {a} vs in RAM {b}")
 
 
 @pytest.mark.mpi
