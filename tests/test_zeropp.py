@@ -246,6 +246,16 @@ def test_internode_bytes_are_the_wire_sizes(comm):
                f"{rep['zeropp_formula_psi']:.4f}; hpz {mem['hpz_secondary_bytes']}")
 
 
+@pytest.mark.mpi
+def test_hpz_refuses_an_uneven_node_map(comm):
+    from ringzero.runtime.zeropp import ZeroPPError
+    if comm.size < 3:
+        pytest.skip(f"an uneven map needs 3 ranks or more, have {comm.size}")
+    with pytest.raises(ZeroPPError) as e:
+        engine(comm, "3", nodes=[0] * (comm.size - 1) + [1], zeropp=policy("hpz"))
+    assert "\n" not in str(e.value) and "the same number of ranks on every node" in str(e.value)
+
+
 def test_policy_parse_and_refusals():
     from ringzero.runtime.policy import StagePolicy
     from ringzero.runtime.zeropp import ZeroPPPolicy, check

@@ -235,6 +235,7 @@ def run(cfg: Config, comm, stop=None) -> dict:
     # --init-from: each rank reads its own master pieces from the file (a resumed run reads the checkpoint)
     init = src.fill_master if src is not None and not cfg.resume else None
     from ringzero.runtime.offload import OffloadError
+    from ringzero.runtime.zeropp import ZeroPPError
     try:     # a DIR with too little room for this node's ranks is refused here, on every rank alike
         engine = Zero(model, comm, cfg.stage, precision=cfg.precision, device=cfg.device, seed=cfg.seed, init=init,
                       adam=AdamConfig(weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip),
@@ -242,7 +243,7 @@ def run(cfg: Config, comm, stop=None) -> dict:
                       overlap=cfg.overlap, prefetch=cfg.prefetch, offload=offload_policy(cfg),
                       zeropp=zeropp_policy(cfg), nodes=emulated_nodes(n),
                       reduce_bucket=None if cfg.reduce_bucket_mb is None else int(cfg.reduce_bucket_mb * 2 ** 20))
-    except OffloadError as e:
+    except (OffloadError, ZeroPPError) as e:    # ZeRO++ on a node map it cannot run: every rank alike
         raise ConfigError(str(e)) from None
     if src is not None:
         src.close()

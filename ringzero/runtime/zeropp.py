@@ -52,6 +52,10 @@ from ringzero.comm.quant import Quant
 SWITCHES = ("qwz", "hpz", "qgz")
 
 
+class ZeroPPError(ValueError):
+    """A ZeRO++ setting the engine does not run (one line; the trainer exits 2)."""
+
+
 @dataclass(frozen=True)
 class ZeroPPPolicy:
     """Which of ZeRO++'s switches are on, and their quantization (module docstring)."""
@@ -64,11 +68,11 @@ class ZeroPPPolicy:
 
     def __post_init__(self):
         if isinstance(self.block, bool) or not isinstance(self.block, (int, np.integer)) or self.block < 1:
-            raise ValueError(f"--zeropp-block: expected an int >= 1, got {self.block!r}; HINT: ZeRO++ uses 2048")
+            raise ZeroPPError(f"--zeropp-block: expected an int >= 1, got {self.block!r}; HINT: ZeRO++ uses 2048")
         if self.grad_bits not in (4, 8):
-            raise ValueError(f"--zeropp-bits: expected 4 or 8, got {self.grad_bits!r}")
+            raise ZeroPPError(f"--zeropp-bits: expected 4 or 8, got {self.grad_bits!r}")
         if self.error_feedback and not self.qgz:
-            raise ValueError("--zeropp-error-feedback applies to qgz: expected --zeropp with qgz, got "
+            raise ZeroPPError("--zeropp-error-feedback applies to qgz: expected --zeropp with qgz, got "
                              f"{self.describe() or 'no --zeropp'}")
 
     @classmethod
@@ -79,7 +83,7 @@ class ZeroPPPolicy:
             words = []
         bad = [w for w in words if w not in SWITCHES]
         if bad:
-            raise ValueError(f"--zeropp: expected a comma-separated subset of {','.join(SWITCHES)}, got {bad[0]!r}")
+            raise ZeroPPError(f"--zeropp: expected a comma-separated subset of {','.join(SWITCHES)}, got {bad[0]!r}")
         return cls(**{w: True for w in words}, **kw)
 
     @property
@@ -109,19 +113,19 @@ def check(zpp: ZeroPPPolicy, stage_policy, offload=None, overlap=None, prefetch=
     if not zpp.enabled:
         return
     if not stage_policy.gather_params:
-        raise ValueError(f"--zeropp {zpp.describe()} needs params gathered unit by unit: expected --stage 3 or "
+        raise ZeroPPError(f"--zeropp {zpp.describe()} needs params gathered unit by unit: expected --stage 3 or "
                          f"hybrid, got stage {stage_policy.stage}")
     if zpp.hpz and stage_policy.hybrid:
-        raise ValueError("--zeropp hpz: hybrid's shard group is already one node, so its gathers never leave it: "
+        raise ZeroPPError("--zeropp hpz: hybrid's shard group is already one node, so its gathers never leave it: "
                          "expected --stage 3 with hpz, got hybrid; HINT: drop hpz (qwz, qgz run at hybrid)")
     if overlap:
-        raise ValueError("--zeropp runs without overlap (the quantized collectives block): expected no --overlap, "
+        raise ZeroPPError("--zeropp runs without overlap (the quantized collectives block): expected no --overlap, "
                          "got --overlap; HINT: drop --overlap (--zeropp turns it off by default)")
     if prefetch:
-        raise ValueError(f"--zeropp gathers each unit where it is read (no overlap): expected no --prefetch, got "
+        raise ZeroPPError(f"--zeropp gathers each unit where it is read (no overlap): expected no --prefetch, got "
                          f"--prefetch {prefetch}; HINT: drop --prefetch")
     if zpp.hpz and offload is not None and getattr(offload, "ahead", False):
-        raise ValueError("--zeropp hpz with --offload-ahead: the update beside the forward would change units "
+        raise ZeroPPError("--zeropp hpz with --offload-ahead: the update beside the forward would change units "
                          "under the secondary shard; HINT: drop --offload-ahead or hpz")
 
 
@@ -139,7 +143,7 @@ class ZeroPP:
         if policy.hpz:
             nm = ring.nodes
             if nm.ppn is None:
-                raise ValueError(f"--zeropp hpz needs the same number of ranks on every node: got {nm.describe()}")
+                raise ZeroPPError(f"--zeropp hpz needs the same number of ranks on every node: got {nm.describe()}")
             self.P = P = nm.ppn
             me = ring.rank
             # the node's ranks, ordered as the shard ring orders them: node-ring rank == local index
