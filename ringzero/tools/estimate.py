@@ -340,11 +340,8 @@ def build_parser():
     add_step_args(ap)
     from ringzero.tools.tiers import add_tier_args
     add_tier_args(ap)
-    ap.add_argument("--zeropp", default="", help="ZeRO++ at stage 3: any of qwz,hpz,qgz; needs --ranks-per-node "
-                                                 "(P ranks per node): hpZ's memory and the bytes across nodes")
-    ap.add_argument("--zeropp-block", type=int, default=2048, help="--zeropp: elements per fp32 scale")
-    ap.add_argument("--zeropp-bits", type=int, default=4, help="--zeropp qgz: 4 or 8")
-    ap.add_argument("--zeropp-error-feedback", action="store_true", help="--zeropp qgz: count the 4Ψ residual")
+    from ringzero.tools.zeropp_estimate import add_args
+    add_args(ap)
     ap.add_argument("--json", action="store_true", help="print one JSON object instead")
     return ap
 
@@ -382,15 +379,8 @@ def main(argv=None):
             if not 1 <= seq <= cfg.block_size:
                 raise ValueError(f"--seq must be in 1..block_size={cfg.block_size}, got {seq}")
         gpu = parse_size(a.gpu_mem) if a.gpu_mem else None
-        zpp = None
-        if a.zeropp or a.zeropp_error_feedback:
-            from ringzero.runtime.zeropp import ZeroPPPolicy
-            from ringzero.tools.zeropp_estimate import zeropp_estimate
-            pol = ZeroPPPolicy.parse(a.zeropp, block=a.zeropp_block, grad_bits=a.zeropp_bits,
-                                     error_feedback=a.zeropp_error_feedback)
-            if not a.ranks_per_node:
-                raise ValueError("--zeropp needs --ranks-per-node (P ranks per node: hpZ's shard and what crosses)")
-            zpp = zeropp_estimate(psi, a.nd, a.ranks_per_node, pol, a.precision)
+        from ringzero.tools.zeropp_estimate import from_args
+        zpp = from_args(a, psi)                       # --zeropp: hpZ's memory, the bytes across nodes
     except ValueError as e:
         ap.error(str(e))
     r = estimate(psi, a.nd, a.ranks_per_node, cfg, a.batch, seq, gpu, a.temp_buffer,

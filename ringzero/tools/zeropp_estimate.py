@@ -21,6 +21,26 @@ from ringzero.comm.qledger import zeropp_volume
 from ringzero.runtime import accounting as acc
 
 
+def add_args(ap):
+    ap.add_argument("--zeropp", default="", help="ZeRO++ at stage 3: any of qwz,hpz,qgz; needs --ranks-per-node "
+                                                 "(P ranks per node): hpZ's memory and the bytes across nodes")
+    ap.add_argument("--zeropp-block", type=int, default=2048, help="--zeropp: elements per fp32 scale")
+    ap.add_argument("--zeropp-bits", type=int, default=4, help="--zeropp qgz: 4 or 8")
+    ap.add_argument("--zeropp-error-feedback", action="store_true", help="--zeropp qgz: count the 4Ψ residual")
+
+
+def from_args(a, psi: int):
+    """estimate's --zeropp flags -> zeropp_estimate's dict, or None without them (ValueError: one line)."""
+    if not (a.zeropp or a.zeropp_error_feedback):
+        return None
+    from ringzero.runtime.zeropp import ZeroPPPolicy
+    pol = ZeroPPPolicy.parse(a.zeropp, block=a.zeropp_block, grad_bits=a.zeropp_bits,
+                             error_feedback=a.zeropp_error_feedback)
+    if not a.ranks_per_node:
+        raise ValueError("--zeropp needs --ranks-per-node (P ranks per node: hpZ's shard and what crosses)")
+    return zeropp_estimate(psi, a.nd, a.ranks_per_node, pol, a.precision)
+
+
 def zeropp_estimate(psi: int, nd: int, ppn: int, policy, precision: str = "fp16") -> dict:
     eb = acc.storage_bytes(precision)
     if nd % ppn:
