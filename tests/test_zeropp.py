@@ -157,7 +157,7 @@ def test_accumulation_matches_numpy_reference(comm):
 
 @pytest.mark.mpi
 def test_offload_changes_no_bit(comm, tmp_path_factory):
-    """--offload optimizer,params beside all three switches: the same bits as in RAM."""
+    """--offload optimizer,params beside the switches (and ahead, beside qwz,qgz): the same bits as in RAM."""
     from test_checkpoint import shared_dir
 
     from ringzero.runtime.offload import OffloadPolicy
@@ -166,6 +166,11 @@ def test_offload_changes_no_bit(comm, tmp_path_factory):
     _, a, ma = run(comm, "qwz,hpz,qgz", eng_kw={"offload": off})
     _, b, mb = run(comm, "qwz,hpz,qgz")
     assert_all(comm, a == b and np.array_equal(ma, mb), f"offloaded {a} vs in RAM {b}")
+    # the update beside the next forward (ahead): qwz, qgz (hpz is refused with it)
+    ahead = OffloadPolicy(optimizer=True, params=True, dir=d, tile=1024, ahead=True)
+    _, a, ma = run(comm, "qwz,qgz", eng_kw={"offload": ahead})
+    _, b, mb = run(comm, "qwz,qgz")
+    assert_all(comm, a == b and np.array_equal(ma, mb), f"offloaded ahead {a} vs in RAM {b}")
 
 
 @pytest.mark.mpi
