@@ -80,3 +80,29 @@ def test_simulate_zeropp_is_faster_on_a_slow_network():
     zpp = sm.step_time(L, "3", 4, comp, links, nodes=nodes, zeropp=ZeroPPPolicy.parse("qwz,hpz,qgz"))
     assert zpp["stage"] == "3+zpp" and zpp["comm"] < 0.5 * plain["comm"]
     assert zpp["internode_bytes"] < 0.3 * plain["internode_bytes"]
+
+
+def test_explain_traffic_knows_the_switches(tmp_path, capsys):
+    """explain traffic --nodes 2 --zeropp: the bytes across nodes written out; --metrics of a --zeropp run:
+    its measured Ψ-multiple beside the formula."""
+    from test_explain import _metrics
+
+    from ringzero.tools import explain as ex
+    assert ex.main(["traffic", "--params", "1B", "--nd", "4", "--nodes", "2", "--zeropp", "qwz,hpz,qgz"]) == 0
+    out = capsys.readouterr().out
+    want = (2 - 1) / 4 * 10 ** 9 * 2 * ((0.5 + 2 / 2048) + (0.25 + 2 / 2048)) / 1e9
+    assert f"= {want:.4g} GB (unquantized {3 * 10 ** 9 * 2 / 4 / 1e9:.4g} GB)" in out, out[-600:]
+    path, _ = _metrics(tmp_path, psi=1024, n=4, stage="3")
+    lines = [json.loads(x) for x in open(path)]
+    lines[-1]["traffic"].update(nodes=2, node_ppn=2, measured_internode_bytes_per_step=390,
+                                formula_internode_bytes_per_step=1536, internode_formula="3(Ψ/P)(N-1)/N",
+                                zeropp="qwz,hpz,qgz (block 256, grads int4)", zeropp_measured_psi=0.7617,
+                                zeropp_formula_psi=0.765625, zeropp_formula_internode_bytes_per_step=392)
+    open(path, "w").write("\n".join(json.dumps(x) for x in lines) + "\n")
+    ex.main(["traffic", "--metrics", path])
+    out = capsys.readouterr().out
+    assert "ZeRO++ qwz,hpz,qgz (block 256, grads int4): across nodes measured 0.7617" in out
+    assert "formula 0.7656 (comm.qledger.zeropp_volume; unquantized 3) = 392 B" in out
+    with pytest.raises(SystemExit) as e:
+        ex.main(["traffic", "--params", "1B", "--nd", "4", "--zeropp", "qwz"])
+    assert e.value.code == 2
