@@ -388,3 +388,26 @@ def test_device_run(comm, monkeypatch):
     b, mb = _device_run(comm, cp, "qwz,hpz")
     assert_all(comm, np.allclose(dev, host, rtol=1e-6, atol=0), f"device {dev} vs host {host}")
     assert_all(comm, a == b and np.array_equal(ma, mb), f"device qwz {a} vs qwz,hpz {b}")
+
+
+@pytest.mark.mpi
+def test_no_allocation_after_the_first_steps(comm):
+    """The switches' buffers (hpZ's shard, qgZ's residual, the collectives' scratch) are made once:
+    after two steps, three more grow traced memory by less than 64 KiB and move no buffer."""
+    import tracemalloc
+    eng = engine(comm, "3", nodes=labels_of(comm.size), zeropp=policy("qwz,hpz,qgz", error_feedback=True))
+    data = batches(comm, comm.size, comm.rank)
+    train(eng, data, 2)
+    zpp = eng.topology.zeropp
+    ptrs = (zpp.secondary.ctypes.data, zpp.residual.ctypes.data,
+            sorted((k, v.ctypes.data) for k, v in zpp.qc._ws.items()))
+    tracemalloc.start()
+    eng.step(*data.get(2), 1e-3)
+    base = tracemalloc.get_traced_memory()[0]
+    for s in range(3, 6):
+        eng.step(*data.get(s), 1e-3)
+    grown = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    now = (zpp.secondary.ctypes.data, zpp.residual.ctypes.data,
+           sorted((k, v.ctypes.data) for k, v in zpp.qc._ws.items()))
+    assert_all(comm, now == ptrs and grown < 64 * 1024, f"moved: {now != ptrs}; grew {grown} B over 3 steps")
