@@ -58,6 +58,22 @@ def test_loss_png(tmp_path):
     _is_png(out)
 
 
+def test_losses_side_by_side(tmp_path, capsys):
+    files = []
+    for k, final in (("none", 2.1), ("qwz,hpz,qgz", 2.12)):
+        lines = [{"step": i, "loss": 5.5 / (1 + 0.05 * i), "eval_loss": 5.0 / (1 + 0.05 * i) if i % 10 == 0 else None}
+                 for i in range(50)]
+        lines.append({"summary": True, "params": 1000, "world_size": 4, "stage": "3", "eval_loss": final})
+        p = tmp_path / f"{k}.jsonl"
+        p.write_text("\n".join(json.dumps(x) for x in lines))
+        files.append(str(p))
+    out = str(tmp_path / "side.png")
+    assert plot.main(["loss", *files, "-o", out]) == 0
+    _is_png(out)
+    text = capsys.readouterr().out
+    assert "none: final eval loss 2.1000" in text and "qwz,hpz,qgz: final eval loss 2.1200" in text
+
+
 def test_bad_inputs_exit_2(tmp_path):
     p = tmp_path / "empty.jsonl"
     p.write_text("")

@@ -89,6 +89,14 @@ class Config:
                                 "buffers: depth + 2 tiles of each offloaded class, counted by the memory check)")
     offload_threads: int = opt(8, "with --offload: I/O requests per rank in the kernel at once (O_DIRECT where the "
                                   "filesystem takes it, docs/offload.md)")
+    zeropp: str = opt("", 'ZeRO++ at stage 3/hybrid (docs/quantized.md): any of "qwz" (int8 params in the '
+                          'all-gathers), "hpz" (a secondary params shard inside the node: the backward\'s gathers '
+                          'stay there; stage 3), "qgz" (the gradients\' reduce-scatter in int4/int8 through a '
+                          'two-hop all-to-all), comma-separated; "" = off. Turns overlap off')
+    zeropp_block: int = opt(2048, "--zeropp: elements per fp32 scale (qwz, qgz), as ZeRO++'s 2048")
+    zeropp_bits: int = opt(4, "--zeropp qgz: bits of the gradient codes, 4 (ZeRO++'s) or 8")
+    zeropp_error_feedback: bool = opt(False, "--zeropp qgz: keep each rank's quantization residual (4 bytes per "
+                                             "parameter) and add it to the next step's gradient")
     # ---- reporting
     eval_interval: int = opt(100, "steps between held-out evaluations (0 = only at the end)")
     eval_batches: int = opt(4, "batches per evaluation, per rank")
@@ -303,6 +311,7 @@ def validate(cfg: Config):
     except (ValueError, TypeError) as e:
         raise ConfigError(f"--stage: {e}") from None
     _validate_offload(cfg)
+    _validate_zeropp(cfg)
     if cfg.mem_budget:
         try:
             parse_size(cfg.mem_budget)
@@ -318,6 +327,33 @@ def validate(cfg: Config):
         from ringzero.runtime.checkpoint import latest
         need(latest(cfg.save_dir) is not None,
              f"--resume latest: no complete checkpoint in --save-dir {cfg.save_dir!r}")
+
+
+def zeropp_policy(cfg: Config):
+    """The ZeroPPPolicy of --zeropp, --zeropp-block, --zeropp-bits, --zeropp-error-feedback (runtime/zeropp.py)."""
+    from ringzero.runtime.zeropp import ZeroPPPolicy
+    try:
+        return ZeroPPPolicy.parse(cfg.zeropp, block=int(cfg.zeropp_block), grad_bits=int(cfg.zeropp_bits),
+                                  error_feedback=bool(cfg.zeropp_error_feedback))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _validate_zeropp(cfg: Config):
+    """--zeropp: its words, its stage, and what it does not run beside (one line each)."""
+    from ringzero.runtime.policy import StagePolicy
+    from ringzero.runtime.zeropp import check
+    pol = zeropp_policy(cfg)
+    if not pol.enabled:
+        for k in ("zeropp_bits", "zeropp_block", "zeropp_error_feedback"):
+            if getattr(cfg, k) != getattr(Config, k):
+                raise ConfigError(f"--{k.replace('_', '-')} is given without --zeropp: add --zeropp qwz,hpz,qgz "
+                                  "(or a subset)")
+        return
+    try:
+        check(pol, StagePolicy.of(cfg.stage), offload_policy(cfg), cfg.overlap, cfg.prefetch)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def offload_policy(cfg: Config):

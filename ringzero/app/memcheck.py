@@ -69,7 +69,8 @@ def need_of(cfg: Config, model, run: budget.Run, nodes: int = 1) -> budget.Need:
     L = Layout(model.units, shards=group)
     sd = storage_dtype(cfg.precision)
     cd = np.dtype(np.float32) if cfg.device == "cpu" else sd
-    overlap = (max(1, run.nd // run.ppn) > 1 or nodes > 1) if cfg.overlap is None else bool(cfg.overlap)
+    zpp = bool(getattr(cfg, "zeropp", "")) and P.gather_params     # --zeropp runs without overlap
+    overlap = ((max(1, run.nd // run.ppn) > 1 or nodes > 1) and not zpp) if cfg.overlap is None else bool(cfg.overlap)
     prefetch = (1 if cfg.prefetch is None else cfg.prefetch) if overlap and P.gather_params else 0
     rb = cfg.reduce_bucket_mb
     bucket = (0 if overlap or P.gather_params else TREE_BYTES) if rb is None else int(rb * 2 ** 20)
@@ -80,6 +81,8 @@ def need_of(cfg: Config, model, run: budget.Run, nodes: int = 1) -> budget.Need:
     by = budget.state_by_tier(run.stage, L.padded, run.nd, rpn, cfg.precision, cfg.grad_accum, run.offload,
                               cfg.device, to)
     tiers = budget.tier_totals(by)
+    extra = zeropp_bytes(cfg, L, P, run.ppn, sd) if zpp else 0    # held all run, beside the state classes
+    tiers = {**tiers, "ram" if not cuda else "device": tiers["ram" if not cuda else "device"] + extra}
     ws = budget.workspace_bytes(L, P, sd, cd, cfg.grad_accum, overlap, prefetch, bucket,
                                 [model.backward_reads_params(u) for u in range(len(L.units))])
     ws += budget.comm_scratch_bytes(L, P, sd, bucket) + RUNTIME_SLACK
@@ -125,6 +128,23 @@ def _room_on_device():
         return int(cupy.cuda.runtime.memGetInfo()[0])
     except Exception:                    # the CuPy stand-in, or no device: no figure
         return None
+
+
+def zeropp_bytes(cfg: Config, L, P, ppn: int, sd) -> int:
+    """--zeropp's buffers per rank (runtime/zeropp.py): hpZ's secondary shard, the padded Ψ over the ranks
+    of a node in the storage dtype (2Ψ/P at fp16), and qgZ's error-feedback residual (4Ψ, fp32)."""
+    from ringzero.comm.quant import Quant
+    words = {w.strip() for w in cfg.zeropp.split(",")}
+    hpz = L.padded // max(1, ppn) * np.dtype(sd).itemsize if "hpz" in words and not P.hybrid else 0
+    ef = "qgz" in words and cfg.zeropp_error_feedback
+    # comm/quantized.py's grow-only scratch at the largest unit (n pieces of m): the all-gather's wire area,
+    # the reduce-scatter's two wire areas, its fp32 sum, partials (<= n*m) and error-feedback copy
+    n, m = L.shards, max(L.piece_numel)
+    scratch = n * Quant(8, cfg.zeropp_block).wire_bytes(m) if "qwz" in words else 0
+    if "qgz" in words:
+        g = Quant(cfg.zeropp_bits, cfg.zeropp_block).wire_bytes(m)
+        scratch += 4 * n * g + 4 * m + 4 * n * m + (4 * n * m if ef else 0)
+    return hpz + (4 * L.padded if ef else 0) + scratch
 
 
 def verdict(cfg: Config, model, rooms: list, node_of: list, n: int):

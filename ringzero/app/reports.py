@@ -74,6 +74,13 @@ def start_report(say, cfg: Config, corpus, engine, H: float) -> dict:
             say(f"  host memory pinned {_mib(mem['host_pinned']).strip()} (limit "
                 f"{_mib(engine.pinned.limit).strip()}), pageable {_mib(mem['host_pageable']).strip()}; "
                 "grads and params tiles cross the link on a CuPy stream each")
+    if mem.get("zeropp"):          # ZeRO++'s own buffers (runtime/zeropp.py), beside their formulas
+        say(f"  ZeRO++ {mem['zeropp']}:"
+            + (f" hpZ secondary shard {_mib(mem['hpz_secondary_bytes']).strip()} (formula 2Ψ/P, P = "
+               f"{mem['hpz_ranks_per_node']} ranks per node: {_mib(mem['hpz_secondary_formula_bytes']).strip()})"
+               if engine.zeropp.hpz else " no hpZ shard")
+            + (f", qgZ error-feedback residual {_mib(mem['qgz_residual_bytes']).strip()} (formula 4Ψ: "
+               f"{_mib(mem['qgz_residual_formula_bytes']).strip()})" if mem["qgz_residual_bytes"] else ""))
     say("  workspace (not model state): " + ", ".join(f"{k} {_mib(v).strip()}" for k, v in mem["workspace"].items()))
     others = []
     for st in accounting.STAGES:
@@ -100,17 +107,35 @@ def end_report(say, cfg: Config, engine, loop, eval_loss: float, H: float) -> di
     say(f"ringzero | throughput {tput:,.0f} tokens/s (median step {np.median(steady) * 1e3:.1f} ms), "
         f"{cfg.steps} steps in {loop.wall:.1f} s")
     say(f"traffic per step per rank  measured {traffic['measured_bytes_per_step']:,} B   formula "
-        f"{traffic['formula']} = {traffic['formula_bytes_per_step']:,} B")
+        f"{'(unquantized) ' if traffic.get('zeropp') else ''}{traffic['formula']} = "
+        f"{traffic['formula_bytes_per_step']:,} B")
     for op, b in traffic["by_op"].items():
         if b:
             say(f"  {op:<22} {b:,} B")
-    if traffic["plan_bytes_per_step"] != traffic["formula_bytes_per_step"]:
+    if traffic["plan_bytes_per_step"] != traffic["formula_bytes_per_step"] and not traffic.get("zeropp"):
         say(f"  differs by {traffic['formula_bytes_per_step'] - traffic['measured_bytes_per_step']:,} B: the "
             f"last unit's forward and backward are adjacent, so it is gathered once, not twice (as FSDP does)")
     if traffic["nodes"] > 1:              # the part that left the node (N nodes of P ranks)
         f = traffic["formula_internode_bytes_per_step"]
         say(f"  across nodes ({traffic['node_map']})  measured {traffic['measured_internode_bytes_per_step']:,} B   "
             + (f"formula {traffic['internode_formula']} = {f:,} B" if f is not None else "no formula"))
+    if traffic.get("zeropp_hybrid"):
+        say(f"  ZeRO++ {traffic['zeropp']} at hybrid: quantized inside the node; across nodes only the replicas' "
+            "all-reduce (full precision)")
+    elif traffic.get("zeropp"):            # ZeRO++: the cross-node bytes in Ψ units beside 3Ψ -> 0.75Ψ
+        ph = traffic["zeropp_phases_psi"]
+        say(f"  ZeRO++ {traffic['zeropp']} across nodes: measured {traffic['zeropp_measured_psi']:.4f} x (N-1)/Nd·Ψ·"
+            f"{np.dtype(engine.storage_dtype).itemsize} B   formula {traffic['zeropp_formula_psi']:.4f} (forward "
+            f"gather {ph['forward_all_gather']:.4f} + backward gather {ph['backward_all_gather']:.4f} + "
+            f"reduce-scatter {ph['reduce_scatter']:.4f}; unquantized 3; ZeRO++'s 0.75 with no block scales) = "
+            f"{traffic['zeropp_formula_internode_bytes_per_step']:,} B"
+            + (" (a step after a skipped one sends qgZ's bytes alone: the params are still in the secondary shard)"
+               if engine.zeropp.hpz else ""))
+    if traffic.get("zeropp"):
+        split = traffic["zeropp_quantized_bytes_so_far"]
+        say(f"  quantized bytes of the run so far: codes {split['codes_inter']:,} B + scales "
+            f"{split['scales_inter']:,} B across nodes, codes {split['codes_intra']:,} B + scales "
+            f"{split['scales_intra']:,} B inside")
     if engine.offload.enabled and engine.state.files and engine.last_step_io:
         io = engine.io_report()
         def plan(k):       # the plan's exact figure where it differs (params: the last unit is gathered once)
@@ -150,7 +175,9 @@ def summarize(cfg: Config, engine, mem: dict, end: dict, H: float) -> dict:
                         "formula_bytes_per_step": traffic["formula_bytes_per_step"],
                         "plan_bytes_per_step": traffic["plan_bytes_per_step"],
                         **{k: traffic[k] for k in ("nodes", "node_ppn", "measured_internode_bytes_per_step",
-                                                   "formula_internode_bytes_per_step", "internode_formula")}},
+                                                   "formula_internode_bytes_per_step", "internode_formula")},
+                        **{k: traffic[k] for k in ("zeropp", "zeropp_measured_psi", "zeropp_formula_psi",
+                                                   "zeropp_formula_internode_bytes_per_step") if k in traffic}},
             "train_loss": end["train_loss"], "eval_loss": end["eval_loss"], "unigram_entropy": H,
             "tokens_per_s": end["tokens_per_s"], "activation_peak_bytes": engine.activation_peak,
             "peak_rss_bytes": end["peak_rss_bytes"]}

@@ -42,6 +42,7 @@ from ringzero.app.config import (  # noqa: F401
     offload_policy,
     parse_config,
     validate,
+    zeropp_policy,
 )
 from ringzero.app.exits import agree, leave, under_mpi
 from ringzero.app.reports import end_report, start_report, summarize
@@ -102,6 +103,17 @@ class LoopResult:
     times: list = field(default_factory=list)      # seconds per step (the slowest rank's)
     losses: list = field(default_factory=list)     # global mean training loss per step
     wall: float = 0.0                               # seconds for the whole loop
+
+
+def emulated_nodes(n: int):
+    """RINGZERO_EMULATE_NODES=N: N emulated nodes of n/N consecutive ranks each (a node label per rank), as
+    tests pass ``nodes=`` to the engine; unset: the nodes MPI finds. N must divide n (ConfigError)."""
+    v = os.environ.get("RINGZERO_EMULATE_NODES", "")
+    if not v:
+        return None
+    if not v.isdigit() or int(v) < 1 or n % int(v):
+        raise ConfigError(f"RINGZERO_EMULATE_NODES: expected a node count that divides the {n} ranks, got {v!r}")
+    return [r // (n // int(v)) for r in range(n)]
 
 
 def saves_on_stop(cfg: Config) -> bool:
@@ -236,15 +248,17 @@ def run(cfg: Config, comm, stop=None) -> dict:
     # --init-from: each rank reads its own master pieces from the file (a resumed run reads the checkpoint)
     init = src.fill_master if src is not None and not cfg.resume else None
     from ringzero.runtime.offload import OffloadError, OffloadFailed
+    from ringzero.runtime.zeropp import ZeroPPError
     try:     # a DIR with too little room for this node's ranks is refused here, on every rank alike
         engine = Zero(model, comm, cfg.stage, precision=cfg.precision, device=cfg.device, seed=cfg.seed, init=init,
                       adam=AdamConfig(weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip),
                       ranks_per_node=cfg.ranks_per_node or None, mem_budget=budget, grad_accum=cfg.grad_accum,
                       overlap=cfg.overlap, prefetch=cfg.prefetch, offload=offload_policy(cfg),
+                      zeropp=zeropp_policy(cfg), nodes=emulated_nodes(n),
                       reduce_bucket=None if cfg.reduce_bucket_mb is None else int(cfg.reduce_bucket_mb * 2 ** 20))
     except OffloadFailed:               # the params cast failed in use (not bad input): exit 4, every rank
         raise
-    except OffloadError as e:
+    except (OffloadError, ZeroPPError) as e:    # also ZeRO++ on a node map it cannot run: every rank alike
         raise ConfigError(str(e)) from None
     if src is not None:
         src.close()

@@ -20,8 +20,8 @@ What it is
     With the scales counted the figures are slightly above ZeRO++'s 0.5 + 0 + 0.25 = 0.75Ψ.
 
 What it is not
-    A measurement: the ledger counts what the ops posted; the figures per step and per link
-    are the trainer's and the benchmarks' (a later session wires them in).
+    A measurement: the ledger counts what the ops posted; the figures per step are the
+    trainer's (runtime/reports.zeropp_traffic, through Topology.ledgers) and the benchmarks'.
 """
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ What it is
     ``residual`` (float32, len(send), kept by the caller between calls): error feedback on hop 1:
     send + residual is quantized, and residual becomes (send + residual) - dequant(quant(...)).
 
-    For the engine (the --zeropp switches, next): qwZ calls ``all_gather`` where runtime/gather.py
+    The engine (--zeropp, runtime/zeropp.py) does this: qwZ calls ``all_gather`` where runtime/gather.py
     calls ``Ring.all_gather`` on a unit's flat shard (one QuantizedComm per shard Ring, kept as
     long as the Ring); qgZ calls ``reduce_scatter`` where runtime/reduce.py calls the Ring's,
     with one residual per unit if error feedback is on; hpZ needs no new collective: a plain
@@ -176,7 +176,8 @@ class QuantizedComm:
             self._sum(q, acc, [(h_out if k == k_me else h_in, k * wb) for k in range(N)], wb, m)
         if op == "avg":
             xp.divide(acc, float(n), out=acc)
-        recv[...] = acc
+        with np.errstate(over="ignore"):                  # fp16 overflow: inf, as the Ring's sum; the scaler skips
+            recv[...] = acc
         return recv
 
     # ---- the parts --------------------------------------------------------

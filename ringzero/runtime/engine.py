@@ -19,6 +19,8 @@ What it is
         host_tier.py  a device run's offload: host arrays (pinned up to a bound), the link's copies
         stream.py     the offloaded update: tiles through a few buffers, a reader and a writer thread
         reports.py    memory and traffic, measured beside the formulas
+        zeropp.py     ZeRO++ (``zeropp=ZeroPPPolicy(...)``): quantized gathers (qwZ), a secondary
+                      shard inside the node (hpZ), the quantized reduce-scatter (qgZ)
 
     The step is forward and backward through the plan, then the update: the
     global gradient norm from per-piece partial sums, the overflow check, and
@@ -74,6 +76,8 @@ from ringzero.runtime.policy import StagePolicy
 from ringzero.runtime.state import ShardedState, aligned_empty, cast_into, check_budget, storage_dtype
 from ringzero.runtime.topology import Topology
 from ringzero.runtime.workspace import Workspaces
+from ringzero.runtime.zeropp import ZeroPP, ZeroPPPolicy
+from ringzero.runtime.zeropp import check as zeropp_check
 
 if TYPE_CHECKING:                      # the contract, for readers and type checkers only
     from ringzero.nn.contract import ShardableModel
@@ -100,7 +104,7 @@ class Zero:
                  adam: AdamConfig | None = None, ranks_per_node=None, mem_budget=None,
                  scaler: LossScaler | None = None, timeout=None, grad_accum: int = 1, nodes=None,
                  overlap: bool | None = None, prefetch: int | None = None, reduce_bucket: int | None = None,
-                 init=None, offload: OffloadPolicy | None = None):
+                 init=None, offload: OffloadPolicy | None = None, zeropp: ZeroPPPolicy | None = None):
         # init: None draws the weights from seed (Layout.init_param); else a callable(state) that fills
         # the master pieces this rank holds (state.held_ranks / state.piece) itself, before the params
         # are published from them: the trainer's --init-from (interop/hf_import.py) reads them from a file
@@ -125,10 +129,15 @@ class Zero:
         self.layout = L = Layout(model.units, shards=topo.shard_size)
         U = len(L.units)
         self.offload = offload or OffloadPolicy()
+        self.zeropp = zeropp or ZeroPPPolicy()      # ZeRO++'s switches (runtime/zeropp.py); refused before allocating
+        zeropp_check(self.zeropp, P, self.offload, overlap, prefetch)
         if mem_budget is not None:       # refuse before allocating anything
             check_budget(L, self.stage, topo.world_size, mem_budget, P.ranks_per_node(topo.shard_size),
                          precision, self.grad_accum, self.offload.tiers, device, self.offload.where)
         _make_state(self, device)
+        if self.zeropp.enabled:          # its collectives, hpZ's secondary shard, qgZ's residuals: allocated once
+            with alloc_guard("ZeRO++'s secondary shard and residuals"):
+                topo.zeropp = ZeroPP(self.zeropp, L, topo, xp, self.storage_dtype)
         with alloc_guard("the initial weights (an fp32 host copy of the master's size)"):
             if init is None:
                 self.state.init_master(seed)
@@ -141,7 +150,7 @@ class Zero:
         # the plan holds that slot one position longer. None: on when the ranks span several
         # nodes, where communication is a third of the step; on one host it is a few percent and
         # the progress thread costs the compute more than it hides (docs/overlap.md)
-        self.overlap = topo.nodes.count > 1 if overlap is None else bool(overlap)
+        self.overlap = topo.nodes.count > 1 and not self.zeropp.enabled if overlap is None else bool(overlap)
         self.prefetch, self.reduce_bucket = _schedule_options(P, self.overlap, prefetch, reduce_bucket,
                                                               self.ring.tree_bytes)
         reads_slot = np.dtype(self.storage_dtype).itemsize == 4 and P.grad_bucket
@@ -257,6 +266,8 @@ class Zero:
         skipped = self.scaler.update(not math.isfinite(sumsq))
         if not skipped:
             update.apply(self, np.float32(inv * clip_coef(gnorm, self.adam.cfg.grad_clip)), lr)
+            if self.topology.zeropp is not None:     # hpZ: the secondary shard holds the old params
+                self.topology.zeropp.invalidate()
         self.step_count += 1
         if rec:
             rec.end_step(t0, fb)
@@ -270,6 +281,8 @@ class Zero:
     def publish_params(self):
         """master -> storage-dtype params (own pieces), all-gathered where params are full."""
         self.wait_params()
+        if self.topology.zeropp is not None:         # hpZ: the secondary shard holds the old params
+            self.topology.zeropp.invalidate()
         if self.offload_stream is not None:          # master on disk: the cast streams it in tiles
             first, err = self.offload_stream.casts == 0, None
             try:

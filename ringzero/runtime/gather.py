@@ -63,7 +63,11 @@ class GatherCast:
                 t0 = time.perf_counter()
                 self._touch(seg)
                 self._own(w, own)
-                self.topology.ring.all_gather(own, seg)
+                zpp = self.topology.zeropp                # ZeRO++ (runtime/zeropp.py): qwZ, hpZ
+                if zpp is not None:
+                    zpp.gather(w, own, seg)
+                else:
+                    self.topology.ring.all_gather(own, seg)
                 self.inflight.blocking("gather", time.perf_counter() - t0)
             src = seg
         else:

@@ -105,10 +105,18 @@ class CastReduce:
                 self.inflight.hold(key, [ring.reduce_scatter_start(seg, out)],
                                    replica=out if self._replicas else None)
                 return
-            ring.reduce_scatter(seg, out)
+            self._reduce_scatter(w, seg, out)
             if self._replicas:
                 topo.replica_ring.all_reduce(out)
         self.inflight.blocking("reduce", time.perf_counter() - t0)
+
+    def _reduce_scatter(self, w, seg, out):
+        """Unit w's gradient seg -> this rank's piece out, over the shard ring or ZeRO++'s qgZ (zeropp.py)."""
+        zpp = self.topology.zeropp
+        if zpp is not None:
+            zpp.reduce_scatter(w, seg, out)
+        else:
+            self.topology.ring.reduce_scatter(seg, out)
 
     def close_grad(self, w, slot, k: int = 0):
         """Micro-batch k's gradient of unit w is complete (workspace.py's docstring)."""
@@ -143,7 +151,7 @@ class CastReduce:
                                after=functools.partial(self._accumulate, w, k))
             return
         t0 = time.perf_counter()
-        topo.ring.reduce_scatter(seg, out)
+        self._reduce_scatter(w, seg, out)
         self.inflight.blocking("reduce", time.perf_counter() - t0)
         self._accumulate(w, k)
 

@@ -29,11 +29,11 @@ from ringzero.runtime.policy import ACCUM_BUFFER, BUFFER_CLASS
 
 def ledger_totals(topology, counter: str = "bytes_sent") -> dict:
     """{op: bytes sent so far} (or another ledger counter: "bytes_sent_internode" is the
-    part sent to ranks on other nodes); replica-ring ops as "op@replica"."""
+    part sent to ranks on other nodes); replica-ring ops as "op@replica", hpZ's node ring's as "op@hpz"."""
     out = {}
-    for name, ring in topology.rings():
-        for op, rec in ring.ledger.as_dict().items():
-            key = op if name == "shard" else f"{op}@replica"
+    for name, ledger in topology.ledgers():
+        for op, rec in ledger.as_dict().items():
+            key = op if name == "shard" else f"{op}@{name}"
             out[key] = out.get(key, 0) + rec[counter]
     return out
 
@@ -76,7 +76,24 @@ def memory_report(engine) -> dict:
             + (engine.workspaces.param_reads.nbytes() if engine.workspaces.param_reads else 0),
             # a device run's host tier (host_tier.PinnedArena): the host bytes pinned and pageable
             "host_pinned": engine.pinned.pinned if engine.pinned else 0,
-            "host_pageable": engine.pinned.pageable if engine.pinned else 0}
+            "host_pageable": engine.pinned.pageable if engine.pinned else 0,
+            **zeropp_memory(engine)}
+
+
+def zeropp_memory(engine) -> dict:
+    """ZeRO++'s buffers on this rank beside their formulas: hpZ's secondary shard (the padded Ψ params
+    over P ranks per node, storage dtype: 2Ψ/P at 2-byte storage) and qgZ's residual (4Ψ, fp32)."""
+    zpp = engine.topology.zeropp
+    if zpp is None:
+        return {}
+    L, itemsize = engine.layout, np.dtype(engine.storage_dtype).itemsize
+    got = zpp.nbytes()
+    return {"zeropp": engine.zeropp.describe(),
+            "hpz_secondary_bytes": got["hpz_secondary"],
+            "hpz_secondary_formula_bytes": (L.padded // zpp.P * itemsize) if zpp.policy.hpz else 0,
+            "hpz_ranks_per_node": zpp.P,
+            "qgz_residual_bytes": got["qgz_residual"],
+            "qgz_residual_formula_bytes": 4 * L.padded if zpp.residual is not None else 0}
 
 
 TIERS = ("ram", "device", "disk")
@@ -129,7 +146,37 @@ def traffic_report(engine) -> dict:
             "formula_bytes_per_step": int(formula),
             "plan_bytes_per_step": int(exact),
             "formula": accounting.traffic_formula(engine.stage, K), "grad_accum": K,
-            "formula_elements": elements, **internode_report(engine, itemsize)}
+            "formula_elements": elements, **internode_report(engine, itemsize), **zeropp_traffic(engine, itemsize)}
+
+
+def zeropp_traffic(engine, itemsize: int) -> dict:
+    """ZeRO++: the last step's cross-node bytes (codes and scales apart) beside its formula.
+
+    The unquantized stage 3 step sends (N-1)/Nd of Ψ elements across nodes in each of its three
+    phases (forward gather, backward gather, reduce-scatter: the seed's 3Ψ); each switch scales one
+    phase by comm/qledger.zeropp_volume's factor (qwZ: (1 + 4/block)/itemsize on both gathers, hpZ:
+    0 on the backward one, qgZ: (bits/8 + 4/block)/itemsize on the reduce-scatter). ``psi_multiple``:
+    measured bytes over (N-1)/Nd * Ψ * itemsize, the figure to set beside 3 -> 0.75.
+    """
+    zpp = engine.topology.zeropp
+    if zpp is None:
+        return {}
+    from ringzero.comm.qledger import zeropp_volume
+    L, nm, nd, K = engine.layout, engine.topology.nodes, engine.topology.world_size, engine.grad_accum
+    pol = engine.zeropp
+    vol = zeropp_volume(pol.qwz, pol.hpz, pol.qgz, pol.weights, pol.grads, elem_bytes=itemsize)
+    unit = (nm.count - 1) * L.padded * itemsize / nd          # one unquantized phase's cross-node bytes
+    q = zpp.qc.ledger.as_dict() if zpp.qc is not None else {}
+    split = {k: sum(rec[k] for rec in q.values()) for k in ("codes_intra", "scales_intra", "codes_inter",
+                                                             "scales_inter")}
+    measured = sum(getattr(engine, "last_step_internode", {}).values())
+    if engine.policy.hybrid:         # the switches act inside the node; only the replicas' all-reduce crosses
+        return {"zeropp": pol.describe(), "zeropp_hybrid": True, "zeropp_quantized_bytes_so_far": split}
+    return {"zeropp": pol.describe(), "zeropp_phases_psi": {k: v for k, v in vol.items() if k != "total"},
+            "zeropp_formula_psi": vol["total"],
+            "zeropp_formula_internode_bytes_per_step": int(K * vol["total"] * unit) if unit else 0,
+            "zeropp_measured_psi": (measured / unit) if unit else 0.0,
+            "zeropp_quantized_bytes_so_far": split}
 
 
 def internode_report(engine, itemsize: int) -> dict:

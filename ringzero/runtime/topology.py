@@ -52,6 +52,7 @@ class Topology:
                 r.trace_name = name          # the trace's "ring" arg: shard and replica are the ledger's
         self._one, self._all = np.zeros(1, np.float64), np.zeros(world.size, np.float64)
         self._members = None
+        self.zeropp = None     # ZeRO++'s collectives (runtime/zeropp.py), set by the engine when on
 
     def barrier(self):
         """A barrier over the world, through the watched control ring."""
@@ -98,6 +99,13 @@ class Topology:
                 wg, sg = self.world.Get_group(), self.shard.Get_group()
                 self._members = MPI.Group.Translate_ranks(sg, list(range(self.shard_size)), wg)
         return self._members
+
+    def ledgers(self):
+        """(label, ledger) of every byte ledger of this engine's step traffic: the rings', then ZeRO++'s."""
+        for name, ring in self.rings():
+            yield name, ring.ledger
+        if self.zeropp is not None:
+            yield from self.zeropp.ledgers()
 
     def rings(self):
         """(label, ring) of every ring this engine sends on: the ledger's sources."""

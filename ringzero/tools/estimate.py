@@ -340,6 +340,8 @@ def build_parser():
     add_step_args(ap)
     from ringzero.tools.tiers import add_tier_args
     add_tier_args(ap)
+    from ringzero.tools.zeropp_estimate import add_args
+    add_args(ap)
     ap.add_argument("--json", action="store_true", help="print one JSON object instead")
     return ap
 
@@ -377,10 +379,14 @@ def main(argv=None):
             if not 1 <= seq <= cfg.block_size:
                 raise ValueError(f"--seq must be in 1..block_size={cfg.block_size}, got {seq}")
         gpu = parse_size(a.gpu_mem) if a.gpu_mem else None
+        from ringzero.tools.zeropp_estimate import from_args
+        zpp = from_args(a, psi)                       # --zeropp: hpZ's memory, the bytes across nodes
     except ValueError as e:
         ap.error(str(e))
     r = estimate(psi, a.nd, a.ranks_per_node, cfg, a.batch, seq, gpu, a.temp_buffer,
                  a.precision, a.grad_accum)
+    if zpp is not None:
+        r["zeropp"] = zpp
     from ringzero.tools.tiers import run_tiers
     if a.json:
         try:
@@ -391,6 +397,9 @@ def main(argv=None):
         print(json.dumps(r, indent=1))
         return 0
     print_report(r, cfg)
+    if "zeropp" in r:
+        from ringzero.tools.zeropp_estimate import print_zeropp
+        print_zeropp(print, r["zeropp"])
     try:
         run_tiers(a, psi, cfg, seq)           # --ram / --disk / --device-mem: what fits where
     except ValueError as e:

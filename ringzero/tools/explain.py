@@ -221,6 +221,10 @@ def print_traffic(psi, nd, rpn, cfg, metrics, f=None, grad_accum: int = 1, preci
             p(f"  across nodes ({t['nodes']} nodes of {t.get('node_ppn')}): measured "
               f"{t['measured_internode_bytes_per_step']:,} B   formula {t.get('internode_formula')} = "
               + (f"{fn:,} B" if fn is not None else "none (nodes of different sizes)"))
+        if "zeropp_measured_psi" in t:        # a --zeropp run: the cross-node bytes in ZeRO++'s units
+            p(f"  ZeRO++ {t['zeropp']}: across nodes measured {t['zeropp_measured_psi']:.4f} x (N-1)/Nd·Ψ·b B, "
+              f"formula {t['zeropp_formula_psi']:.4f} (comm.qledger.zeropp_volume; unquantized 3) = "
+              f"{t['zeropp_formula_internode_bytes_per_step']:,} B")
         plan_bytes = t.get("plan_bytes_per_step", t.get("schedule_bytes_per_step"))   # (older files: schedule_)
         if plan_bytes is not None:
             p(f"  the runtime's step plan predicts {plan_bytes:,} B")
@@ -262,6 +266,8 @@ def main(argv=None):
                     help="N: the Nd ranks span N nodes of Nd/N; splits each figure into within the node "
                          "and across nodes (default 1: one host)")
     tp.add_argument("--metrics", help="a trainer metrics .jsonl: measured beside formula")
+    tp.add_argument("--zeropp", default="", help="with --nodes: ZeRO++'s switches at stage 3 (any of qwz,hpz,qgz): "
+                                                 "the bytes across nodes and hpZ's memory")
     add_step_args(tp)
     from ringzero.tools import fragmentation
     fragmentation.add_args(sub.add_parser(
@@ -322,8 +328,21 @@ def main(argv=None):
                                  f"got {a.nd // a.nodes} ranks per node, Ng={a.ranks_per_node}")
     except (ValueError, OSError) as e:
         tp.error(str(e))
+    try:
+        zpp = None
+        if a.zeropp:
+            from ringzero.runtime.zeropp import ZeroPPPolicy
+            from ringzero.tools.zeropp_estimate import zeropp_estimate
+            if a.nodes < 2:
+                raise ValueError(f"--zeropp needs --nodes N >= 2 (what crosses the nodes), got --nodes {a.nodes}")
+            zpp = zeropp_estimate(psi, a.nd, a.nd // a.nodes, ZeroPPPolicy.parse(a.zeropp), a.precision)
+    except ValueError as e:
+        tp.error(str(e))
     print_traffic(psi, a.nd, a.ranks_per_node, cfg, a.metrics, grad_accum=a.grad_accum,
                   precision=a.precision, nodes=a.nodes)
+    if zpp is not None:
+        from ringzero.tools.zeropp_estimate import print_zeropp
+        print_zeropp(print, zpp)
     return 0
 
 

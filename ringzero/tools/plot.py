@@ -130,6 +130,37 @@ def plot_loss(path: str, out: str, title=None) -> str:
     return out
 
 
+def plot_losses(paths: list, out: str, title=None) -> dict:
+    """Several runs side by side (e.g. ZeRO++'s switches against the unquantized run): each file's
+    train loss (thin) and eval loss (markers), labelled by the file's name. Returns {name: final eval
+    loss or None}."""
+    import os
+
+    from ringzero.metrics import read_metrics
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    finals = {}
+    for i, path in enumerate(paths):
+        steps, summ = read_metrics(path)
+        name = os.path.splitext(os.path.basename(path))[0]
+        ax.plot([d["step"] for d in steps], [d["loss"] for d in steps], lw=0.8, color=f"C{i}", alpha=0.6,
+                label=f"{name} train")
+        ev = [d for d in steps if d.get("eval_loss") is not None]
+        if ev:
+            ax.plot([d["step"] for d in ev], [d["eval_loss"] for d in ev], "o-", color=f"C{i}", ms=3,
+                    label=f"{name} eval")
+        finals[name] = summ.get("eval_loss") if summ else None
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats per token)")
+    ax.set_title(title or "loss, side by side")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return finals
+
+
 def main(argv=None):
     from ringzero.tools.estimate import add_model_args, model_from_args
     ap = argparse.ArgumentParser(prog="python -m ringzero.plot",
@@ -146,10 +177,11 @@ def main(argv=None):
                        description="Plots busbw_GBps against bytes for each (impl, n) of one op.")
     b.add_argument("bench", nargs="+", help="bench JSON file(s), rows pooled")
     b.add_argument("--op", default="all_reduce")
-    lo = sub.add_parser("loss", help="loss curve from a trainer metrics .jsonl",
+    lo = sub.add_parser("loss", help="loss curve from a trainer metrics .jsonl (several: side by side)",
                         description="Plots train loss per step (eval loss and the unigram entropy "
-                                    "where the file has them).")
-    lo.add_argument("metrics")
+                                    "where the file has them); several files: their curves in one plot, "
+                                    "with each final eval loss printed.")
+    lo.add_argument("metrics", nargs="+")
     tr = sub.add_parser("trace", help="one step of every rank, a lane per thread, from --trace DIR",
                         description="Draws step N of the trainer's --trace DIR (tools/trace_plot.py).")
     tr.add_argument("dir")
@@ -171,8 +203,12 @@ def main(argv=None):
         elif a.what == "trace":
             from ringzero.tools.trace_plot import plot_trace
             out = plot_trace(a.dir, a.step, a.out)
+        elif len(a.metrics) == 1:
+            out = plot_loss(a.metrics[0], a.out)
         else:
-            out = plot_loss(a.metrics, a.out)
+            for name, ev in plot_losses(a.metrics, a.out).items():
+                print(f"{name}: final eval loss {'-' if ev is None else f'{ev:.4f}'}")
+            out = a.out
     except (ValueError, OSError) as e:
         sp.error(str(e))
     print(out)

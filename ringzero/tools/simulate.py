@@ -268,8 +268,14 @@ def _group(stage: str, nd: int, ranks_per_node, nodes) -> int:
 
 
 def comm_ops(layout_full: Layout, stage, nd: int, ranks_per_node=None, nodes: Nodes | None = None,
-             elem_bytes: int = 2, overlap: bool = False, reduce_bucket: int | None = None):
-    """Yield (kind, unit, op, ranks, S bytes) of every operation of one step (op None: compute)."""
+             elem_bytes: int = 2, overlap: bool = False, reduce_bucket: int | None = None, zeropp=None):
+    """Yield (kind, unit, op, ranks, S bytes) of every operation of one step (op None: compute).
+
+    zeropp (a runtime.zeropp.ZeroPPPolicy, stage 3 / hybrid): qwZ's gathers and qgZ's reduce-scatters
+    carry their wire bytes (codes + block scales: S · bytes_per_element / elem_bytes) on the same
+    node-aware schedule (the same wire per rank, comm/quantized.py's table; the rounds are the Ring's,
+    not the all-to-all's one message per peer); hpZ's later gather of a unit (the backward's) is a
+    full-precision all-gather among the node's P ranks."""
     st = acc.parse_stage(stage)
     group = _group(st, nd, ranks_per_node, nodes)
     L = Layout(layout_full.units, shards=group)
@@ -278,6 +284,9 @@ def comm_ops(layout_full: Layout, stage, nd: int, ranks_per_node=None, nodes: No
     span = {max(g, key=lambda w: (close[w], w)): g for g in buckets}
     first = {g[0]: g for g in buckets}                 # stages 1-2: the update's all-gathers, by bucket
     reduced = False
+    zpp = zeropp if zeropp is not None and zeropp.enabled and st in ("3", "hybrid") else None
+    P = nd // nodes.count if nodes is not None and nodes.count > 1 else group     # hpZ's node
+    seen = set()                                       # units gathered once this step (hpZ)
     for kind, u in step_ops(L, st, overlap=overlap, buckets=buckets):
         reduced = reduced or kind == "update"
         if kind not in COMM_KINDS:
@@ -288,16 +297,25 @@ def comm_ops(layout_full: Layout, stage, nd: int, ranks_per_node=None, nodes: No
             units = (span.get(u, (u,)) if kind == "rs" or (kind == "ag" and not reduced)
                      else first.get(u, (u,)) if kind == "ag" else (u,))
             S = sum(L.unit_padded[w] for w in units) * elem_bytes
-            yield kind, u, "reduce_scatter" if kind == "rs" else "all_gather", group, S
+            n = group
+            if zpp is not None and kind == "gather":
+                if zpp.hpz and st == "3" and u in seen:
+                    n = P
+                elif zpp.qwz:
+                    S = round(S * zpp.weights.bytes_per_element() / elem_bytes)
+                seen.add(u)
+            elif zpp is not None and kind == "rs" and zpp.qgz:
+                S = round(S * zpp.grads.bytes_per_element() / elem_bytes)
+            yield kind, u, "reduce_scatter" if kind == "rs" else "all_gather", n, S
 
 
 def internode_per_step(layout_full: Layout, stage, nd: int, nodes: int, ranks_per_node=None,
-                       elem_bytes: int = 2, reduce_bucket: int | None = None) -> float:
+                       elem_bytes: int = 2, reduce_bucket: int | None = None, zeropp=None) -> float:
     """Bytes one rank sends to other nodes in one step: comm/schedule.py's ``internode_bytes`` of
     every collective of the step (hybrid's all-reduce: among one rank per node, all of it)."""
     out = 0.0
     for kind, u, op, n, S in comm_ops(layout_full, stage, nd, ranks_per_node, Nodes(nodes, 0.0, 1.0), elem_bytes,
-                                      reduce_bucket=reduce_bucket):
+                                      reduce_bucket=reduce_bucket, zeropp=zeropp):
         if op is None or nodes < 2:
             continue
         if kind == "ar":                 # among one rank per node: every byte crosses
@@ -310,7 +328,7 @@ def internode_per_step(layout_full: Layout, stage, nd: int, nodes: int, ranks_pe
 def durations(layout_full: Layout, stage, nd: int, comp: Compute, links: Links,
               ranks_per_node: int | None = None, inter: Links | None = None,
               elem_bytes: int = 2, overlap: bool = False, nodes: Nodes | None = None,
-              reduce_bucket: int | None = None) -> list:
+              reduce_bucket: int | None = None, zeropp=None) -> list:
     """[(kind, unit, seconds)] of one step in program order, for one rank.
 
     nodes None (or one node): every collective on ``links`` (hybrid's all-reduce on ``inter``
@@ -322,7 +340,7 @@ def durations(layout_full: Layout, stage, nd: int, comp: Compute, links: Links,
     slow = comp.slow(nd)
     out = []
     for kind, u, op, n, S in comm_ops(layout_full, st, nd, ranks_per_node, nodes, elem_bytes, overlap,
-                                      reduce_bucket):
+                                      reduce_bucket, zeropp):
         if op is not None:
             if kind == "ar":
                 d = nodes.across(op, n, S, group) if two else (inter or links).time(op, n, S)
@@ -342,7 +360,8 @@ def durations(layout_full: Layout, stage, nd: int, comp: Compute, links: Links,
 
 def step_time(layout_full: Layout, stage, nd: int, comp: Compute, links: Links, overlap=False,
               ranks_per_node: int | None = None, inter: Links | None = None,
-              elem_bytes: int = 2, nodes: Nodes | None = None, reduce_bucket: int | None = None) -> dict:
+              elem_bytes: int = 2, nodes: Nodes | None = None, reduce_bucket: int | None = None,
+              zeropp=None) -> dict:
     """Predicted seconds of one step per rank, and its parts (compute, comm, update).
 
     No overlap: the sum of every operation. Overlap: two streams; a gather
@@ -355,7 +374,7 @@ def step_time(layout_full: Layout, stage, nd: int, comp: Compute, links: Links, 
     """
     st = acc.parse_stage(stage)
     ops = durations(layout_full, st, nd, comp, links, ranks_per_node, inter, elem_bytes, overlap, nodes,
-                    reduce_bucket)
+                    reduce_bucket, zeropp)
     parts = {"compute": 0.0, "comm": 0.0, "update": 0.0}
     for kind, _, d in ops:
         parts["comm" if kind in COMM_KINDS else "update" if kind == "update" else "compute"] += d
@@ -381,11 +400,12 @@ def step_time(layout_full: Layout, stage, nd: int, comp: Compute, links: Links, 
                 t_comp = ready + d
                 fin[(kind, u)] = t_comp
         total = max(t_comp, t_comm)
-    out = {"stage": st, "nd": nd, "overlap": bool(overlap), "step_s": total, **parts,
+    zpp = zeropp is not None and zeropp.enabled and st in ("3", "hybrid")
+    out = {"stage": st + ("+zpp" if zpp else ""), "nd": nd, "overlap": bool(overlap), "step_s": total, **parts,
            "exposed_comm_s": total - parts["compute"] - parts["update"]}
     if nodes is not None and nodes.count > 1:
         out["nodes"] = nodes.count
         out["internode_bytes"] = internode_per_step(layout_full, st, nd, nodes.count, ranks_per_node, elem_bytes,
-                                                    reduce_bucket)
+                                                    reduce_bucket, zeropp if zpp else None)
     return out
 

@@ -98,6 +98,10 @@ def build_parser():
     ok.add_argument("--offload", default="optimizer,optimizer+params",
                     help="with --disk-bw: the offload choices to predict, comma-separated, + joining tiers "
                          "(default optimizer,optimizer+params; params only at stage 3)")
+    zp = ap.add_argument_group("ZeRO++ (docs/quantized.md): adds a stage 3 (and hybrid) row with the switches")
+    zp.add_argument("--zeropp", default="", help="any of qwz,hpz,qgz (comma-separated), as the trainer's --zeropp")
+    zp.add_argument("--zeropp-block", type=int, default=2048, help="elements per fp32 scale (default 2048)")
+    zp.add_argument("--zeropp-bits", type=int, default=4, help="qgz's gradient codes: 4 or 8 (default 4)")
     ap.add_argument("--plot", help="PNG: step time against link bandwidth per stage (matplotlib)")
     ap.add_argument("--json", help="write the predictions (or, for measure, the compute) here")
     return ap
@@ -332,6 +336,10 @@ def main(argv=None):
             raise ValueError(f"--nd must be >= 1 and a multiple of --ranks-per-node, got {a.nd}")
         if a.reduce_bucket_mb is not None and not a.reduce_bucket_mb >= 0:
             raise ValueError(f"--reduce-bucket-mb must be >= 0, got {a.reduce_bucket_mb}")
+        from ringzero.runtime.zeropp import ZeroPPPolicy
+        zpp = ZeroPPPolicy.parse(a.zeropp, block=a.zeropp_block, grad_bits=a.zeropp_bits)
+        if zpp.hpz and "hybrid" in stages and not zpp.qwz and not zpp.qgz and "3" not in stages:
+            raise ValueError("--zeropp hpz applies to stage 3 (hybrid's gathers stay in the node already)")
         comp, links = _compute(a, cfg, seq), _links(a)
         inter = Links.given(*LINKS[a.inter_link], name=a.inter_link) if a.inter_link else None
         nodes = _nodes(a, stages)
@@ -349,6 +357,10 @@ def main(argv=None):
     rows = [tuple(step_time(L, st, n, comp, links, ov, rpn(n), inter, nodes=nodes, reduce_bucket=bucket)
                   for ov in (False, True))
             for n in a.nd for st in stages]
+    if zpp.enabled:                          # the same stage 3 / hybrid rows with the switches
+        rows += [tuple(step_time(L, st, n, comp, links, ov, rpn(n), inter, nodes=nodes, reduce_bucket=bucket,
+                                 zeropp=zpp) for ov in (False, True))
+                 for n in a.nd for st in stages if st in ("3", "hybrid")]
     print_predictions(rows, cfg, comp, links, L.numel, nodes=nodes)
     out = {"psi": L.numel, "rows": [r for pair in rows for r in pair]}
     if a.disk_bw:
