@@ -100,7 +100,7 @@ class QuantizedComm:
         if m == 0:
             return recv
         wb = spec.wire_bytes(m)
-        area = self._buf(xp, "ag", n * wb, np.uint8)
+        area = self._buf("ag", xp, n * wb, np.uint8)
         me = self.pos[r]
         self.wq.quantize(send, *wire_views(spec, area[me * wb:(me + 1) * wb], m))
         if self.two_hop:
@@ -134,10 +134,10 @@ class QuantizedComm:
         if m == 0:
             return recv
         wb = spec.wire_bytes(m)
-        out_a, in_a = self._buf(xp, "rs_out", n * wb, np.uint8), self._buf(xp, "rs_in", n * wb, np.uint8)
+        out_a, in_a = self._buf("rs_out", xp, n * wb, np.uint8), self._buf("rs_in", xp, n * wb, np.uint8)
         x = send
         if residual is not None:                          # error feedback: quantize send + residual
-            x = self._buf(xp, "ef", n * m, np.float32)
+            x = self._buf("ef", xp, n * m, np.float32)
             x[...] = send
             xp.add(x, residual, out=x)
         for b in range(n):                                # chunk b, for rank b, at slot pos[b]
@@ -148,7 +148,7 @@ class QuantizedComm:
                 res = residual[b * m:(b + 1) * m]
                 q.dequantize(codes, scales, res)
                 xp.subtract(x[b * m:(b + 1) * m], res, out=res)
-        acc = self._buf(xp, "acc", m, np.float32)
+        acc = self._buf("acc", xp, m, np.float32)
         if not self.two_hop:
             peers = [p for p in range(n) if p != r]
             self._exchange("q_reduce_scatter", xp, in_a, [(p, self.pos[p] * wb, wb) for p in peers],
@@ -162,8 +162,8 @@ class QuantizedComm:
             self._exchange("q_reduce_scatter", xp, in_a, [(p, nm.local_of[p] * region, region) for p in peers],
                            [(p, nm.local_of[p] * region, region) for p in peers], spec, m, tag=3, src=out_a,
                            per_msg=N)
-            part = self._buf(xp, "part", N * m, np.float32)
-            hop2 = self._buf(xp, "rs_hop2", 2 * N * wb, np.uint8)
+            part = self._buf("part", xp, N * m, np.float32)
+            hop2 = self._buf("rs_hop2", xp, 2 * N * wb, np.uint8)
             h_out, h_in = hop2[:N * wb], hop2[N * wb:]
             for k in range(N):                            # partial for node k's rank of local index l_me
                 terms = [(out_a if i == l_me else in_a, i * region + k * wb) for i in range(P)]
@@ -247,8 +247,9 @@ class QuantizedComm:
                 raise ValueError(f"quantized {op} on rank {self.rank}: expected {nb} bytes from rank {p}, got {got}; "
                                  "HINT: every rank must pass the same lengths")
 
-    def _buf(self, xp, name, k, dtype):
-        """A grow-only scratch array of k elements (xp, dtype)."""
+    def _buf(self, name, xp, k, dtype):
+        """A grow-only scratch array of k elements (xp, dtype), by name (the name first: cupy_names.py reads
+        f(xp, "NAME") as getattr(xp, "NAME"))."""
         key = (xp.__name__, name)
         have = self._ws.get(key)
         if have is None or len(have) < k:
