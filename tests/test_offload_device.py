@@ -195,7 +195,7 @@ def test_device_offload_bad_input_one_line(cp, tmp_path):
         assert want in msg and "\n" not in msg, (args, msg)
     assert parse_pin_limit("0") == 0 and parse_pin_limit("512MiB") == 512 << 20
     cfg, _ = parse_config(["--device", "cuda", "--offload", "optimizer", "--offload-pin-limit", "1G"])
-    from ringzero.app.config import offload_policy
+    from ringzero.app.policies import offload_policy
     pol = offload_policy(cfg)
     assert pol.pin_limit == 1 << 30 and pol.where == "ram" and pol.in_host_memory("master")
 

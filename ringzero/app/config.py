@@ -9,7 +9,8 @@ What it is
 
 What it is not
     No MPI, no data, no model: checks that need the data or the sizes are
-    ``ringzero.app.train.prepare``'s.
+    ``ringzero.app.train.prepare``'s. The --offload* and --zeropp* flags'
+    policies and their checks are policies.py's (``validate`` calls them).
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import argparse
 import math
 import os
 from dataclasses import dataclass, field, fields
+
+from ringzero.app.exits import ConfigError
 
 
 def opt(default, help: str):
@@ -112,10 +115,6 @@ class Config:
     keep: int = opt(0, "keep only the newest K checkpoints (0 = all)")
     resume: str = opt("", 'a step-NNNNNN directory, or "latest" in --save-dir')
     quiet: bool = opt(False, "no progress bar")
-
-
-class ConfigError(ValueError):
-    """A bad flag or config value: reported in one line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -310,8 +309,9 @@ def validate(cfg: Config):
         cfg.stage = accounting.parse_stage(cfg.stage)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"--stage: {e}") from None
-    _validate_offload(cfg)
-    _validate_zeropp(cfg)
+    from ringzero.app.policies import validate_offload, validate_zeropp
+    validate_offload(cfg)
+    validate_zeropp(cfg)
     if cfg.mem_budget:
         try:
             parse_size(cfg.mem_budget)
@@ -327,77 +327,6 @@ def validate(cfg: Config):
         from ringzero.runtime.checkpoint import latest
         need(latest(cfg.save_dir) is not None,
              f"--resume latest: no complete checkpoint in --save-dir {cfg.save_dir!r}")
-
-
-def zeropp_policy(cfg: Config):
-    """The ZeroPPPolicy of --zeropp, --zeropp-block, --zeropp-bits, --zeropp-error-feedback (runtime/zeropp.py)."""
-    from ringzero.runtime.zeropp import ZeroPPPolicy
-    try:
-        return ZeroPPPolicy.parse(cfg.zeropp, block=int(cfg.zeropp_block), grad_bits=int(cfg.zeropp_bits),
-                                  error_feedback=bool(cfg.zeropp_error_feedback))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def _validate_zeropp(cfg: Config):
-    """--zeropp: its words, its stage, and what it does not run beside (one line each)."""
-    from ringzero.runtime.policy import StagePolicy
-    from ringzero.runtime.zeropp import check
-    pol = zeropp_policy(cfg)
-    if not pol.enabled:
-        for k in ("zeropp_bits", "zeropp_block", "zeropp_error_feedback"):
-            if getattr(cfg, k) != getattr(Config, k):
-                raise ConfigError(f"--{k.replace('_', '-')} is given without --zeropp: add --zeropp qwz,hpz,qgz "
-                                  "(or a subset)")
-        return
-    try:
-        check(pol, StagePolicy.of(cfg.stage), offload_policy(cfg), cfg.overlap, cfg.prefetch)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def offload_policy(cfg: Config):
-    """The OffloadPolicy of --offload and --offload-dir (runtime/offload.py)."""
-    from ringzero.runtime.host_tier import parse_pin_limit
-    from ringzero.runtime.offload import OffloadError, OffloadPolicy
-    try:
-        pin = parse_pin_limit(cfg.offload_pin_limit)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    try:
-        return OffloadPolicy.parse(cfg.offload, cfg.offload_dir, ahead=bool(cfg.offload_ahead),
-                                   device=cfg.device, pin_limit=pin, **io_knobs(cfg))
-    except OffloadError as e:
-        raise ConfigError(str(e)) from None
-
-
-def io_knobs(cfg) -> dict:
-    """OffloadPolicy's buffers and io_threads of --offload-depth and --offload-threads (one line if below 1)."""
-    depth, threads = getattr(cfg, "offload_depth", 2), getattr(cfg, "offload_threads", 8)
-    for flag, v in (("--offload-depth", depth), ("--offload-threads", threads)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{flag} must be an integer >= 1, got {v!r}")
-    return {"buffers": depth + 2, "io_threads": threads}
-
-
-def _validate_offload(cfg: Config):
-    """--offload: its words, its stage and device, and a DIR that takes a file (or can be made: train.py makes it)."""
-    from ringzero.runtime.offload import OffloadError, check_dir
-    from ringzero.runtime.policy import StagePolicy
-    pol = offload_policy(cfg)
-    if not pol.enabled:
-        if cfg.offload_ahead:
-            raise ConfigError("--offload-ahead is given without --offload: add --offload optimizer")
-        if cfg.offload_dir:
-            raise ConfigError(f"--offload-dir {cfg.offload_dir!r} is given without --offload: add "
-                              "--offload optimizer (or optimizer,params)")
-        return
-    try:
-        pol.check(StagePolicy.of(cfg.stage), cfg.device)
-        if pol.dir:                      # a device run without it: host memory
-            check_dir(pol.dir, may_make=True)
-    except OffloadError as e:
-        raise ConfigError(str(e)) from None
 
 
 def model_config(cfg: Config, vocab: int):

@@ -1,7 +1,8 @@
 """How the trainer ends when something goes wrong after MPI has started.
 
 What it is
-    ``agree(comm, fn)``: run a start-up check on every rank and turn a
+    ``ConfigError``: bad input, one line, exit code 2 (config.py raises it
+    and re-exports it). ``agree(comm, fn)``: run a start-up check on every rank and turn a
     failure on any rank into the same one-line ConfigError on all of them,
     before any rank waits in a collective for one that has gone. ``leave``:
     the agreed end, one line from rank 0, then every rank finalizes MPI and
@@ -21,14 +22,16 @@ What it is
 
 What it is not
     Not for the step: agree() is one small allgather, for start-up checks.
-    The signals are preempt.py's; what is checked is train.py's.
+    The signals are preempt.py's; what is checked is train.py's and startup.py's.
 """
 from __future__ import annotations
 
 import os
 import sys
 
-from ringzero.app.config import ConfigError
+
+class ConfigError(ValueError):
+    """A bad flag or config value: reported in one line, exit code 2."""
 
 
 def agree(comm, fn):
@@ -71,3 +74,32 @@ def leave(comm, code: int, msg: str | None, every_rank: bool = False) -> int:
     sys.stderr.flush()
     MPI.Finalize()
     os._exit(code)
+
+
+def out_of_memory(comm, e: MemoryError) -> int:
+    """One line from the rank whose allocation failed (limits.AllocationError names the buffer, its bytes and
+    the limits), then exit 4 at once: the other ranks may wait in a collective for this one, and mpirun ends
+    them when it sees this rank go. No MPI_Finalize (it would wait for them too)."""
+    from ringzero.runtime.limits import AllocationError, Room, failed_bytes
+    if not isinstance(e, AllocationError):   # activations or another buffer outside the state and workspaces
+        n = failed_bytes(e)
+        e = f"out of memory{f' allocating {n / 2**20:,.1f} MiB ({n:,} B)' if n else ''}: {Room.read().describe()}"
+    print(f"ringzero.train: error: rank {comm.rank}: {e}; HINT: a higher --stage, --activation-checkpointing "
+          "or more ranks hold less per rank (the start-up check estimates it unless --no-mem-check)",
+          file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(4)
+
+
+def newest_note(cfg) -> str:
+    """The tail of a failed run's line: the newest complete checkpoint in --save-dir, or that there is none."""
+    from ringzero.runtime.checkpoint import latest
+    prev = latest(cfg.save_dir)
+    return f"; the newest complete checkpoint is {prev}" if prev else "; no earlier checkpoint"
+
+
+def fail(msg):
+    """A serial run's one error line (no MPI to agree with): from rank 0 of the launcher only."""
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
+    if rank == 0:
+        print(f"ringzero.train: error: {msg}", file=sys.stderr)

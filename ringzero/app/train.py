@@ -15,7 +15,8 @@ What it is
 What it is not
     The runtime (runtime/) or the model (nn/gpt.py): this file wires data,
     schedule, logging and reports around them. The settings, their flags and
-    their checks are config.py's.
+    their checks are config.py's; the checks one rank alone can make are
+    startup.py's, and the ends after a failure exits.py's.
 
 Bad flags or config values exit with one line and code 2 on every rank,
 before any communication and before any file is written; bad input only a
@@ -39,13 +40,13 @@ from ringzero.app.config import (  # noqa: F401
     build_parser,
     lr_at,
     model_config,
-    offload_policy,
     parse_config,
     validate,
-    zeropp_policy,
 )
-from ringzero.app.exits import agree, leave, under_mpi
+from ringzero.app.exits import agree, fail, leave, newest_note, out_of_memory, under_mpi
+from ringzero.app.policies import offload_policy, zeropp_policy
 from ringzero.app.reports import end_report, start_report, summarize
+from ringzero.app.startup import check_rank, make_offload_dir, open_metrics
 from ringzero.metrics import read_metrics  # noqa: F401  (its old home; tools import ringzero.metrics)
 from ringzero.sizes import parse_size
 
@@ -242,7 +243,7 @@ def run(cfg: Config, comm, stop=None) -> dict:
     make_dir = bool(cfg.offload and cfg.offload_dir) and not os.path.exists(cfg.offload_dir)
     # will it fit? model state + workspace + activations against the memory there is (memcheck.py)
     agree(comm, lambda: memcheck.check(cfg, model, comm))
-    agree(comm, lambda: _make_offload_dir(cfg))            # mkdir -p --offload-dir, on every node
+    agree(comm, lambda: make_offload_dir(cfg))            # mkdir -p --offload-dir, on every node
     if make_dir:
         say(f"ringzero | made --offload-dir {cfg.offload_dir}")
     # --init-from: each rank reads its own master pieces from the file (a resumed run reads the checkpoint)
@@ -287,7 +288,7 @@ def run(cfg: Config, comm, stop=None) -> dict:
 
     mem = start_report(say, cfg, corpus, engine, H)
     # the metrics file is opened only now, after every check passed
-    writer = agree(comm, lambda: _open_metrics(cfg, rank))
+    writer = agree(comm, lambda: open_metrics(cfg, rank))
     from ringzero.app.tracing import TraceWindow
     tw = agree(comm, lambda: TraceWindow.open(cfg, comm, engine))     # --trace DIR: made on every rank
     try:
@@ -309,44 +310,10 @@ def run(cfg: Config, comm, stop=None) -> dict:
     return summary
 
 
-# -------------------------------------------------- errors after MPI started
-FAULT_DATA_ENV = "RINGZERO_FAULT_DATA"      # tests: "rank:N" = rank N cannot read --data
-
-
 def _rank_checks(cfg: Config, rank: int, n: int):
-    """prepare() plus the device check, on one rank. Raises ConfigError."""
-    if cfg.device == "cuda":
-        from ringzero.comm.backend import xp_for
-        try:
-            xp_for("cuda")
-        except (RuntimeError, ValueError) as e:
-            raise ConfigError(f"--device cuda: {e} (hint: --device cpu, or run where CuPy sees a GPU)") from None
-    if cfg.data and os.environ.get(FAULT_DATA_ENV) == f"rank:{rank}":
-        import errno
-        e = PermissionError(errno.EACCES, os.strerror(errno.EACCES), cfg.data)
-        raise ConfigError(f"--data: cannot read on this rank: {e} ({FAULT_DATA_ENV})")
+    """prepare() plus the device check (startup.py), on one rank. Raises ConfigError."""
+    check_rank(cfg, rank)
     return prepare(cfg, n, rank)
-
-
-def _make_offload_dir(cfg: Config):
-    """--offload-dir made where it is missing (mkdir -p on each node, as DeepSpeed makes its swap folder)."""
-    if not (cfg.offload and cfg.offload_dir):
-        return
-    from ringzero.runtime.offload import OffloadError, make_dir
-    try:
-        make_dir(cfg.offload_dir)
-    except OffloadError as e:
-        raise ConfigError(str(e)) from None
-
-
-def _open_metrics(cfg: Config, rank: int):
-    from ringzero.metrics import MetricsWriter
-    if not (cfg.metrics and rank == 0):
-        return None
-    try:
-        return MetricsWriter(cfg.metrics)
-    except OSError as e:
-        raise ConfigError(f"--metrics {cfg.metrics!r}: cannot write: {e.strerror or e}") from None
 
 
 def _sample(engine, model, corpus, cfg) -> str:
@@ -381,7 +348,7 @@ def main(argv=None) -> int:
     except ConfigError as e:
         err = str(e)
     if err and not under_mpi():       # serial: nobody to agree with
-        _fail(err)
+        fail(err)
         return 2
     from mpi4py import MPI
 
@@ -397,46 +364,19 @@ def main(argv=None) -> int:
     except ConfigError as e:           # agreed: every rank is here with the same line
         return leave(comm, 2, f"ringzero.train: error: {e}")
     except CheckpointError as e:       # a save failed on some rank: raised on every rank
-        return leave(comm, 3, f"ringzero.train: error: {e}{_newest(cfg)}")
+        return leave(comm, 3, f"ringzero.train: error: {e}{newest_note(cfg)}")
     except OffloadError as e:          # the disk tier failed mid-run (a full disk): agreed by every rank
-        return leave(comm, 4, f"ringzero.train: error (rank {comm.rank}): {e}{_newest(cfg)}", every_rank=True)
+        return leave(comm, 4, f"ringzero.train: error (rank {comm.rank}): {e}{newest_note(cfg)}", every_rank=True)
     except Stopped as e:               # the loop printed its line; every rank stopped at e.step
         return leave(comm, e.code, None)
     except MemoryError as e:           # this rank alone, maybe inside a collective: its line, then out
-        return _out_of_memory(comm, e)
+        return out_of_memory(comm, e)
     return 0
-
-
-def _out_of_memory(comm, e: MemoryError) -> int:
-    """One line from the rank whose allocation failed (limits.AllocationError names the buffer, its bytes and
-    the limits), then exit 4 at once: the other ranks may wait in a collective for this one, and mpirun ends
-    them when it sees this rank go. No MPI_Finalize (it would wait for them too)."""
-    from ringzero.runtime.limits import AllocationError, Room, failed_bytes
-    if not isinstance(e, AllocationError):   # activations or another buffer outside the state and workspaces
-        n = failed_bytes(e)
-        e = f"out of memory{f' allocating {n / 2**20:,.1f} MiB ({n:,} B)' if n else ''}: {Room.read().describe()}"
-    print(f"ringzero.train: error: rank {comm.rank}: {e}; HINT: a higher --stage, --activation-checkpointing "
-          "or more ranks hold less per rank (the start-up check estimates it unless --no-mem-check)",
-          file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(4)
-
-
-def _newest(cfg) -> str:
-    from ringzero.runtime.checkpoint import latest
-    prev = latest(cfg.save_dir)
-    return f"; the newest complete checkpoint is {prev}" if prev else "; no earlier checkpoint"
 
 
 def _raise(err):
     if err:
         raise ConfigError(err)
-
-
-def _fail(msg):
-    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
-    if rank == 0:
-        print(f"ringzero.train: error: {msg}", file=sys.stderr)
 
 
 if __name__ == "__main__":
