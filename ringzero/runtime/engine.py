@@ -19,6 +19,7 @@ What it is
         host_tier.py  a device run's offload: host arrays (pinned up to a bound), the link's copies
         stream.py     the offloaded update: tiles through a few buffers, a reader and a writer thread
         reports.py    memory and traffic, measured beside the formulas
+        engine_setup.py  the construction: state (and offload), ZeRO++'s buffers, plan and workspaces
         zeropp.py     ZeRO++ (``zeropp=ZeroPPPolicy(...)``): quantized gathers (qwZ), a secondary
                       shard inside the node (hpZ), the quantized reduce-scatter (qgZ)
 
@@ -64,19 +65,16 @@ import numpy as np
 from ringzero.comm.backend import select_device, xp_for
 from ringzero.comm.ring import Ring
 from ringzero.comm.trace import RECORDER
-from ringzero.runtime import norms, passes, reports, stream, update
+from ringzero.runtime import engine_setup, norms, passes, reports, stream, update
 from ringzero.runtime.flat import Layout
-from ringzero.runtime.host_tier import DeviceLink, PinnedArena
 from ringzero.runtime.inflight import UpdateGathers
 from ringzero.runtime.limits import alloc_guard
-from ringzero.runtime.offload import OffloadError, OffloadPolicy, check_offload
+from ringzero.runtime.offload import OffloadPolicy
 from ringzero.runtime.optim import AdamConfig, AdamW, LossScaler, clip_coef
-from ringzero.runtime.plan import build_plan
 from ringzero.runtime.policy import StagePolicy
-from ringzero.runtime.state import ShardedState, aligned_empty, cast_into, check_budget, storage_dtype
+from ringzero.runtime.state import cast_into, check_budget, storage_dtype
 from ringzero.runtime.topology import Topology
-from ringzero.runtime.workspace import Workspaces
-from ringzero.runtime.zeropp import ZeroPP, ZeroPPPolicy
+from ringzero.runtime.zeropp import ZeroPPPolicy
 from ringzero.runtime.zeropp import check as zeropp_check
 
 if TYPE_CHECKING:                      # the contract, for readers and type checkers only
@@ -127,17 +125,14 @@ class Zero:
         self.topology = topo = Topology.build(comm, P, ranks_per_node, timeout=timeout, nodes=nodes)
         self.ring = topo.ring
         self.layout = L = Layout(model.units, shards=topo.shard_size)
-        U = len(L.units)
         self.offload = offload or OffloadPolicy()
         self.zeropp = zeropp or ZeroPPPolicy()      # ZeRO++'s switches (runtime/zeropp.py); refused before allocating
         zeropp_check(self.zeropp, P, self.offload, overlap, prefetch)
         if mem_budget is not None:       # refuse before allocating anything
             check_budget(L, self.stage, topo.world_size, mem_budget, P.ranks_per_node(topo.shard_size),
                          precision, self.grad_accum, self.offload.tiers, device, self.offload.where)
-        _make_state(self, device)
-        if self.zeropp.enabled:          # its collectives, hpZ's secondary shard, qgZ's residuals: allocated once
-            with alloc_guard("ZeRO++'s secondary shard and residuals"):
-                topo.zeropp = ZeroPP(self.zeropp, L, topo, xp, self.storage_dtype)
+        engine_setup.make_state(self, device)
+        engine_setup.make_zeropp(self)
         with alloc_guard("the initial weights (an fp32 host copy of the master's size)"):
             if init is None:
                 self.state.init_master(seed)
@@ -145,35 +140,12 @@ class Zero:
                 init(self.state)
         self.update_gathers = UpdateGathers()   # stages 1-2: the update's all-gathers of the params
         self.publish_params()
-        # overlap: a closed gradient's reduction runs while the next unit's backward computes
-        # (workspace.py); where it reads the gradient slot itself (fp32 storage, sharded grads)
-        # the plan holds that slot one position longer. None: on when the ranks span several
-        # nodes, where communication is a third of the step; on one host it is a few percent and
-        # the progress thread costs the compute more than it hides (docs/overlap.md)
-        self.overlap = topo.nodes.count > 1 and not self.zeropp.enabled if overlap is None else bool(overlap)
-        self.prefetch, self.reduce_bucket = _schedule_options(P, self.overlap, prefetch, reduce_bucket,
-                                                              self.ring.tree_bytes)
-        reads_slot = np.dtype(self.storage_dtype).itemsize == 4 and P.grad_bucket
-        self.plan = build_plan([L.needs(u) for u in range(U)],
-                               [bool(model.backward_reads_params(u)) for u in range(U)],
-                               inflight=1 if self.overlap and reads_slot else 0, prefetch=self.prefetch,
-                               land_in_slot=self.compute_dtype == self.storage_dtype)
-        with alloc_guard("the workspaces (unit-sized slots)"):
-            self.workspaces = Workspaces(L, P, self.plan, self.state, topo, self.compute_dtype, self.grad_accum,
-                                         overlap=self.overlap, reduce_bucket=self.reduce_bucket)
+        engine_setup.make_schedule(self, model, overlap, prefetch, reduce_bucket)
         self.timeline = {}                   # the last step's seconds: compute, reduction, and what was hidden
         self.adam = AdamW(adam or AdamConfig(), max(L.piece_numel), np if self.offload.enabled else xp)  # offload: host
         self.scaler = scaler or LossScaler(dynamic=(precision == "fp16"),
                                            init=2.0 ** 16 if precision == "fp16" else 1.0)
-        self._grad_scratch = aligned_empty(xp, max(L.piece_numel), np.float32)  # one unscaled grad piece
-        # squared norm of each gradient piece this rank holds: (pieces, units) fp32
-        self._dots = xp.zeros((len(self.state.held_ranks("master")), U), np.float32)
-        # [loss, sumsq, stop] of this rank; stop rides along so that a request
-        # one rank raised (the trainer's preemption signal) reaches every rank
-        # at the same step, with no collective of its own
-        self.stop_request = 0
-        self._scalars = np.zeros(3, np.float64)
-        self._all_scalars = np.zeros((topo.world_size, 3), np.float64)
+        engine_setup.make_norm_buffers(self)
         self.activation_peak = 0
         self.step_count = 0
         self.last_step_ledger = {}
@@ -372,60 +344,3 @@ class Zero:
         """Bytes this rank sent in the last step, beside the formula (reports.py)."""
         return reports.traffic_report(self)
 
-
-def _make_state(self, device):
-    """The state buffers, in RAM or (offload) file-backed, and the offloaded update's stream and tiles.
-    A bad DIR, a small disk, or a file whose blocks cannot be reserved on any rank: one error on all."""
-    L, P, topo, xp, off, U = self.layout, self.policy, self.topology, self.xp, self.offload, len(self.layout.units)
-    if off.enabled:                  # a bad DIR or a small disk: refused before any file is made
-        check_offload(self, off, device)
-    err = None
-    # a device run's offload: host arrays (and the update's pinned tile buffers), pinned up to the bound
-    self.pinned = PinnedArena(off.pin_limit) if off.enabled and xp is not np else None
-    self.device_link = (DeviceLink(self.storage_dtype, DeviceLink.slot_elements(off.tile, max(L.piece_numel)),
-                                   off.buffers, self.pinned)
-                        if self.pinned is not None else None)        # its tile buffers pinned first
-    try:                             # offload: a file whose blocks cannot be reserved, on any rank
-        self.state = ShardedState(L, P, topo.shard_rank, self.storage_dtype, xp, self.grad_accum,
-                                  off if off.enabled else None, self.pinned)
-    except OffloadError as e:
-        err = str(e)
-    if off.enabled:
-        stream.agree(self, err, "making the offload files")
-    self._decay = {(u, r): self.state.decay_runs(u, r) for u in range(U) for r in range(L.shards)}
-    # offload: the update streams this rank's pieces through a few tile buffers (stream.py)
-    self.offload_stream = stream.TileStream(self.state, off) if off.enabled else None
-    self.offload_tiles = stream.tiles(self.state, self._decay, off.tile) if off.enabled else []
-    # in RAM: each piece one tile, its decay runs cut for the fused update (update._in_ram)
-    self.ram_tiles = [] if off.enabled else stream.tiles(self.state, self._decay, max(L.piece_numel))
-    if self.device_link is not None:
-        self.device_link.bind(self.state)
-    self.update_ahead = stream.UpdateAhead(U) if off.enabled and off.ahead else None
-    self.last_step_io = {}               # {class: (bytes read, bytes written)} of the offload files, last step
-    self.last_update_io = {}             # the same, of the last offloaded update alone (stream.update)
-
-
-def _schedule_options(P, overlap: bool, prefetch, reduce_bucket, tree_bytes: int):
-    """(prefetch, reduce_bucket) of this stage and overlap, from the arguments (None: the defaults)."""
-    # prefetch (stage 3, hybrid, with overlap): a unit's gather starts this many positions before
-    # it is read (FSDP's forward and backward prefetch; 1 by default, as FSDP's)
-    if prefetch is not None and (isinstance(prefetch, bool) or int(prefetch) != prefetch or prefetch < 0):
-        raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
-    if prefetch and not overlap:
-        raise ValueError(f"prefetch {prefetch} needs overlap (a gather runs beside compute only then); "
-                         "drop --no-overlap or use --prefetch 0")
-    prefetch = (1 if prefetch is None else int(prefetch)) if overlap and P.gather_params else 0
-    # buckets (stages 0-2): consecutive units' gradients reduced by one call (plan.reduce_buckets).
-    # None: without overlap, up to the ring's tree_bytes (16 MiB), where the Ring sums a bucket in
-    # the order it sums each unit, so the stages stay bitwise equal; one call, and one wait for the
-    # slowest rank, per bucket instead of per unit (on one host that measured neutral: docs/runtime.md).
-    # With overlap, each unit alone, started as its backward ends (as FSDP's are)
-    if reduce_bucket is not None and (isinstance(reduce_bucket, bool) or int(reduce_bucket) != reduce_bucket
-                                      or reduce_bucket < 0):
-        raise ValueError(f"reduce_bucket must be an int >= 0 (bytes), got {reduce_bucket!r}")
-    if reduce_bucket and P.gather_params:
-        raise ValueError(f"reduce_bucket applies to stages 0-2; stage {P.stage} reduces each unit's "
-                         "gradient as its backward ends (FSDP's order): drop the bucket size")
-    if reduce_bucket is None:
-        reduce_bucket = 0 if overlap or P.gather_params else tree_bytes
-    return prefetch, int(reduce_bucket)
