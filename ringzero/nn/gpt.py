@@ -175,29 +175,18 @@ class GPT(Decoder):
         self._pd = {}   # unit -> persistent dict of per-layer param dicts, refilled on every call
 
     # ---- parameter dicts ----------------------------------------------------
-    def _params(self, u, P):
-        """Per-layer param dicts for unit u, refilled in place from P.
-
-        Caches keep references to these same dicts, so refilling them before
-        backward makes every layer read the views handed to backward (stage 3
-        may have re-gathered the unit into another buffer).
-        """
-        d = self._pd.setdefault(u, {})
-        try:
-            if u == 0:
-                d.setdefault("embed", {}).update(wte=P["wte"], wpe=P["wpe"])
-            elif u == self.last:
-                d.setdefault("lnf", {}).update(w=P["lnf.w"], b=P["lnf.b"])
-                d.setdefault("head", {}).update(w=P["wte"][:self.n_tokens])     # (V real, C): a view
-            else:
-                h = f"h{u - 1}."
-                for n in ("ln1", "ln2", "fc", "fc2"):
-                    d.setdefault(n, {}).update(w=P[h + n + ".w"], b=P[h + n + ".b"])
-                d.setdefault("attn", {}).update({k: P[h + k] for k in ("attn.w", "attn.b", "proj.w", "proj.b")})
-        except KeyError as e:
-            raise KeyError(f"unit {u} ({self.units[u].name}) needs parameter {e.args[0]!r}, "
-                           f"not in the dict given (has {len(P)} names)") from None
-        return d
+    def _fill_params(self, u, P, d):
+        """Unit u's per-layer dicts in d, filled from P by this model's names (Decoder._params)."""
+        if u == 0:
+            d.setdefault("embed", {}).update(wte=P["wte"], wpe=P["wpe"])
+        elif u == self.last:
+            d.setdefault("lnf", {}).update(w=P["lnf.w"], b=P["lnf.b"])
+            d.setdefault("head", {}).update(w=P["wte"][:self.n_tokens])     # (V real, C): a view
+        else:
+            h = f"h{u - 1}."
+            for n in ("ln1", "ln2", "fc", "fc2"):
+                d.setdefault(n, {}).update(w=P[h + n + ".w"], b=P[h + n + ".b"])
+            d.setdefault("attn", {}).update({k: P[h + k] for k in ("attn.w", "attn.b", "proj.w", "proj.b")})
 
     def _params_like(self, u, G):
         if u == 0:

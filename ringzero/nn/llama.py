@@ -70,28 +70,21 @@ class Llama(Decoder):
         self._pd = {}   # unit -> persistent dict of per-layer param dicts, refilled on every call
 
     # ---- parameter dicts ----------------------------------------------------
-    def _params(self, u, P):
-        """Per-layer param dicts for unit u, refilled in place from P (caches keep these
-        same dicts, so backward's refill makes every layer read the views it is handed)."""
-        d = self._pd.setdefault(u, {})
-        try:
-            if u == 0:
-                d.setdefault("embed", {}).update(wte=P["wte"])
-            elif u == self.last:
-                d.setdefault("lnf", {}).update(w=P["lnf.w"])
-                d.setdefault("head", {}).update(w=P[self._head_name][:self.n_tokens])   # (V real, C): a view
-            else:
-                h = f"h{u - 1}."
-                for n in ("ln1", "ln2", "mlp", "down"):
-                    d.setdefault(n, {}).update(w=P[h + n + ".w"])
-                a = d.setdefault("attn", {})
-                a.update({k: P[h + k] for k in ("attn.w", "proj.w")})
-                if self.cfg.qkv_bias:
-                    a["attn.b"] = P[h + "attn.b"]
-        except KeyError as e:
-            raise KeyError(f"unit {u} ({self.units[u].name}) needs parameter {e.args[0]!r}, "
-                           f"not in the dict given (has {len(P)} names)") from None
-        return d
+    def _fill_params(self, u, P, d):
+        """Unit u's per-layer dicts in d, filled from P by this model's names (Decoder._params)."""
+        if u == 0:
+            d.setdefault("embed", {}).update(wte=P["wte"])
+        elif u == self.last:
+            d.setdefault("lnf", {}).update(w=P["lnf.w"])
+            d.setdefault("head", {}).update(w=P[self._head_name][:self.n_tokens])   # (V real, C): a view
+        else:
+            h = f"h{u - 1}."
+            for n in ("ln1", "ln2", "mlp", "down"):
+                d.setdefault(n, {}).update(w=P[h + n + ".w"])
+            a = d.setdefault("attn", {})
+            a.update({k: P[h + k] for k in ("attn.w", "proj.w")})
+            if self.cfg.qkv_bias:
+                a["attn.b"] = P[h + "attn.b"]
 
     def _params_like(self, u, G):
         if u == 0:

@@ -56,10 +56,26 @@ class Decoder(UnitModel):
     """Unit 0 embeds, units 1..last-1 are blocks, the last unit is the final norm, the head and the loss.
 
     A subclass sets ``cfg`` (with ``block_size``), ``last``, ``n_tokens``, ``checkpoint``, ``pool`` and the
-    layers ``embed``, ``lnf``, ``head``, ``ce``, and defines ``_params(u, P)``, ``_params_like(u, G)``
-    (per-layer dicts of views) and ``_block_forward(u, pd, x, recompute)`` / ``_block_backward(u, dy, cache, gd)``.
+    layers ``embed``, ``lnf``, ``head``, ``ce``, a dict ``_pd``, and defines ``_fill_params(u, P, d)`` and
+    ``_params_like(u, G)`` (per-layer dicts of views) and ``_block_forward(u, pd, x, recompute)`` /
+    ``_block_backward(u, dy, cache, gd)``.
     checkpoint=True: a block's cache is only its input, and backward recomputes the block's forward first.
     """
+
+    def _params(self, u, P):
+        """Per-layer param dicts for unit u, refilled in place from P (``_fill_params``).
+
+        Caches keep references to these same dicts, so refilling them before
+        backward makes every layer read the views handed to backward (stage 3
+        may have re-gathered the unit into another buffer).
+        """
+        d = self._pd.setdefault(u, {})
+        try:
+            self._fill_params(u, P, d)
+        except KeyError as e:
+            raise KeyError(f"unit {u} ({self.units[u].name}) needs parameter {e.args[0]!r}, "
+                           f"not in the dict given (has {len(P)} names)") from None
+        return d
 
     def _check_unit(self, u):
         if not 0 <= u <= self.last:
