@@ -15,7 +15,8 @@ from __future__ import annotations
 import statistics
 
 TORCH_MODES = ("ddp", "fsdp-grad-op", "fsdp-full", "fsdp2-full", "ds-zero1", "ds-zero2", "ds-zero3")  # peer_engines
-RZ_MODES = {"ringzero": "fp32", "ringzero-fp16": "fp16"}   # mode -> --precision
+RZ_MODES = {"ringzero": "fp32", "ringzero-fp16": "fp16", "ringzero-zpp": "fp32"}   # mode -> --precision
+RZ_EXTRA = {"ringzero-zpp": ("--zeropp", "qwz,hpz,qgz")}    # mode -> its own trainer flags (ZeRO++: stage 3)
 MODES = TORCH_MODES + tuple(RZ_MODES)
 TIMELINE = ("step_time_s", "fwd_bwd_s", "compute_s", "comm_s", "reduce_s", "reduce_exposed_s",
             "gather_s", "gather_exposed_s", "param_gather_exposed_s", "progress_cpu_s")
@@ -112,7 +113,7 @@ def table(rows, launches):
         mib = f"{r['rss_min'] / 2**20:.0f}–{r['rss_max'] / 2**20:.0f} MiB"
         ratio = ""
         for m in cols:
-            q = paired_ratios(launches, m, r["mode"], r["ranks"]) if r["mode"] in TORCH_MODES else []
+            q = paired_ratios(launches, m, r["mode"], r["ranks"]) if r["mode"] != m else []
             span = f" ({min(q):.2f}–{max(q):.2f})" if len(q) > 1 else ""
             ratio += f" {statistics.median(q):.2f}×{span} |" if q else " — |"
         every = ", ".join(f"{t if t is not None else 'failed'} ({ld:.1f})"

@@ -11,6 +11,8 @@ What it is
       ds-zero1/2/3  DeepSpeed ZeRO stage 1/2/3, fp32, gloo, its CPU Adam (stage 3 under zero.Init)
       ringzero      ``python -m ringzero.train --stage 2 --precision fp32 ...`` (``ringzero_args``)
       ringzero-fp16 the same with --precision fp16 (fp16 storage, fp32 compute)
+      ringzero-zpp  fp32 with ZeRO++'s three switches, ``--zeropp qwz,hpz,qgz`` (needs --stage 3);
+                    its row against the ringzero row is quantized / unquantized, round by round
 
     and prints tokens/s, peak RSS per rank and the ratio ringzero / peer:
 
@@ -70,6 +72,7 @@ sys.path.insert(0, HERE)
 import cluster_opts  # noqa: E402  (benchmarks/ on the path first)
 from peer_tables import (  # noqa: E402
     MODES,
+    RZ_EXTRA,
     RZ_MODES,
     TIMELINE,
     TORCH_MODES,
@@ -220,7 +223,7 @@ def run_mode(mode, n, a, work):
     if mode in RZ_MODES:
         metrics = os.path.join(d, "metrics.jsonl")
         cmd = prefix + [sys.executable, "-m", "mpi4py", worker, "ringzero", "--out", d,
-                        "--rz-module", a.rz_module, "--"] + ringzero_args(a, RZ_MODES[mode], metrics)
+                        "--rz-module", a.rz_module, "--"] + ringzero_args(a, RZ_MODES[mode], metrics) + list(RZ_EXTRA.get(mode, ()))
     else:
         where = (["--master", f"198.18.{a.cluster_net}.1", "--ifname", "eth0"] if a.cluster else [])
         cmd = prefix + [sys.executable, worker, "torch", "--mode", mode, "--out", d,
