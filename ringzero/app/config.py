@@ -88,6 +88,10 @@ class Config:
     offload_ahead: bool = opt(False, "stage 3/hybrid with --offload: the update streams unit by unit beside the "
                                      "next step's forward, which starts on unit 0 while later units are updated "
                                      "(the same bits)")
+    offload_delay: int | None = opt(None, "with --offload optimizer: ZeRO-Offload's delayed parameter update "
+                                          "after N exact steps: step t's update runs beside step t+1, whose "
+                                          "forward reads params one step stale (changes the arithmetic; "
+                                          "docs/offload.md); None: off")
     offload_depth: int = opt(2, "with --offload: tiles the update reads ahead of the one it computes (its host "
                                 "buffers: depth + 2 tiles of each offloaded class, counted by the memory check)")
     offload_threads: int = opt(8, "with --offload: I/O requests per rank in the kernel at once (O_DIRECT where the "

@@ -100,6 +100,8 @@ def need_of(cfg: Config, model, run: budget.Run, nodes: int = 1) -> budget.Need:
     staging = _stream_bytes(tiers["disk"], np.dtype(sd).itemsize, getattr(cfg, "offload_depth", 2) + 2)
     if tiers["disk"] and "params" in run.offload:       # param_reads.ParamReads: one piece read ahead
         staging += max(L.piece_numel) * np.dtype(sd).itemsize
+    if run.offload and getattr(cfg, "offload_delay", None) is not None:   # delay.py's buffer: the master's size
+        staging += np.dtype(sd).itemsize * (L.padded if P.full_optimizer else L.shard_numel)
     # an --offload-dir on tmpfs/ramfs: its "disk" bytes are the node's memory (counted by Need.node)
     shm = tiers["disk"] if tiers["disk"] and _memory_fs(getattr(cfg, "offload_dir", "")) else 0
     return budget.Need(tiers["ram"] + staging, ws, act, tiers["disk"], init, end, shm)

@@ -2,7 +2,7 @@
 
 What it is
     ``offload_policy`` (an OffloadPolicy from --offload, --offload-dir,
-    --offload-ahead, --offload-pin-limit, --offload-depth, --offload-threads),
+    --offload-ahead, --offload-delay, --offload-pin-limit, --offload-depth, --offload-threads),
     ``zeropp_policy`` (a ZeroPPPolicy from --zeropp and its knobs), and their
     checks against the stage and device, which ``config.validate`` calls. Each
     raises ConfigError: one line, exit code 2.
@@ -38,6 +38,9 @@ def validate_zeropp(cfg):
                 raise ConfigError(f"--{k.replace('_', '-')} is given without --zeropp: add --zeropp qwz,hpz,qgz "
                                   "(or a subset)")
         return
+    if getattr(cfg, "offload_delay", None) is not None:
+        raise ConfigError(f"--zeropp {cfg.zeropp} with --offload-delay: not run together (untested); HINT: drop "
+                          "one of them")
     try:
         check(pol, StagePolicy.of(cfg.stage), offload_policy(cfg), cfg.overlap, cfg.prefetch)
     except ValueError as e:
@@ -54,7 +57,7 @@ def offload_policy(cfg):
         raise ConfigError(str(e)) from None
     try:
         return OffloadPolicy.parse(cfg.offload, cfg.offload_dir, ahead=bool(cfg.offload_ahead),
-                                   device=cfg.device, pin_limit=pin, **io_knobs(cfg))
+                                   delay=getattr(cfg, "offload_delay", None), device=cfg.device, pin_limit=pin, **io_knobs(cfg))
     except OffloadError as e:
         raise ConfigError(str(e)) from None
 
@@ -76,6 +79,9 @@ def validate_offload(cfg):
     if not pol.enabled:
         if cfg.offload_ahead:
             raise ConfigError("--offload-ahead is given without --offload: add --offload optimizer")
+        if getattr(cfg, "offload_delay", None) is not None:
+            raise ConfigError(f"--offload-delay {cfg.offload_delay} is given without --offload: add --offload "
+                              "optimizer and --offload-dir DIR")
         if cfg.offload_dir:
             raise ConfigError(f"--offload-dir {cfg.offload_dir!r} is given without --offload: add "
                               "--offload optimizer (or optimizer,params)")

@@ -225,6 +225,8 @@ class Zero:
         # comes back in one copy per step: no host sync per unit per piece.
         t1 = time.perf_counter()
         update.drain_ahead(self)                     # the last step's update, if it ran beside this forward
+        if self.delayed:                             # DPU: the last step's update joined, its params published
+            self.delayed.join(self)
         t2 = time.perf_counter()
         sumsq = norms.share_scalars(self, loss, norms.piece_sumsq(self))
         t3 = time.perf_counter()
@@ -236,10 +238,13 @@ class Zero:
         inv = 1.0 / (seed * K * n)                   # K = 1: 1 / (scale * n)
         gnorm = math.sqrt(sumsq) * inv if math.isfinite(sumsq) else float("inf")
         skipped = self.scaler.update(not math.isfinite(sumsq))
+        t4 = time.perf_counter()
         if not skipped:
             update.apply(self, np.float32(inv * clip_coef(gnorm, self.adam.cfg.grad_clip)), lr)
             if self.topology.zeropp is not None:     # hpZ: the secondary shard holds the old params
                 self.topology.zeropp.invalidate()
+        # the update's time on this thread: the join's wait and the update (delayed: its start alone)
+        self.timeline["update_exposed_s"] = t2 - t1 + time.perf_counter() - t4
         self.step_count += 1
         if rec:
             rec.end_step(t0, fb)
@@ -271,6 +276,8 @@ class Zero:
         if self.update_ahead is not None:
             self.update_ahead.drain()
             self.update_ahead.close()
+        if self.delayed is not None:             # a pending update's thread ends (not published: the end)
+            self.delayed.close()
         if self.offload_stream is not None:
             self.offload_stream.close()
         self.workspaces.close()                  # its params reads ahead (offload params)
@@ -278,7 +285,10 @@ class Zero:
 
     def wait_params(self, units=None):
         """Wait for the started all-gathers of these units' params (all: every one). Collective-free,
-        except with an update running ahead (offload ``ahead``): all units then drain it, collectively."""
+        except with an update running ahead (offload ``ahead``) or delayed (``delay``): all units then
+        drain it, collectively (a delayed one's params published: the state is exact)."""
+        if units is None and self.delayed:
+            self.delayed.join(self)
         self.update_gathers.wait(units)
         if self.update_ahead:
             if units is None:

@@ -5,7 +5,7 @@ What it is
     function of the half-built engine, called in this order:
 
         make_state        the five state buffers in RAM, in files or in host memory (offload), the
-                          offloaded update's stream and tiles, the update-ahead thread
+                          offloaded update's stream and tiles, the update-ahead or delayed-update thread
         make_zeropp       ZeRO++'s collectives, hpZ's secondary shard and qgZ's residuals, once
         make_schedule     overlap, prefetch and reduce buckets (schedule_options), the plan, the workspaces
         make_norm_buffers the step's gradient-norm scratch and its all-gathered scalars
@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ringzero.runtime import stream
+from ringzero.runtime.delay import DelayedUpdate
 from ringzero.runtime.host_tier import DeviceLink, PinnedArena
 from ringzero.runtime.limits import alloc_guard
 from ringzero.runtime.offload import OffloadError, check_offload
@@ -57,6 +58,8 @@ def make_state(self, device):
     if self.device_link is not None:
         self.device_link.bind(self.state)
     self.update_ahead = stream.UpdateAhead(U) if off.enabled and off.ahead else None
+    # DPU: step t's update beside step t+1 after off.delay exact steps; its buffer made once (delay.py)
+    self.delayed = DelayedUpdate(self, off.delay) if off.enabled and off.delay is not None else None
     self.last_step_io = {}               # {class: (bytes read, bytes written)} of the offload files, last step
     self.last_update_io = {}             # the same, of the last offloaded update alone (stream.update)
 

@@ -75,6 +75,7 @@ class OffloadPolicy:
     direct: bool = True         # O_DIRECT where the filesystem takes it (aio.py), else the page cache
     drop_cache: bool = True     # posix_fadvise(DONTNEED) behind the stream: the page cache stays small
     ahead: bool = False         # params sharded: the update runs beside the next forward, unit by unit
+    delay: int | None = None    # DPU (delay.py): after this many exact steps, step t's update beside step t+1
     device: str = "cpu"         # the engine's: on "cuda" without dir, the classes live in host memory
     pin_limit: int = DEFAULT_PIN_LIMIT   # "cuda": host bytes pinned per rank at most, past it pageable
 
@@ -88,6 +89,9 @@ class OffloadPolicy:
             raise OffloadError(f"offload pin_limit must be >= 0 bytes, got {self.pin_limit}")
         if self.io_threads < 1:
             raise OffloadError(f"offload io_threads must be >= 1, got {self.io_threads}")
+        if self.delay is not None and (isinstance(self.delay, bool) or int(self.delay) != self.delay
+                                       or self.delay < 0):
+            raise OffloadError(f"--offload-delay takes the exact warm-up steps, an integer >= 0, got {self.delay!r}")
         if self.tile < 1024 or self.buffers < 3:
             raise OffloadError(f"offload tile must be >= 1024 elements and buffers >= 3, got tile "
                                f"{self.tile}, buffers {self.buffers}")
@@ -148,6 +152,9 @@ class OffloadPolicy:
                                "stay on the device, sharded at stage 3): use --offload optimizer")
         if device != "cpu" and self.ahead:
             raise OffloadError(f"--offload-ahead runs on --device cpu only, got --device {device}: drop it")
+        if self.delay is not None:
+            from ringzero.runtime.delay import check as check_delay
+            check_delay(self, device)
         if self.ahead and stage_policy.full_params:
             raise OffloadError(f"offload ahead needs the params sharded (stage 3 or hybrid), got stage "
                                f"{stage_policy.stage}: the stages 1-2 all-gather every updated piece first")

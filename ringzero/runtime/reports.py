@@ -73,11 +73,23 @@ def memory_report(engine) -> dict:
             "offload": engine.offload.describe(),
             "offload_buffers": (int(engine.offload_stream.nbytes()) if engine.offload_stream else 0)
             + (engine.device_link.nbytes() if engine.device_link else 0)
-            + (engine.workspaces.param_reads.nbytes() if engine.workspaces.param_reads else 0),
+            + (engine.workspaces.param_reads.nbytes() if engine.workspaces.param_reads else 0)
+            + (engine.delayed.nbytes if engine.delayed is not None else 0),
+            # --offload-delay's buffer (delay.py): the storage dtype x master's elements (Ψ/Nd at stages 1-3)
+            "offload_delay_bytes": engine.delayed.nbytes if engine.delayed is not None else 0,
+            "offload_delay_formula_bytes": delay_formula(engine),
             # a device run's host tier (host_tier.PinnedArena): the host bytes pinned and pageable
             "host_pinned": engine.pinned.pinned if engine.pinned else 0,
             "host_pageable": engine.pinned.pageable if engine.pinned else 0,
             **zeropp_memory(engine)}
+
+
+def delay_formula(engine) -> int:
+    """--offload-delay's buffer by the formula: the storage itemsize x (Ψ_padded/Nd, or Ψ_padded at stage 0)."""
+    if engine.delayed is None:
+        return 0
+    L = engine.layout
+    return np.dtype(engine.storage_dtype).itemsize * (L.padded if engine.policy.full_optimizer else L.shard_numel)
 
 
 def zeropp_memory(engine) -> dict:

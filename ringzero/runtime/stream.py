@@ -241,9 +241,11 @@ def _results(futures):
         f.result()
 
 
-def update(engine, coef, lr: float, unit_done=None):
+def update(engine, coef, lr: float, unit_done=None, held=None):
     """AdamW on every piece this rank updates, master/m/v streamed from their files (module docstring).
-    unit_done(u): called once every tile of unit u is written (its params final)."""
+    unit_done(u): called once every tile of unit u is written (its params final). held(u, r): the
+    delayed update's piece (delay.py), its gradient read and its new params written in place of
+    the grads' and params' pieces."""
     st, adam, stream = engine.state, engine.adam, engine.offload_stream
     left = {}
     for t in engine.offload_tiles:
@@ -260,6 +262,8 @@ def update(engine, coef, lr: float, unit_done=None):
         n = t.hi - t.lo
         if link is not None:
             g, out = link.take(t)
+        elif held is not None:              # delay.py: the tile's gradient, then its params
+            g = out = held(t.u, t.r)[t.lo:t.hi]
         else:
             g = st.piece("grads", t.u, t.r)[t.lo:t.hi]
             p = st.piece("params", t.u, t.r)[t.lo:t.hi]

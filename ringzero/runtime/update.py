@@ -12,6 +12,9 @@ What it is
                       m, v from their files, writes them back and casts the params in the same pass
         ahead         the offloaded update on its own thread, unit by unit, beside the next forward,
                       which waits for a unit only where it gathers it (stream.UpdateAhead)
+        delayed       after the warm-up, the offloaded update on its own thread beside the next
+                      step's forward and backward, which read the params one step stale; its
+                      params are published at the next step's join (delay.py, ZeRO-Offload's DPU)
 
     ``drain_ahead(engine)`` waits for an update running ahead and agrees on its error (collective).
 
@@ -33,6 +36,9 @@ def apply(engine, coef, lr: float):
     """One step's AdamW on this rank's pieces, and the params published (see the module docstring)."""
     t0 = time.perf_counter()
     engine.adam.begin_step()
+    if engine.delayed is not None and engine.delayed.active(engine.step_count):
+        engine.delayed.start(engine, coef, lr)   # beside the next step; published at its join (delay.py)
+        return
     if engine.update_ahead is not None:          # beside the next forward, unit by unit
         engine.update_ahead.start(engine, coef, lr)
     elif engine.offload_stream is not None:      # streamed from the files; params cast in the same pass
