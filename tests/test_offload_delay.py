@@ -82,6 +82,7 @@ def test_warmup_is_bitwise_the_exact_run(comm, stage, tmp_path):
     eng = make(comm, d, WARMUP, stage)
     delayed, _ = train(eng, comm, WARMUP + 3)
     ok = delayed[:WARMUP + 1] == exact[:WARMUP + 1] and delayed[WARMUP + 1] != exact[WARMUP + 1]
+    ok = ok and eng.timeline["update_exposed_s"] >= 0 and bool(eng.delayed)    # a pending update, timed
     assert_all(comm, ok, f"stage {stage}: delayed {delayed} vs exact {exact}")
     assert_all(comm, eng.memory_report()["offload_delay_bytes"] == eng.memory_report()["offload_delay_formula_bytes"]
                == 4 * eng.layout.shard_numel > 0, "the delay buffer beside its formula")
@@ -166,3 +167,16 @@ def test_refusals(kw, says, tmp_path):
         OffloadPolicy(optimizer=True, dir=str(tmp_path), **kw).check(StagePolicy.of("3"))
     with pytest.raises(OffloadError, match="runs on --device cpu only"):
         OffloadPolicy(optimizer=True, dir=str(tmp_path), delay=1, device="cuda").check(StagePolicy.of("3"), "cuda")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--offload-delay", "2"], "--offload-delay 2 is given without --offload"),
+    (["--offload", "optimizer", "--offload-delay", "-1"], "--offload-delay takes the exact warm-up steps"),
+    (["--offload", "optimizer,params", "--stage", "3", "--offload-delay", "2"], "optimizer,params"),
+    (["--offload", "optimizer", "--stage", "3", "--zeropp", "qwz", "--offload-delay", "2"], "--zeropp qwz with"),
+])
+def test_trainer_refuses_in_one_line(argv, says, tmp_path):
+    from ringzero.app.config import ConfigError, parse_config
+    with pytest.raises(ConfigError, match=says.replace("-", "\\-")) as e:
+        parse_config(argv + (["--offload-dir", str(tmp_path)] if "--offload" in argv else []))
+    assert "\n" not in str(e.value)

@@ -62,10 +62,12 @@ def start_report(say, cfg: Config, corpus, engine, H: float) -> dict:
         where = f"in {engine.offload.dir}" if engine.offload.dir else "in host memory"
         say(f"  offload {mem['offload']} {where}: the update streams tiles of "
             f"{engine.offload_stream.tile:,} elements through {engine.offload.buffers} buffers "
-            f"({_mib(mem['offload_buffers']).strip()}), {engine.offload_stream.depth} read ahead, "
-            f"{engine.offload.io_threads} requests in flight"
+            f"({_mib(mem['offload_buffers'] - mem['offload_delay_bytes']).strip()}), "
+            f"{engine.offload_stream.depth} read ahead, {engine.offload.io_threads} requests in flight"
             + (f", {engine.offload_stream.io.mode}" if engine.offload.dir else "")
-            + (", beside the next forward (ahead)" if engine.offload.ahead else ""))
+            + (", beside the next forward (ahead)" if engine.offload.ahead else "")
+            + (f"; delayed one step after {engine.offload.delay} exact steps, its buffer "
+               f"{_mib(mem['offload_delay_bytes']).strip()} (docs/offload.md)" if engine.delayed is not None else ""))
         fs = memory_fs(engine.offload.dir) if engine.offload.dir else None
         if fs:
             say(f"  note: {engine.offload.dir} is a {fs}: the offloaded files are held in memory, not on disk "

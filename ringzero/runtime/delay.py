@@ -27,7 +27,7 @@ What it is
 
 What it is not
     Not the update's arithmetic or streaming (optim.py, stream.py) and not the norm (norms.py). Params
-    in files (``--offload optimizer,params``) and devices are refused (policies.py): there the forward
+    in files (``--offload optimizer,params``) and devices are refused (OffloadPolicy.check): there the forward
     would read what the update writes.
 """
 from __future__ import annotations
@@ -99,15 +99,3 @@ class DelayedUpdate:
     def close(self):
         self._ex.shutdown(wait=True)
 
-
-def check(pol, device: str):
-    """What the delayed update (delay.py) does not run beside, in one line."""
-    from ringzero.runtime.offload import OffloadError
-    if device != "cpu":
-        raise OffloadError(f"--offload-delay runs on --device cpu only, got --device {device}: drop it")
-    if pol.params:
-        raise OffloadError("--offload-delay with --offload optimizer,params: the next forward would read the "
-                           "params file the delayed update writes; use --offload optimizer")
-    if pol.ahead:
-        raise OffloadError("--offload-delay and --offload-ahead both run the update beside the next forward "
-                           "(delayed: one step stale; ahead: exact): give one of them")

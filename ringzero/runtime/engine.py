@@ -224,9 +224,7 @@ class Zero:
         # Every dot stays on the device (one (pieces, units) fp32 buffer) and
         # comes back in one copy per step: no host sync per unit per piece.
         t1 = time.perf_counter()
-        update.drain_ahead(self)                     # the last step's update, if it ran beside this forward
-        if self.delayed:                             # DPU: the last step's update joined, its params published
-            self.delayed.join(self)
+        update.drain_ahead(self)                     # the last step's update, if it ran ahead or delayed
         t2 = time.perf_counter()
         sumsq = norms.share_scalars(self, loss, norms.piece_sumsq(self))
         t3 = time.perf_counter()
@@ -273,11 +271,7 @@ class Zero:
     # ------------------------------------------------------------------ offload
     def close(self):
         """Stop the offload threads and close its files (freed by the kernel). The engine is done."""
-        if self.update_ahead is not None:
-            self.update_ahead.drain()
-            self.update_ahead.close()
-        if self.delayed is not None:             # a pending update's thread ends (not published: the end)
-            self.delayed.close()
+        update.close(self)                       # an update ahead or delayed: its thread ends
         if self.offload_stream is not None:
             self.offload_stream.close()
         self.workspaces.close()                  # its params reads ahead (offload params)
@@ -286,15 +280,12 @@ class Zero:
     def wait_params(self, units=None):
         """Wait for the started all-gathers of these units' params (all: every one). Collective-free,
         except with an update running ahead (offload ``ahead``) or delayed (``delay``): all units then
-        drain it, collectively (a delayed one's params published: the state is exact)."""
-        if units is None and self.delayed:
-            self.delayed.join(self)
+        drain it, collectively (a delayed one's params published first: the state is exact)."""
+        if units is None:
+            update.drain_ahead(self)
         self.update_gathers.wait(units)
-        if self.update_ahead:
-            if units is None:
-                update.drain_ahead(self)
-            else:
-                self.update_ahead.wait(units)
+        if self.update_ahead and units is not None:
+            self.update_ahead.wait(units)
 
     # ------------------------------------------------------------- forward only
     def eval_loss(self, x, y) -> float:

@@ -152,9 +152,14 @@ class OffloadPolicy:
                                "stay on the device, sharded at stage 3): use --offload optimizer")
         if device != "cpu" and self.ahead:
             raise OffloadError(f"--offload-ahead runs on --device cpu only, got --device {device}: drop it")
-        if self.delay is not None:
-            from ringzero.runtime.delay import check as check_delay
-            check_delay(self, device)
+        if self.delay is not None:      # what the delayed update (delay.py) does not run beside
+            for hit, why in ((device != "cpu", f"runs on --device cpu only, got --device {device}: drop it"),
+                             (self.params, "with --offload optimizer,params: the next forward would read the "
+                                           "params file the delayed update writes; use --offload optimizer"),
+                             (self.ahead, "and --offload-ahead both run the update beside the next forward "
+                                          "(delayed: one step stale; ahead: exact): give one of them")):
+                if hit:
+                    raise OffloadError(f"--offload-delay {why}")
         if self.ahead and stage_policy.full_params:
             raise OffloadError(f"offload ahead needs the params sharded (stage 3 or hybrid), got stage "
                                f"{stage_policy.stage}: the stages 1-2 all-gather every updated piece first")

@@ -94,6 +94,18 @@ def _offloaded(engine, coef, lr: float):
 
 
 def drain_ahead(engine):
-    """Wait for an update started beside this forward (UpdateAhead); agree on its error. Collective."""
+    """Wait for an update started beside this forward (UpdateAhead); agree on its error. Collective.
+    A delayed one (delay.py): joined, its params published."""
     if engine.update_ahead:
         stream.agree(engine, engine.update_ahead.drain())
+    if engine.delayed:
+        engine.delayed.join(engine)
+
+
+def close(engine):
+    """The update's threads end: an update ahead drained, a delayed one's thread done (not published)."""
+    if engine.update_ahead is not None:
+        engine.update_ahead.drain()
+        engine.update_ahead.close()
+    if engine.delayed is not None:
+        engine.delayed.close()
