@@ -1,6 +1,6 @@
 """--offload-delay (runtime/delay.py, ZeRO-Offload's DPU) against the exact run and a float64 reference.
 
-- warm-up: with delay N, the losses of steps 0..N (the forward of step N reads the params of N exact
+- warm-up (stages 1-3, fp32; bf16 with K = 2 micro-batches): with delay N, the losses of steps 0..N (the forward of step N reads the params of N exact
   updates) are bitwise those of the exact offloaded run; step N+1's is not (it reads stale params);
 - the delayed schedule: fp32, clipping active, weight decay on, 12 steps; the engine's losses,
   gradient norms and final weights against a float64 AdamW written out in test_step_reference.py's
@@ -28,13 +28,14 @@ def shared(comm, tmp_path):
     return comm.bcast(str(tmp_path), root=0)
 
 
-def make(comm, tmp_path, delay, stage="3", clip=0.0, tile=1024):
+def make(comm, tmp_path, delay, stage="3", clip=0.0, tile=1024, precision="fp32", grad_accum=1):
     from ringzero.runtime.offload import OffloadPolicy
     from ringzero.runtime.optim import AdamConfig
     from ringzero.runtime.zero import Zero
     adam = AdamConfig(beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=WD, grad_clip=clip)
     off = OffloadPolicy(optimizer=True, dir=str(tmp_path), tile=tile, delay=delay)
-    return Zero(new_model(), comm, stage, precision="fp32", seed=3, adam=adam, timeout=60, offload=off)
+    return Zero(new_model(), comm, stage, precision=precision, seed=3, adam=adam, timeout=60, offload=off,
+                grad_accum=grad_accum)
 
 
 def train(eng, comm, steps, start=0):
@@ -75,17 +76,20 @@ def reference(w0, n, clip, warmup, steps=STEPS):
     return losses, norms, W
 
 
-@pytest.mark.parametrize("stage", ["2", "3"])
-def test_warmup_is_bitwise_the_exact_run(comm, stage, tmp_path):
+@pytest.mark.parametrize("stage, precision, k", [("1", "fp32", 1), ("2", "fp32", 1), ("3", "fp32", 1),
+                                                 ("3", "bf16", 2)])
+def test_warmup_is_bitwise_the_exact_run(comm, stage, precision, k, tmp_path):
+    if precision == "bf16":
+        pytest.importorskip("ml_dtypes")
     d = shared(comm, tmp_path)
-    exact, _ = train(make(comm, d, None, stage), comm, WARMUP + 3)
-    eng = make(comm, d, WARMUP, stage)
+    exact, _ = train(make(comm, d, None, stage, precision=precision, grad_accum=k), comm, WARMUP + 3)
+    eng = make(comm, d, WARMUP, stage, precision=precision, grad_accum=k)
     delayed, _ = train(eng, comm, WARMUP + 3)
     ok = delayed[:WARMUP + 1] == exact[:WARMUP + 1] and delayed[WARMUP + 1] != exact[WARMUP + 1]
     ok = ok and eng.timeline["update_exposed_s"] >= 0 and bool(eng.delayed)    # a pending update, timed
     assert_all(comm, ok, f"stage {stage}: delayed {delayed} vs exact {exact}")
     assert_all(comm, eng.memory_report()["offload_delay_bytes"] == eng.memory_report()["offload_delay_formula_bytes"]
-               == 4 * eng.layout.shard_numel > 0, "the delay buffer beside its formula")
+               == eng.state.grads.itemsize * eng.layout.shard_numel > 0, "the delay buffer beside its formula")
 
 
 def errors(comm, tmp_path, stage, mutant=None, monkeypatch=None):
