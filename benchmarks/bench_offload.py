@@ -5,9 +5,12 @@
     mpirun -n 2 python -m mpi4py benchmarks/bench_offload.py --n-layer 2 --n-embd 64 --offload-dir /tmp/x
 
 First every rank writes, then reads back, a file of ``--probe`` bytes in DIR at
-the same time (pwrite + fdatasync; then posix_fadvise DONTNEED and pread, so the
-reads come from the disk), which gives the node's write and read rate with all
-its ranks at it, as the step has them. Then an engine with ``--offload`` trains
+the same time, like for like with the update's I/O engine (aio.py): requests of a
+tile (1 MiB), ``--threads`` of them in flight per rank, O_DIRECT where the filesystem
+takes it, into blocks reserved first, and no fdatasync, as the engine issues none
+(where O_DIRECT is refused, the page cache, with fdatasync after the writes and the
+pages dropped before the reads, so that the disk is timed and not the cache). That
+gives the node's write and read rate with all its ranks at it, as the step has them. Then an engine with ``--offload`` trains
 ``--steps`` steps (after one warm-up) on random tokens, and rank 0 prints the
 median step (by the slowest rank's time) split into parts that add up to it,
 each measured on that rank in that step:
@@ -44,29 +47,54 @@ from mpi4py import MPI
 from ringzero.app.exits import leave
 
 
-def probe(path: str, nbytes: int, comm) -> tuple:
-    """(write, read) bytes/s of the node: every rank writes then reads nbytes at once."""
-    buf = np.random.default_rng(comm.rank).integers(0, 255, min(nbytes, 64 << 20), dtype=np.uint8)
+def probe(path: str, nbytes: int, comm, threads: int = 8, request: int = 1 << 20) -> tuple:
+    """(write, read) bytes/s of the node, and the path ("O_DIRECT" or "page cache"): every rank writes then
+    reads nbytes at once, as the update's I/O engine moves its tiles (aio.py): page-aligned requests of
+    ``request`` bytes (a tile of one fp32 class), ``threads`` of them in flight per rank, O_DIRECT where
+    the filesystem takes it, into blocks reserved first (posix_fallocate, as offload.FileStore does), and
+    no fdatasync, as the engine issues none. Where O_DIRECT is refused the engine goes through the page
+    cache; the probe then ends its writes with fdatasync and drops the pages before reading, so that it
+    still times the disk, not the cache."""
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from ringzero.runtime.aio import PAGE, AlignedBuffer, IOEngine
+    request = -(-request // PAGE) * PAGE
+    nbytes = max(request, nbytes // request * request)              # whole requests
     fd = os.open(path, os.O_TMPFILE | os.O_RDWR, 0o600)
+    bufs = [AlignedBuffer(request) for _ in range(threads)]
+    for b in bufs:
+        b.raw[:] = np.random.default_rng(comm.rank).integers(0, 255, b.raw.size, dtype=np.uint8)
+    pool, dfd = ThreadPoolExecutor(threads), None
     try:
+        os.posix_fallocate(fd, 0, nbytes)
+        dfd = IOEngine._open_direct(SimpleNamespace(fd=fd))          # the engine's own probe of O_DIRECT
+        io, mode = (fd, "page cache") if dfd is None else (dfd, "O_DIRECT")
+
+        def each(fn):
+            offs = range(0, nbytes, request)
+            list(pool.map(lambda k: fn(io, [memoryview(bufs[k % threads].raw)[:request]], offs[k]),
+                          range(len(offs))))
         comm.Barrier()
         t0 = time.perf_counter()
-        for off in range(0, nbytes, buf.size):
-            os.pwrite(fd, buf[:min(buf.size, nbytes - off)], off)
-        os.fdatasync(fd)
+        each(os.pwritev)
+        if dfd is None:
+            os.fdatasync(fd)
         comm.Barrier()
         tw = time.perf_counter() - t0
         os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)
         comm.Barrier()
         t0 = time.perf_counter()
-        for off in range(0, nbytes, buf.size):
-            os.preadv(fd, [buf[:min(buf.size, nbytes - off)]], off)
+        each(os.preadv)
         comm.Barrier()
         tr = time.perf_counter() - t0
     finally:
+        pool.shutdown()
+        if dfd is not None:
+            os.close(dfd)
         os.close(fd)
     total = nbytes * comm.size
-    return total / tw, total / tr
+    return total / tw, total / tr, mode
 
 
 PARTS = ("compute", "collectives exposed", "update arithmetic", "I/O waited", "update ahead waited")
@@ -159,7 +187,7 @@ def main() -> int:
     dims = {} if a.model else dict(n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head)
     cfg = model_config(a.model or None, 256, block_size=None if a.model else a.seq_len, **dims)
     try:
-        wr, rd = probe(a.offload_dir, parse_size(a.probe), comm)
+        wr, rd, how = probe(a.offload_dir, parse_size(a.probe), comm, a.threads, OffloadPolicy().tile * 4)
         a.disk = rd, wr
         eng = Zero(GPT(cfg), comm, a.stage, precision=a.precision, seed=1,
                    offload=OffloadPolicy.parse(a.offload, a.offload_dir, ahead=a.ahead, buffers=a.depth + 2,
@@ -167,7 +195,8 @@ def main() -> int:
     except (OSError, OffloadError) as e:
         return leave(comm, 2, f"bench_offload: {e}")
     say = print if comm.rank == 0 else (lambda *x, **k: None)
-    say(f"disk in {a.offload_dir}: {comm.size} ranks at once write {wr / 1e9:.2f} GB/s, read {rd / 1e9:.2f} GB/s; "
+    say(f"disk in {a.offload_dir}: {comm.size} ranks at once write {wr / 1e9:.2f} GB/s, read {rd / 1e9:.2f} GB/s "
+        f"({how}, {a.threads} requests of a tile in flight per rank, as the engine); "
         f"Ψ = {eng.layout.numel:,}, stage {eng.stage}, offload {eng.offload.describe()}, Nd = {comm.size}; "
         f"I/O engine: {eng.offload_stream.io.mode}, {eng.offload_stream.depth} tiles read ahead, "
         f"{eng.offload.io_threads} requests in flight per rank")
