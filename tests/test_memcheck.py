@@ -137,3 +137,18 @@ def test_tmpfs_offload_dir_refused_by_the_trainer(tmp_path):
         assert f"note: {shm} is a tmpfs: the offloaded files are held in memory, not on disk" in out, out
     finally:
         os.rmdir(shm)
+
+
+def test_offload_delay_buffer_is_counted(tmp_path):
+    """--offload-delay's buffer (runtime/delay.py): the storage dtype x Ψ/Nd more in RAM, nothing else."""
+    from ringzero.app import memcheck
+    from ringzero.app.config import gpt_config, parse_config
+    from ringzero.nn.gpt import GPT
+    from ringzero.runtime.flat import Layout
+    base = MODEL + OFF + ["--offload-dir", str(tmp_path), "--precision", "bf16"]
+    off, _ = parse_config(base)
+    on, _ = parse_config(base + ["--offload-delay", "2"])
+    model = GPT(gpt_config(off, 256))
+    a, b = (memcheck.need_of(c, model, memcheck.base_run(c, 2, 2)) for c in (off, on))
+    assert b.model_state - a.model_state == 2 * Layout(model.units, shards=2).shard_numel > 0
+    assert (b.workspace, b.activations, b.disk) == (a.workspace, a.activations, a.disk)
