@@ -10,6 +10,8 @@
   monkeypatched here) ends far outside the tolerance, and so does the exact reference;
 - resume: a run saved at step 6 (the save drains the pending update) and resumed to step 10 is
   bitwise the run that saved at 6 and went on;
+- a failure on the update's thread (an injected ValueError on the last rank) is one OffloadFailed
+  on every rank at the next step's join;
 - the buffer: allocated once, counted in memory_report beside its formula (storage bytes x Ψ/Nd);
 - refusals, one line each: N < 0, with params offload, with --offload-ahead, on a device.
 """
@@ -184,3 +186,15 @@ def test_trainer_refuses_in_one_line(argv, says, tmp_path):
     with pytest.raises(ConfigError, match=says.replace("-", "\\-")) as e:
         parse_config(argv + (["--offload-dir", str(tmp_path)] if "--offload" in argv else []))
     assert "\n" not in str(e.value)
+
+
+def test_a_failure_on_the_thread_is_agreed_at_the_join(comm, tmp_path, monkeypatch):
+    """A ValueError in the delayed update on the last rank: one OffloadFailed on every rank, at the next
+    step's join (the step that started it has returned)."""
+    from ringzero.runtime.offload import FAULT_ENV, OffloadFailed
+    monkeypatch.setenv(FAULT_ENV, f"value:{comm.size - 1}")
+    eng = make(comm, shared(comm, tmp_path), 0, tile=1024)
+    train(eng, comm, 1)                                # step 0's update starts, fails on its thread
+    with pytest.raises(OffloadFailed, match=f"rank {comm.size - 1}: the offloaded update failed: ValueError"):
+        train(eng, comm, 1, 1)
+    eng.close()
