@@ -21,9 +21,10 @@ What it is
     ``buf`` is allocated once: the storage dtype, the size of this rank's master (Ψ/Nd elements at
     stages 1-3: 2 bytes x Ψ/Nd at fp16/bf16, 4 at fp32); it holds step t's gradient, then its new
     params. An overflow step (fp16) starts no update, as without delay; the pending one still lands
-    at the next join. ``drain`` (anything that reads the whole state: a checkpoint, an evaluation, a
-    full gather, close) joins at once, so a checkpoint holds the exact state, and the next step reads
-    fresh params (its own update then runs delayed again).
+    at the next join. Whatever reads the whole state (engine.wait_params: a checkpoint, an
+    evaluation, a full gather) joins at once, so a checkpoint holds the exact state, and the next
+    step reads fresh params (its own update then runs delayed again); ``close`` lets the thread
+    finish without publishing.
 
 What it is not
     Not the update's arithmetic or streaming (optim.py, stream.py) and not the norm (norms.py). Params
