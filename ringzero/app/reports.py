@@ -66,7 +66,8 @@ def start_report(say, cfg: Config, corpus, engine, H: float) -> dict:
             f"{engine.offload_stream.depth} read ahead, {engine.offload.io_threads} requests in flight"
             + (f", {engine.offload_stream.io.mode}" if engine.offload.dir else "")
             + (", beside the next forward (ahead)" if engine.offload.ahead else "")
-            + (f"; delayed one step after {engine.offload.delay} exact steps, its buffer "
+            + (f"; delayed one step after {engine.offload.delay} exact step"
+               f"{'' if engine.offload.delay == 1 else 's'}, its buffer "
                f"{_mib(mem['offload_delay_bytes']).strip()} (docs/offload.md)" if engine.delayed is not None else ""))
         fs = memory_fs(engine.offload.dir) if engine.offload.dir else None
         if fs:
