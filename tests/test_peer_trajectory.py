@@ -14,7 +14,8 @@ What it is
 
     The Llama family the same way (``test_llama_peer_follows_ringzero``): transformers' own
     LlamaForCausalLM (smollm2-135m's preset at 2 layers, width 64, 4 heads, 2 KV heads) and
-    Qwen2ForCausalLM (qwen2.5-0.5b's: q/k/v bias, θ 1e6) under DDP, FSDP FULL_SHARD and FSDP2, loaded
+    Qwen2ForCausalLM (qwen2.5-0.5b's: q/k/v bias, θ 1e6) under DDP, FSDP FULL_SHARD, FSDP2 and
+    DeepSpeed ZeRO-2 and ZeRO-3 (zero.Init), loaded
     from ringzero's initial weights through ringzero/interop's name map, against ringzero's Llama at
     stage 2, within the same tolerances; a peer with 10 x the rotary θ or with decay on the norms fails
     (``test_llama_comparison_catches_a_different_peer``).
@@ -236,7 +237,8 @@ LLAMA_FLAGS = LLAMA_DIMS + ["--seq-len", "32", "--batch", "2", "--steps", "6", "
                             "--lr-warmup", "2", "--min-lr-frac", "0.1", "--weight-decay", "0.1", "--grad-clip",
                             "1.0", "--compute-steps", "0"]
 LLAMA_CASES = [("smollm2-135m", "ddp"), ("smollm2-135m", "fsdp-full"), ("smollm2-135m", "fsdp2-full"),
-               ("qwen2.5-0.5b", "ddp"), ("qwen2.5-0.5b", "fsdp-full")]     # qwen2.5: q/k/v bias, θ 1e6, ε 1e-6
+               ("qwen2.5-0.5b", "ddp"), ("qwen2.5-0.5b", "fsdp-full"), ("smollm2-135m", "ds-zero2"),
+               ("smollm2-135m", "ds-zero3")]     # qwen2.5: q/k/v bias, θ 1e6, ε 1e-6
 
 
 def llama_args(worker, preset, mode, **change) -> argparse.Namespace:
@@ -250,6 +252,7 @@ def llama_args(worker, preset, mode, **change) -> argparse.Namespace:
 def test_llama_peer_follows_ringzero(gloo, comm, preset, mode):
     """transformers' model loaded from ringzero's initial weights (one tensor at a time, meta-device init
     for the sharded modes) follows ringzero's Llama: every step's loss within 1e-5, every weight within 1e-4."""
+    need(mode)
     torch, worker = gloo
     e = compare(torch, worker, comm, llama_args(worker, preset, mode))
     ok = e["loss"] <= TOL_LOSS and e["weights"] <= TOL_W and e["clipped"] >= 1
