@@ -210,7 +210,7 @@ def build_ds(a, torch, cfg, rz, groups_of, adam):
     import logging
 
     import deepspeed
-    TorchGPT = torch_model_class(cfg)   # or TorchLlama
+    Model = torch_model_class(cfg)      # TorchGPT or TorchLlama
     deepspeed.utils.logger.setLevel(logging.WARNING)
     stage = DS_MODES[a.mode]
     largest = max(s.spec.numel for s in rz.layout.slots.values())
@@ -219,7 +219,7 @@ def build_ds(a, torch, cfg, rz, groups_of, adam):
         # fp32 from the config (fp16 and bf16 off); not dtype=torch.float32: DeepSpeed 0.19.8 reads that as
         # `dtype or (fp16 if supported else bf16 ...)` and makes bf16 parameters on its CPU accelerator
         with deepspeed.zero.Init(config_dict_or_path=config):
-            model = TorchGPT(cfg)            # each module partitioned as it is built: no rank holds it all
+            model = Model(cfg)               # each module partitioned as it is built: no rank holds it all
         rank = torch.distributed.get_rank()
         for prefix, m in model.named_modules():
             own = list(m.named_parameters(recurse=False))
@@ -231,7 +231,7 @@ def build_ds(a, torch, cfg, rz, groups_of, adam):
                         for n, p in own:
                             p.copy_(rz.value((prefix + "." if prefix else "") + n))
     else:
-        model = TorchGPT(cfg)
+        model = Model(cfg)
         with torch.no_grad():
             for n, p in model.named_parameters():
                 p.copy_(rz.value(n))
