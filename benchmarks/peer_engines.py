@@ -20,7 +20,13 @@ What it is
                     then loaded module by module: ``GatheredParameters(module's own params,
                     modifier_rank=0)``, rank 0 writes ringzero's values, DeepSpeed re-partitions them
 
-    Every mode takes ringzero's initial weights (``torch_gpt.RingzeroInit``: one parameter at a time),
+    A Llama-family config is built the same way with ``torch_llama.TorchLlama`` (transformers' own model)
+    in place of TorchGPT, its decoder layers as the units (``torch_model_class``). Built on the meta device,
+    its root unit (embedding, final norm, head) is filled before FSDP (1) wraps it and its rotary table
+    and tied head are restored (``finish``) once the values are in.
+
+    Every mode takes ringzero's initial weights (``torch_gpt.RingzeroInit`` or ``torch_llama.LlamaInit``:
+    one parameter at a time),
     AdamW's two groups by the layout's decay flags (``groups_of(model)``) and the same schedule, set
     on the optimizer's groups before each step.
 What it is not
@@ -59,6 +65,24 @@ def adamw(torch, groups, a, adam, prefer_ds: bool):
     return torch.optim.AdamW(groups, lr=a.lr, betas=(adam.beta1, adam.beta2), eps=adam.eps), "torch.optim.AdamW"
 
 
+def torch_model_class(cfg):
+    """The torch model of a ringzero config: torch_gpt.TorchGPT for a GPTConfig, torch_llama.TorchLlama
+    (transformers' LlamaForCausalLM / Qwen2ForCausalLM inside) for a LlamaConfig. Both have ``blocks``
+    (the FSDP units) and are called (x, y) -> (logits, loss); a Llama built on the meta device is
+    ``finish``ed (its rotary table, its tied head) once its values are in."""
+    from ringzero.nn.families import LLAMA, family_of
+    if family_of(cfg) == LLAMA:
+        from torch_llama import TorchLlama
+        return TorchLlama
+    from torch_gpt import TorchGPT
+    return TorchGPT
+
+
+def _finish(model):
+    if hasattr(model, "finish"):
+        model.finish()
+
+
 def _set_lr(groups, lr):
     for g in groups:
         g["lr"] = lr
@@ -79,8 +103,7 @@ def _plain_weights(model):
 
 
 def build_ddp(a, torch, cfg, rz, groups_of, adam):
-    from torch_gpt import TorchGPT
-    model = TorchGPT(cfg)
+    model = torch_model_class(cfg)(cfg)
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(rz.value(n))
@@ -94,21 +117,28 @@ def build_fsdp1(a, torch, cfg, rz, groups_of, adam):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-    from torch_gpt import Block, TorchGPT
     with torch.device("meta"):
-        model = TorchGPT(cfg)
+        model = torch_model_class(cfg)(cfg)
     prefix = {id(m): (p + "." if p else "") for p, m in model.named_modules()}
 
     def materialize(module):            # FSDP calls this on each module of a unit before sharding it
+        if not any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))):
+            return                      # filled already (a Llama's root unit, below)
         module.to_empty(device=torch.device("cpu"), recurse=False)
         with torch.no_grad():
             for n, p in module.named_parameters(recurse=False):
                 p.copy_(rz.value(prefix[id(module)] + n))
 
+    if hasattr(model, "finish"):        # a Llama: the root unit (embedding, final norm, head, rotary table)
+        in_blocks = {id(m) for b in model.blocks for m in b.modules()}     # filled here, tied, then wrapped
+        for m in model.modules():
+            if id(m) not in in_blocks:
+                materialize(m)
+        model.finish()
     strategy = {"fsdp-grad-op": ShardingStrategy.SHARD_GRAD_OP, "fsdp-full": ShardingStrategy.FULL_SHARD}[a.mode]
     # device_id=cpu: without it FSDP looks for an accelerator and refuses to start;
     # use_orig_params: the optimizer sees each parameter (by name) for its decay group
-    fsdp = FSDP(model, sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({Block}),
+    fsdp = FSDP(model, sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({type(model.blocks[0])}),
                 device_id=torch.device("cpu"), use_orig_params=True, param_init_fn=materialize)
     opt, name = adamw(torch, groups_of(fsdp), a, adam, False)
 
@@ -124,10 +154,9 @@ def build_fsdp2(a, torch, cfg, rz, groups_of, adam):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
-    from torch_gpt import TorchGPT
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     with torch.device("meta"):
-        model = TorchGPT(cfg)
+        model = torch_model_class(cfg)(cfg)
     for blk in model.blocks:
         fully_shard(blk, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -135,6 +164,7 @@ def build_fsdp2(a, torch, cfg, rz, groups_of, adam):
     with torch.no_grad():
         for n, p in model.named_parameters():       # DTensors, Shard(0): this rank's rows only, no traffic
             p.to_local().copy_(distribute_tensor(rz.value(n), mesh, p.placements, src_data_rank=None).to_local())
+    _finish(model)
     opt, name = adamw(torch, groups_of(model), a, adam, False)
 
     def weights():
@@ -180,7 +210,7 @@ def build_ds(a, torch, cfg, rz, groups_of, adam):
     import logging
 
     import deepspeed
-    from torch_gpt import TorchGPT
+    Model = torch_model_class(cfg)      # TorchGPT or TorchLlama
     deepspeed.utils.logger.setLevel(logging.WARNING)
     stage = DS_MODES[a.mode]
     largest = max(s.spec.numel for s in rz.layout.slots.values())
@@ -189,7 +219,7 @@ def build_ds(a, torch, cfg, rz, groups_of, adam):
         # fp32 from the config (fp16 and bf16 off); not dtype=torch.float32: DeepSpeed 0.19.8 reads that as
         # `dtype or (fp16 if supported else bf16 ...)` and makes bf16 parameters on its CPU accelerator
         with deepspeed.zero.Init(config_dict_or_path=config):
-            model = TorchGPT(cfg)            # each module partitioned as it is built: no rank holds it all
+            model = Model(cfg)               # each module partitioned as it is built: no rank holds it all
         rank = torch.distributed.get_rank()
         for prefix, m in model.named_modules():
             own = list(m.named_parameters(recurse=False))
@@ -201,7 +231,7 @@ def build_ds(a, torch, cfg, rz, groups_of, adam):
                         for n, p in own:
                             p.copy_(rz.value((prefix + "." if prefix else "") + n))
     else:
-        model = TorchGPT(cfg)
+        model = Model(cfg)
         with torch.no_grad():
             for n, p in model.named_parameters():
                 p.copy_(rz.value(n))

@@ -26,9 +26,13 @@ What it is
 
     Every side trains the same GPT (GPTConfig defaults: 4 layers, 4 heads,
     n_embd 256, block = T, or a GPT-2 preset with ``--model gpt2`` ...,
-    context 1024, and the dimension flags over it), the byte vocabulary (or
+    context 1024, and the dimension flags over it) or the same Llama-family
+    model (``--model smollm2-135m``, ``qwen2.5-0.5b``, ``tinyllama-1.1b`` ...:
+    the torch side is transformers' own LlamaForCausalLM / Qwen2ForCausalLM
+    built from the same config, benchmarks/torch_llama.py; the flags and
+    ``--n-kv-head`` over the preset's shapes; peer_models.py), the byte vocabulary (or
     ``--vocab N``: the same bytes as ids of an N-token vocabulary, so the
-    embedding and head have GPT-2's 50304 rows), batch 8 per rank, T = 128,
+    embedding and head have GPT-2's 50304 rows, or smollm2's 49152), batch 8 per rank, T = 128,
     from the same initial weights (ringzero's draw for ``--seed``, loaded one
     parameter at a time: no sharded mode holds the whole model; benchmarks/peer_engines.py), with the
     same batches, the same AdamW (decay on the same parameters), the same
@@ -70,6 +74,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import cluster_opts  # noqa: E402  (benchmarks/ on the path first)
+from peer_models import describe, peer_flags, resolve_model, vocab_data  # noqa: E402
 from peer_tables import (  # noqa: E402
     MODES,
     RZ_EXTRA,
@@ -100,6 +105,7 @@ def ringzero_args(a, precision: str, metrics: str) -> list:
     sample keep the timed steps pure training steps, as on the torch side.
     """
     model = ["--model", a.model] if a.model else []
+    model += ["--n-kv-head", str(a.n_kv_head)] if a.n_kv_head else []    # a Llama-family preset's
     data = ["--data", a.data] if a.data else []
     return model + data + [
         "--stage", str(a.stage), "--precision", precision, "--n-layer", str(a.n_layer),
@@ -111,40 +117,13 @@ def ringzero_args(a, precision: str, metrics: str) -> list:
 
 
 def model_args(a) -> list:
-    """The torch ranks' flags: the same model, data, batches and schedule (train_peer_worker.py)."""
+    """The torch ranks' flags: the same model, data, batches and schedule (train_peer_worker.py); a
+    Llama-family preset's name too (peer_models.peer_flags)."""
     return ["--n-layer", str(a.n_layer), "--n-head", str(a.n_head), "--n-embd", str(a.n_embd),
             "--block", str(a.block), "--data", a.data, "--batch", str(a.batch), "--seq-len", str(a.seq_len),
             "--steps", str(a.steps), "--seed", str(a.seed), "--lr", str(a.lr), "--lr-warmup", str(a.lr_warmup),
             "--min-lr-frac", str(a.min_lr_frac), "--weight-decay", str(a.weight_decay),
-            "--grad-clip", str(a.grad_clip), "--compute-steps", str(a.compute_steps)]
-
-
-def resolve_model(a):
-    """Fill a.n_layer, a.n_head, a.n_embd and a.block from --model (ringzero.nn.gpt.PRESETS, the one
-    source of GPT-2's shapes) and the flags given, as the trainer's gpt_config does; the vocabulary is
-    the data's (bytes: 256; --vocab N: N rounded up to a multiple of 64). Returns the GPTConfig."""
-    from ringzero.nn.gpt import GPTConfig, model_config, vocab_for
-    small = GPTConfig()                  # this benchmark's small default: 4 x 256, 4 heads
-    dims = {k: getattr(a, k) if getattr(a, k) is not None else (None if a.model else getattr(small, k))
-            for k in ("n_layer", "n_head", "n_embd")}
-    vocab = vocab_for(a.vocab - 1) if a.vocab else 256
-    cfg = model_config(a.model or None, vocab, block_size=None if a.model else a.seq_len, **dims)
-    a.n_layer, a.n_head, a.n_embd, a.block = cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size
-    return cfg
-
-
-def vocab_data(a, work):
-    """--vocab N: the default corpus's bytes as a uint16 token file (nanoGPT's .bin) whose last token is
-    N - 1, so that both sides build an embedding and a head of GPT-2's size (``vocab_for``: N rounded up
-    to a multiple of 64, 50257 -> 50304) and train on the same bytes. Sets a.data."""
-    import numpy as np
-
-    from ringzero.app.data import stdlib_corpus
-    c = stdlib_corpus()
-    tokens = np.concatenate([c.train, c.val]).astype(np.uint16)
-    tokens[-1] = a.vocab - 1                # in the held-out tail (the last 5 %): never a training target
-    a.data = os.path.join(work, f"bytes-as-{a.vocab}-ids.bin")
-    tokens.tofile(a.data)
+            "--grad-clip", str(a.grad_clip), "--compute-steps", str(a.compute_steps)] + peer_flags(a)
 
 
 CLUSTER = dict(prefix="rzp", net=5)     # launch/cluster's nodes for --cluster: rzp-n1 at 198.18.5.1
@@ -277,11 +256,13 @@ def parse(argv=None):
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
     ap.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--model", default="", help="GPT-2 shapes: gpt2 | gpt2-medium | gpt2-large | gpt2-xl "
-                    "(context 1024; the dimension flags override a preset's)")
+    ap.add_argument("--model", default="", help="a preset: GPT-2's gpt2 ... gpt2-xl (context 1024) or a Llama "
+                    "family's smollm2-135m ... (transformers' LlamaForCausalLM / Qwen2ForCausalLM as the torch "
+                    "peer); the dimension flags override a preset's")
     ap.add_argument("--n-layer", type=int, default=None, help="blocks (default 4, or the preset's)")
     ap.add_argument("--n-head", type=int, default=None, help="heads (default 4, or the preset's)")
     ap.add_argument("--n-embd", type=int, default=None, help="width (default 256, or the preset's)")
+    ap.add_argument("--n-kv-head", type=int, default=None, help="a Llama-family preset's KV heads (its own)")
     ap.add_argument("--vocab", type=int, default=None, help="a vocabulary of N ids (e.g. 50257, GPT-2's: "
                     "its head's GEMM) over the same bytes; default: the bytes' 256")
     ap.add_argument("--data", default="", help="the trainer's --data FILE for both sides (default: its corpus)")
@@ -333,7 +314,7 @@ def parse(argv=None):
     try:
         cfg = resolve_model(a)
     except ValueError as e:
-        ap.error(f"--model/--n-layer/--n-head/--n-embd: {e}")
+        ap.error(f"--model/--n-layer/--n-head/--n-embd/--n-kv-head: {e}")
     if a.seq_len > cfg.block_size:
         ap.error(f"--seq-len must be <= the model's context: expected <= {cfg.block_size}, got {a.seq_len}")
     return a
@@ -355,8 +336,7 @@ def main(argv=None):
     os.makedirs(work, exist_ok=True)
     if a.vocab:
         vocab_data(a, work)
-    print(f"train_peer: GPT {a.model + ' ' if a.model else ''}n_layer={a.n_layer} n_head={a.n_head} "
-          f"n_embd={a.n_embd} block={a.block} vocab {a.vocab or 'of the data'}, batch {a.batch}/rank, "
+    print(f"train_peer: {describe(a)} block={a.block} vocab {a.vocab or 'of the data'}, batch {a.batch}/rank, "
           f"T={a.seq_len}, lr {a.lr} (warm-up {a.lr_warmup}, to x{a.min_lr_frac}), {a.steps} steps "
           f"({a.warmup} warm-up), {a.repeat} round(s), logs in {work}"
           + (f"; {cluster_opts.describe(a)}" if a.cluster else ""),

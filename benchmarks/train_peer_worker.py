@@ -12,9 +12,11 @@ What it is
                 (through runpy, as ``python -m`` does), then writes its peak RSS
 
     The torch rank computes what the trainer computes (tests/test_peer_trajectory.py
-    holds it to that): the same GPT and vocabulary (``vocab_for`` on the same
+    holds it to that): the same GPT, or Llama-family model (``--model``: transformers'
+    own, benchmarks/torch_llama.py), and vocabulary (``vocab_for`` on the same
     data), ringzero's initial weights for the seed (``Layout.init_param``, one
-    parameter at a time: ``torch_gpt.RingzeroInit``), the same batches (``Batches``), AdamW with the
+    parameter at a time: ``torch_gpt.RingzeroInit``, ``torch_llama.LlamaInit``), the same batches
+    (``Batches``), AdamW with the
     trainer's betas, eps and weight decay on exactly the parameters the layout
     marks (not on biases and norms), global-norm clipping over the whole
     gradient, the trainer's learning-rate schedule (``ringzero.app.config.lr_at``),
@@ -23,7 +25,7 @@ What it is
 
     Where the step goes: each step's forward+backward is timed apart from its
     clipping and update. After the timed steps (``--compute-steps``) the
-    wrapped model is freed and a plain TorchGPT of the same shapes runs
+    wrapped model is freed and a plain TorchGPT (TorchLlama) of the same shapes runs
     forward+backward on the same batch on every rank at once, with no wrapper
     and no collective: that is the step's compute. The wrapped forward+backward
     less that is the communication the wrapper left exposed (with its hooks'
@@ -74,38 +76,62 @@ def rss_now_bytes() -> int:
 # ---- the torch side --------------------------------------------------------------
 
 def torch_model(a, torch, init=True):
-    """(cfg, corpus, TorchGPT): the GPT the driver resolved (--n-layer ... --block), the vocabulary the
-    data needs (``vocab_for``, as the trainer), with ringzero's initial weights for --seed (``init``;
-    else torch's own draw). The compute probe's plain model; the modes build theirs in peer_engines."""
+    """(cfg, corpus, model): the model the driver resolved (a GPT: --n-layer ... --block; a Llama-family
+    --model: the preset with the dimension flags over it), the vocabulary the data needs (``vocab_for``,
+    as the trainer), with ringzero's initial weights for --seed (``init``; else a draw of its own). The
+    compute probe's plain model (TorchGPT, or TorchLlama: transformers' own); the modes build theirs in
+    peer_engines."""
+    from peer_engines import torch_model_class
     cfg, corpus, rz = model_init(a, own_draw=not init)
-    from torch_gpt import TorchGPT
-    model = TorchGPT(cfg)
+    model = torch_model_class(cfg)(cfg)
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(rz.value(n))
     return cfg, corpus, model
 
 
-def model_init(a, own_draw=False):
-    """(cfg, corpus, RingzeroInit): the shapes, the data and the initial values, one parameter at a time."""
-    from torch_gpt import RingzeroInit
+def is_llama(a) -> bool:
+    """Whether --model names a Llama-family preset (ringzero.nn.families)."""
+    from ringzero.nn.families import LLAMA, family_of, preset_names
+    return a.model in preset_names() and family_of(a.model) == LLAMA
 
+
+def model_init(a, own_draw=False):
+    """(cfg, corpus, init): the shapes, the data and the initial values, one parameter at a time
+    (torch_gpt.RingzeroInit, or torch_llama.LlamaInit through ringzero/interop's name map)."""
     from ringzero.app.data import load_corpus
-    from ringzero.nn.gpt import GPTConfig, gpt_units, vocab_for
+    from ringzero.nn.families import model_config, units_of
+    from ringzero.nn.gpt import GPTConfig, vocab_for
     from ringzero.runtime.flat import Layout
     corpus = load_corpus(a.data or None, a.seq_len)
-    cfg = GPTConfig(a.n_layer, a.n_head, a.n_embd, a.block,
-                    vocab_for(corpus.vocab - 1, byte_level=corpus.byte_level))
-    return cfg, corpus, RingzeroInit(Layout(gpt_units(cfg)), a.seed, cfg.n_layer, own_draw)
+    vocab = vocab_for(corpus.vocab - 1, byte_level=corpus.byte_level)
+    if is_llama(a):
+        from torch_llama import LlamaInit
+        cfg = model_config(a.model, vocab, n_layer=a.n_layer, n_head=a.n_head, n_embd=a.n_embd,
+                           n_kv_head=a.n_kv_head)
+        return cfg, corpus, LlamaInit(Layout(units_of(cfg)), a.seed, cfg, own_draw)
+    from torch_gpt import RingzeroInit
+    cfg = GPTConfig(a.n_layer, a.n_head, a.n_embd, a.block, vocab)
+    return cfg, corpus, RingzeroInit(Layout(units_of(cfg)), a.seed, cfg.n_layer, own_draw)
+
+
+def torch_decays(cfg) -> dict:
+    """{torch parameter name: decayed?} by the layout's own flags (ringzero.nn.gpt.gpt_units, or
+    llama_config.llama_units through interop's name map): decay on the 2-D weights only."""
+    from ringzero.nn.families import LLAMA, family_of, units_of
+    from ringzero.runtime.flat import Layout
+    if family_of(cfg) == LLAMA:
+        from torch_llama import LlamaInit
+        layout = Layout(units_of(cfg))
+        return {tn: layout.slots[n].spec.decay for tn, (n, *_) in LlamaInit(layout, 0, cfg).names.items()}
+    from torch_gpt import torch_name
+    return {torch_name(s.name)[0]: s.decay for u in units_of(cfg) for s in u.params}
 
 
 def decay_groups(model, cfg, wd):
-    """AdamW's two groups, by the layout's own decay flags (ringzero.nn.gpt.gpt_units): weight decay
+    """AdamW's two groups, by the layout's own decay flags (``torch_decays``): weight decay
     on what the trainer decays, none on biases and norms. By name, since FSDP's views are flat."""
-    from torch_gpt import torch_name
-
-    from ringzero.nn.gpt import gpt_units
-    decays = {torch_name(s.name)[0]: s.decay for u in gpt_units(cfg) for s in u.params}
+    decays = torch_decays(cfg)
     groups = ([], [])
     for name, p in model.named_parameters():
         for pre in FSDP_PREFIXES:
@@ -120,11 +146,11 @@ def build(a, torch, own_draw=False):
     """(cfg, corpus, peer_engines.Peer, parameters) of a torch rank; the process group is up."""
     import peer_engines
 
-    from ringzero.nn.gpt import gpt_units
+    from ringzero.nn.families import units_of
     from ringzero.runtime.flat import Layout
     from ringzero.runtime.optim import AdamConfig
     cfg, corpus, rz = model_init(a, own_draw)
-    n_params = Layout(gpt_units(cfg)).numel      # the tied head counted once, as torch counts it
+    n_params = Layout(units_of(cfg)).numel      # the tied head counted once, as torch counts it
     peer = peer_engines.build(a, torch, cfg, rz, lambda m: decay_groups(m, cfg, a.weight_decay),
                               AdamConfig())      # the trainer's betas and eps
     return cfg, corpus, peer, n_params
@@ -157,7 +183,7 @@ def torch_worker(a):
     sys.path.insert(0, HERE)
 
     from ringzero.app.data import Batches
-    from ringzero.nn.gpt import gpt_units
+    from ringzero.nn.families import units_of
     from ringzero.runtime.flat import Layout
 
     torch.set_num_threads(1)
@@ -185,7 +211,7 @@ def torch_worker(a):
     res = {"rank": rank, "world": world, "step_time_s": times, "fwd_bwd_s": fwd_bwd,
            "loss": (mean_loss / world).tolist(), "compute_s": compute,
            "peak_rss_bytes": peak_rss_bytes(), "rss_start_bytes": rss_start, "params": n_params,
-           "layout_params": Layout(gpt_units(cfg)).numel, "torch": torch.__version__,
+           "layout_params": Layout(units_of(cfg)).numel, "torch": torch.__version__,
            "optimizer": optimizer, "deepspeed": ds_version()}
     with open(os.path.join(a.out, f"rank-{rank}.json"), "w") as f:
         json.dump(res, f)
@@ -199,7 +225,7 @@ def ds_version():
 
 
 def compute_probe(a, torch, dist, batches):
-    """Seconds of forward+backward of a plain TorchGPT (no wrapper, no collective) on this rank's
+    """Seconds of forward+backward of a plain TorchGPT or TorchLlama (no wrapper, no collective) on this rank's
     first batch, --compute-steps times, every rank at once (the cores shared as in the run)."""
     import gc
     gc.collect()
@@ -255,6 +281,9 @@ def parser():
     ap.add_argument("--ds-nvme-dir", default="", help="--ds-offload nvme: the folder DeepSpeed swaps to")
     ap.add_argument("--rz-module", default="ringzero.train")
     ap.add_argument("--data", default="", help="the trainer's --data ('' = the default corpus)")
+    ap.add_argument("--model", default="", help="a Llama-family preset (transformers' model as the peer); "
+                    "else the GPT of the dimension flags")
+    ap.add_argument("--n-kv-head", type=int, default=None, help="a Llama preset's KV heads (default: its own)")
     for flag, typ, default in (("--steps", int, 15), ("--batch", int, 8), ("--seq-len", int, 128),
                                ("--n-layer", int, 4), ("--n-head", int, 4), ("--n-embd", int, 256),
                                ("--block", int, 128), ("--seed", int, 0), ("--lr", float, 3e-4),

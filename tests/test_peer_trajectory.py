@@ -12,6 +12,14 @@ What it is
     (relative L2 error per tensor 1e-4, the attention's key bias left out, as there: its gradient is
     rounding noise). ringzero runs once per world size; every mode is compared with that run.
 
+    The Llama family the same way (``test_llama_peer_follows_ringzero``): transformers' own
+    LlamaForCausalLM (smollm2-135m's preset at 2 layers, width 64, 4 heads, 2 KV heads) and
+    Qwen2ForCausalLM (qwen2.5-0.5b's: q/k/v bias, θ 1e6) under DDP, FSDP FULL_SHARD, FSDP2 and
+    DeepSpeed ZeRO-2 and ZeRO-3 (zero.Init), loaded
+    from ringzero's initial weights through ringzero/interop's name map, against ringzero's Llama at
+    stage 2, within the same tolerances; a peer with 10 x the rotary θ or with decay on the norms fails
+    (``test_llama_comparison_catches_a_different_peer``).
+
     The comparison can fail (``test_comparison_catches_a_different_peer``): a peer with its own initial
     draw (the loss off by 3 % to 6 %), with weight decay on every parameter (torch's default: the final
     layernorm's gain off by about 4 x the weights' tolerance), with a constant lr (the schedule not
@@ -85,32 +93,42 @@ def peer_args(worker, mode, **change) -> argparse.Namespace:
 def run_peer(torch, worker, a, comm, own_draw=False):
     """The peer's training: (per-step loss, the mean over ranks; {ringzero name: final weight})."""
     import torch.distributed as dist
-    from torch_gpt import torch_name
 
     from ringzero.app.data import Batches
-    from ringzero.nn.gpt import gpt_units
     cfg, corpus, peer, _ = worker.build(a, torch, own_draw=own_draw)
     batches = Batches(corpus.train, a.batch, a.seq_len, comm.rank, comm.size, a.seed)
     _, _, losses = worker.train(a, peer, batches, torch)
     mean = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(mean)
     params = peer.weights()                  # every parameter in full, gathered one at a time
+    return (mean / comm.size).tolist(), as_ringzero(params, cfg), cfg, corpus
+
+
+def as_ringzero(params, cfg) -> dict:
+    """{ringzero name: float64 array in ringzero's (in, out) layout} from the peer's full torch tensors."""
+    from ringzero.nn.families import LLAMA, family_of, units_of
+    if family_of(cfg) == LLAMA:          # transformers' q/k/v and gate/up joined by interop's name map
+        from torch_llama import LlamaInit, ringzero_weights
+
+        from ringzero.runtime.flat import Layout
+        return ringzero_weights(params, cfg, LlamaInit(Layout(units_of(cfg)), 0, cfg).names)
+    from torch_gpt import torch_name
     weights = {}
-    for s in (s for u in gpt_units(cfg) for s in u.params):
+    for s in (s for u in units_of(cfg) for s in u.params):
         tn, transpose = torch_name(s.name)
         w = params[tn].detach().numpy().astype(np.float64)
         weights[s.name] = w.T if transpose else w
-    return (mean / comm.size).tolist(), weights, cfg, corpus
+    return weights
 
 
 def run_ringzero(a, cfg, corpus, comm):
     """ringzero's engine as ringzero.app.train builds it, on the same batches and schedule."""
     from ringzero.app.config import Config, lr_at
     from ringzero.app.data import Batches
-    from ringzero.nn.gpt import GPT
+    from ringzero.nn.families import build
     from ringzero.runtime.optim import AdamConfig
     from ringzero.runtime.zero import Zero
-    eng = Zero(GPT(cfg), comm, "2", precision="fp32", seed=a.seed,
+    eng = Zero(build(cfg), comm, "2", precision="fp32", seed=a.seed,
                adam=AdamConfig(weight_decay=a.weight_decay, grad_clip=a.grad_clip), timeout=60)
     sched = Config(lr=a.lr, warmup=a.lr_warmup, min_lr_frac=a.min_lr_frac, steps=a.steps)
     batches = Batches(corpus.train, a.batch, a.seq_len, comm.rank, comm.size, a.seed)
@@ -135,13 +153,15 @@ def compare(torch, worker, comm, a, ref=None, own_draw=False):
     if key not in _REFERENCE:
         _REFERENCE[key] = run_ringzero(ref, cfg, corpus, comm)
     r_loss, norms, r_w = _REFERENCE[key]
-    C = cfg.n_embd
+    # the key bias's columns of attn.b (GPT: [q | k | v], C each; Qwen2: H·D query, then K·D key columns)
+    k0, k1 = (cfg.n_embd, 2 * cfg.n_embd) if not hasattr(cfg, "n_kv_head") else \
+        (cfg.n_head * cfg.head_dim, (cfg.n_head + cfg.n_kv_head) * cfg.head_dim)
     w_err = {}
     for k, ref in r_w.items():
         got = t_w[k].copy()
         if k.endswith("attn.b"):                  # the key bias: rounding noise (module docstring)
-            got[C:2 * C], ref = 0, ref.copy()
-            ref[C:2 * C] = 0
+            got[k0:k1], ref = 0, ref.copy()
+            ref[k0:k1] = 0
         w_err[k] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
     worst = max(w_err, key=w_err.get)
     return {"loss": max(abs(x - y) / abs(y) for x, y in zip(t_loss, r_loss)), "worst": worst,
@@ -201,6 +221,67 @@ def test_comparison_catches_a_different_peer(gloo, comm, monkeypatch, mode, chan
     e = compare(torch, worker, comm, a, ref, own_draw=change == "init=torch")
     # decay on the norms' gains shrinks them by wd * sum(lr) = 0.1 * 4e-3: about 4 x TOL_W in lnf.w
     ok = e["weights"] > 2 * TOL_W and (change != "init=torch" or e["loss"] > 10 * TOL_LOSS)
+    msg = (f"{mode} {change}, n={comm.size}: loss rel err {e['loss']:.2e}, worst weight {e['worst']} "
+           f"{e['weights']:.2e}")
+    if comm.rank == 0:
+        print(msg)
+    assert_all(comm, ok, msg)
+
+
+# ---- the Llama family: transformers' own LlamaForCausalLM / Qwen2ForCausalLM as the peer -----------------
+
+# a Llama-family preset made tiny: 2 layers, width 64, 4 heads of 16, 2 KV heads (2 query heads each),
+# the preset's MLP (1536), θ and ε, tied; the byte vocabulary; the same schedule, decay and clip as FLAGS
+LLAMA_DIMS = ["--n-layer", "2", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "64"]
+LLAMA_FLAGS = LLAMA_DIMS + ["--seq-len", "32", "--batch", "2", "--steps", "6", "--seed", "7", "--lr", "1e-3",
+                            "--lr-warmup", "2", "--min-lr-frac", "0.1", "--weight-decay", "0.1", "--grad-clip",
+                            "1.0", "--compute-steps", "0"]
+LLAMA_CASES = [("smollm2-135m", "ddp"), ("smollm2-135m", "fsdp-full"), ("smollm2-135m", "fsdp2-full"),
+               ("qwen2.5-0.5b", "ddp"), ("qwen2.5-0.5b", "fsdp-full"), ("smollm2-135m", "ds-zero2"),
+               ("smollm2-135m", "ds-zero3")]     # qwen2.5: q/k/v bias, θ 1e6, ε 1e-6
+
+
+def llama_args(worker, preset, mode, **change) -> argparse.Namespace:
+    a = worker.parser().parse_args(["torch", "--out", ".", "--mode", mode, "--model", preset, *LLAMA_FLAGS])
+    for k, v in change.items():
+        setattr(a, k, v)
+    return a
+
+
+@pytest.mark.parametrize("preset,mode", LLAMA_CASES, ids=[f"{p}-{m}" for p, m in LLAMA_CASES])
+def test_llama_peer_follows_ringzero(gloo, comm, preset, mode):
+    """transformers' model loaded from ringzero's initial weights (one tensor at a time, meta-device init
+    for the sharded modes) follows ringzero's Llama: every step's loss within 1e-5, every weight within 1e-4."""
+    need(mode)
+    torch, worker = gloo
+    e = compare(torch, worker, comm, llama_args(worker, preset, mode))
+    ok = e["loss"] <= TOL_LOSS and e["weights"] <= TOL_W and e["clipped"] >= 1
+    msg = (f"{preset} {mode}, n={comm.size}: loss rel err {e['loss']:.2e} (<= {TOL_LOSS}), worst weight "
+           f"{e['worst']} {e['weights']:.2e} (<= {TOL_W}), clipping acted in {e['clipped']} steps; losses torch "
+           f"{[round(x, 5) for x in e['losses'][0]]} ringzero {[round(x, 5) for x in e['losses'][1]]}")
+    if comm.rank == 0:
+        print(msg)
+    assert_all(comm, ok, msg)
+
+
+LLAMA_CHANGES = [("ddp", "rope-theta=x10"), ("fsdp-full", "decay=all")]
+
+
+@pytest.mark.parametrize("mode,change", LLAMA_CHANGES, ids=[f"{m}-{c}" for m, c in LLAMA_CHANGES])
+def test_llama_comparison_catches_a_different_peer(gloo, comm, monkeypatch, mode, change):
+    """A peer whose rotary θ is 10 x ringzero's, or that decays the norms too, fails the comparison."""
+    import dataclasses
+
+    import torch_llama
+    torch, worker = gloo
+    if change == "decay=all":
+        _all_decay(worker, monkeypatch)
+    else:
+        right = torch_llama.hf_config
+        monkeypatch.setattr(torch_llama, "hf_config",
+                            lambda cfg: right(dataclasses.replace(cfg, rope_theta=10 * cfg.rope_theta)))
+    e = compare(torch, worker, comm, llama_args(worker, "smollm2-135m", mode))
+    ok = e["loss"] > TOL_LOSS or e["weights"] > TOL_W
     msg = (f"{mode} {change}, n={comm.size}: loss rel err {e['loss']:.2e}, worst weight {e['worst']} "
            f"{e['weights']:.2e}")
     if comm.rank == 0:

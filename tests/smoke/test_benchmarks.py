@@ -31,6 +31,11 @@ PEER = ["--ranks", "2", "--steps", "3", "--warmup", "1", "--modes", "ringzero,dd
 PRESET = ["--model", "gpt2", "--n-layer", "1", "--vocab", "1000"]
 PEER_PRESET = ["--ranks", "2", "--steps", "2", "--warmup", "1", "--modes", "ringzero,ddp", "--timeout", "200",
                "--seq-len", "16", "--batch", "1", "--compute-steps", "1", *PRESET]
+# a Llama-family preset made tiny: transformers' LlamaForCausalLM as the torch peer (DDP, and FSDP FULL_SHARD
+# built on the meta device), one layer of width 64, 4 heads, 2 KV heads, the byte vocabulary, T = 16
+PEER_LLAMA = ["--ranks", "2", "--steps", "2", "--warmup", "1", "--modes", "ringzero,ddp,fsdp-full", "--timeout", "200",
+              "--seq-len", "16", "--batch", "1", "--compute-steps", "1", "--model", "smollm2-135m", "--n-layer", "1",
+              "--n-embd", "64", "--n-head", "4", "--n-kv-head", "2"]
 # the sharded peers: FSDP2 and DeepSpeed ZeRO-1/2/3 (meta-device and zero.Init starts) at the tiny size
 PEER_SHARDED = ["--ranks", "2", "--steps", "3", "--warmup", "1", "--modes", "ringzero,fsdp2-full,ds-zero1,ds-zero2,"
                 "ds-zero3", "--timeout", "200", "--compute-steps", "1", *TINY_GPT]
@@ -38,6 +43,10 @@ CAPACITY_PEERS = ["--cap", "600MiB", "--nd", "2", "--stages", "3", "--offload", 
                   "--n-embd", "64", "--n-head", "2", "--seq-len", "16", "--max-layers", "1", "--no-baseline",
                   "--timeout", "200"]
 PREV = "{prev}"   # replaced by the prev_comm fixture's folder
+TMP = "{tmp}"     # replaced by a folder under the test's tmp_path (an output)
+# a random Qwen2 folder at qwen2.5-0.5b's shapes made tiny, in shards of 100 KiB (an index beside them)
+HF_RANDOM = ["--model", "qwen2.5-0.5b", "--n-layer", "1", "--n-embd", "64", "--n-head", "4", "--n-kv-head", "2",
+             "--vocab", "300", "--shard-mb", "0.1", "--out", TMP]
 
 # script -> [(ranks or None, args, a line of its table)]
 RUNS = {
@@ -65,6 +74,8 @@ RUNS = {
     "capacity.py#peers": [(None, CAPACITY_PEERS, r"^\| stage 3 \| 2 \| 1 ")],
     "check_simulate.py": [(None, ["--ns", "2", "--models", "1L-32C", "--iters", "2", "--max-bytes", "16K"],
                            r"^\|error\|: median")],
+    "hf_random_folder.py": [(None, HF_RANDOM, r"^wrote .*: Qwen2ForCausalLM at qwen2.5-0.5b's shapes, 1L 64C 4H 2KV, "
+                                                r"vocab 300, [\d,]+ params, bf16, \d+ file\(s\) .*index\.json$")],
     "interleave_bias.py": [(2, ["4096"], r"all_reduce\s+4096\s+loop\s+ring")],
     "link_pairs.py": [(4, ["64K", "--repeats", "1"], r"^\s+65,536\s+both ways, 2 pairs\s+[\d.]+$")],
     "plan_profile.py": [(2, ["all_reduce", "4K", "20"], r"Ring call .* us, MPI")],
@@ -74,10 +85,13 @@ RUNS = {
     "sgemm_libs.py": [(None, ["--n-embd", "8", "--rows", "16"], r"^\s+the layer\s+\|\s+[\d.]+")],
     "train_peer.py": [(None, PEER, r"^\| ringzero \| 2 \| \d+"),
                       (None, PEER_PRESET, r"^\| ringzero \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| -?[\d.]+ \|$"),
-                      (None, PEER_SHARDED, r"^\| ringzero \| 2 \| \d+")],
+                      (None, PEER_SHARDED, r"^\| ringzero \| 2 \| \d+"),
+                      (None, PEER_LLAMA, r"^\| ringzero \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| -?[\d.]+ \|$")],
 }
 # not scripts of their own: what runs them
 COVERED_BY = {"torch_gpt.py": "bench_model.py and train_peer.py (the torch side)",
+              "torch_llama.py": "train_peer.py --model smollm2-135m (the torch side of a Llama-family preset)",
+              "peer_models.py": "train_peer.py (its model's shapes and vocabulary)",
               "peer_engines.py": "train_peer.py and capacity.py (how each torch-side mode is built)",
               "peer_tables.py": "train_peer.py (its tables)",
               "train_peer_worker.py": "train_peer.py (its ranks)",
@@ -99,6 +113,8 @@ def test_every_script_is_covered():
 def test_benchmark(script, i, ranks, args, table, request):
     if PREV in args:
         args = [request.getfixturevalue("prev_comm") if a == PREV else a for a in args]
+    if TMP in args:
+        args = [str(request.getfixturevalue("tmp_path") / "out") if a == TMP else a for a in args]
     path = os.path.join("benchmarks", script)
     argv = [PY, "-m", "mpi4py", path, *args] if ranks else [PY, path, *args]
     rc, out = run(argv, ranks=ranks)
@@ -114,9 +130,31 @@ def test_benchmark(script, i, ranks, args, table, request):
             if "--model" in args:      # the torch mode's step, compute and exposed communication too
                 check(rc, out, r"^\| ddp \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| -?[\d.]+ \|$",
                       what + ": the torch row of the step table")
+            if args == PEER_LLAMA:     # transformers' Llama, sharded: its row, and the same parameter count
+                check(rc, out, r"^\| fsdp-full \| 2 \| \d+", what + ": the FSDP FULL_SHARD row")
+                assert "MISMATCH" not in out, f"{what}: the two sides' models differ:\n{out[-2000:]}"
         else:
             check(rc, out, r"torch is not installed", what + ": the line saying the torch rows are skipped")
             print("train_peer.py: torch is not installed here, so its torch row was skipped", file=sys.stderr)
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed (RINGZERO_PEER=1 installs it)")
+def test_hf_random_folder_opens_in_transformers(tmp_path):
+    """The random folder is one transformers opens with no missing or unexpected key, in its dtype,
+    sharded, with the preset's computing fields (Qwen2: the q/k/v bias, θ 1e6, ε 1e-6)."""
+    args = [a if a != TMP else str(tmp_path / "qwen") for a in HF_RANDOM]
+    rc, out = run([PY, os.path.join("benchmarks", "hf_random_folder.py"), *args])
+    check(rc, out, r"^wrote ", "benchmarks/hf_random_folder.py " + " ".join(args))
+    import torch
+    import transformers
+    m, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "qwen"), output_loading_info=True)
+    assert type(m).__name__ == "Qwen2ForCausalLM" and m.dtype == torch.bfloat16, (type(m).__name__, m.dtype)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    c = m.config
+    assert (c.num_hidden_layers, c.hidden_size, c.num_key_value_heads, c.vocab_size, c.rms_norm_eps) == \
+        (1, 64, 2, 300, 1e-6), c
+    assert c.rope_parameters["rope_theta"] == 1e6 and c.tie_word_embeddings, c
+    assert float(m.model.layers[0].self_attn.k_proj.bias.detach().float().std()) > 0.01     # drawn, not zeros
 
 
 @pytest.mark.parametrize("ahead", [False, True])

@@ -77,25 +77,36 @@ def word(cmd):
     return cmd.args[0] if cmd.args and re.fullmatch(r"[a-z]+", cmd.args[0]) else None
 
 
-HF_DIRS = ("gpt2", "qwen", "CKPT_OR_HF_DIR")     # the recipes' Hugging Face folders: the GPT-2 fixture stands in
+HF_DIRS = ("gpt2", "qwen", "smol", "CKPT_OR_HF_DIR")    # the recipes' Hugging Face folders: the GPT-2 fixture stands in
+EXPORTED = ("smol-ft",)     # folders a recipe exports (an output there) and then reads (the GPT-2 fixture)
+CHECKPOINTS = ("ft", "smol-rz")     # ringzero checkpoints the recipes write and then read (the fine-tuned fixture)
 
 
-def gpt2_input(a, prev, inputs):
+def gpt2_input(a, prev, inputs, module=""):
     """The fixture file for an input argument of docs/gpt2.md's recipe, or None: the GPT-2
     folder "gpt2", its tokenizer, the encoded data, the text, the fine-tuned checkpoint "ft"."""
     if prev in ("--save-dir", "--model"):
         return None
     if prev == "--tokenizer":
         return inputs["gpt2"]()["tokenizer"]
-    if prev == "--init-from" or a.rstrip("/") in HF_DIRS:
+    if prev == "--init-from" or a.rstrip("/") in HF_DIRS or (a.rstrip("/") in EXPORTED
+                                                               and module != "ringzero.checkpoint"):
         return inputs["gpt2"]()["dir"]
     if prev == "--data" and (a.endswith(".bin") or a == "FILE"):
         return inputs["gpt2"]()["data"]
     if a.endswith(".txt"):
         return inputs["text"]
-    if a.rstrip("/") == "ft":
+    if a.rstrip("/") in CHECKPOINTS:
         return inputs["gpt2"]()["finetuned"]
     return None
+
+
+def conversion(cmd) -> bool:
+    """``ringzero.train --init-from DIR --steps 0 --save-dir OUT``: a conversion, run as written (no step,
+    no data; the fixture's folder in, a checkpoint out)."""
+    a = list(cmd.args)
+    return cmd.module == "ringzero.train" and "--init-from" in a and "--steps" in a and \
+        a.index("--steps") + 1 < len(a) and a[a.index("--steps") + 1] == "0"
 
 
 def tiny(cmd, inputs, out_dir):
@@ -103,13 +114,13 @@ def tiny(cmd, inputs, out_dir):
     args, out = list(cmd.args), []
     bench_inputs_done = False
     # docs/gpt2.md's recipe (the user's GPT-2 folder "gpt2", the fine-tuned "ft"): its own fixtures
-    gpt2 = any(a in ("--init-from", "--tokenizer") or a.rstrip("/") in HF_DIRS + ("ft",) for a in args)
+    gpt2 = any(a in ("--init-from", "--tokenizer") or a.rstrip("/") in HF_DIRS + EXPORTED + CHECKPOINTS for a in args)
     i = 0
     while i < len(args):
         a = args[i]
         prev = args[i - 1] if i else ""
         outputs = OUTPUT_FLAGS + (("--metrics", "--save-dir") if cmd.module == "ringzero.train" else ())
-        recipe = gpt2_input(a, prev, inputs) if gpt2 else None
+        recipe = gpt2_input(a, prev, inputs, cmd.module) if gpt2 else None
         if recipe is not None:
             out.append(recipe)
         elif cmd.module == "ringzero.evaluate" and prev == "--seq-len":    # within the fixture's context (32)
@@ -147,7 +158,7 @@ def tiny(cmd, inputs, out_dir):
         else:
             out.append(a)
         i += 1
-    if cmd.module == "ringzero.train" and not {"--help", "-h", "--check"} & set(out):
+    if cmd.module == "ringzero.train" and not {"--help", "-h", "--check"} & set(out) and not conversion(cmd):
         # an imported model's shapes are its config.json's: no dimension flags then
         out += TINY_TRAIN if not gpt2 else ["--seq-len", "16", "--batch", "2"] + TINY_TRAIN[len(TINY_GPT):]
         if "--model" in out and out[out.index("--model") + 1] in LLAMA_PRESETS:
@@ -188,6 +199,8 @@ def test_documented_command(cmd, inputs, tmp_path):
     args = tiny(cmd, inputs, str(tmp_path))
     if "--help" in args:
         table = r"^usage:"
+    if conversion(cmd):
+        table = r"--steps 0: saved the imported weights \(Ψ = [\d,]+\) to \S+/step-000000, no step taken"
     argv = [PY, "-m", "mpi4py", "-m", cmd.module, *args] if cmd.ranks else [PY, "-m", cmd.module, *args]
     rc, out = run(argv, ranks=cmd.ranks, cwd=str(tmp_path))
     check(rc, out, table, f"{cmd.where}: {cmd.text}\n  ran as: {' '.join(argv)}")
