@@ -201,8 +201,9 @@ def run_mode(mode, n, a, work):
     prefix = cluster_opts.prefix(a, os.path.join(d, "nodes")) if a.cluster else mpirun_prefix(n)
     if mode in RZ_MODES:
         metrics = os.path.join(d, "metrics.jsonl")
+        flags = ringzero_args(a, RZ_MODES[mode], metrics) + list(RZ_EXTRA.get(mode, ()))
         cmd = prefix + [sys.executable, "-m", "mpi4py", worker, "ringzero", "--out", d,
-                        "--rz-module", a.rz_module, "--"] + ringzero_args(a, RZ_MODES[mode], metrics) + list(RZ_EXTRA.get(mode, ()))
+                        "--rz-module", a.rz_module, "--"] + flags
     else:
         where = (["--master", f"198.18.{a.cluster_net}.1", "--ifname", "eth0"] if a.cluster else [])
         cmd = prefix + [sys.executable, worker, "torch", "--mode", mode, "--out", d,
