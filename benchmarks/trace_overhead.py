@@ -64,14 +64,20 @@ def per_event_ns(n: int = 200_000) -> dict:
     return {"span": span_ns, "collective": comm_ns}
 
 
+def mpirun_argv(n: int, flags=None) -> list:
+    """mpirun -n n with Open MPI's flags here (as bench_stages.py: MPIRUN, MPIRUN_FLAGS override them)."""
+    mpirun = os.environ.get("MPIRUN") or shutil.which("mpirun", path=os.path.dirname(sys.executable)) or "mpirun"
+    if flags is None:
+        flags = os.environ.get("MPIRUN_FLAGS", "--oversubscribe --bind-to none").split()
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 and "MPIRUN_FLAGS" not in os.environ else []
+    return [mpirun, *flags, *root, "-n", str(n)]
+
+
 def launch(args, extra, trace_dir, metrics) -> tuple:
     """One training launch; (load at its start, median step s from --warm on)."""
-    mpirun = os.environ.get("MPIRUN") or shutil.which("mpirun", path=os.path.dirname(sys.executable)) or "mpirun"
-    flags = os.environ.get("MPIRUN_FLAGS", "--oversubscribe --bind-to none"      # Open MPI's (bench_stages.py)
-                           + (" --allow-run-as-root" if os.geteuid() == 0 else "")).split()
-    cmd = [mpirun, *flags, "-n", str(args.ranks), sys.executable, "-m", "mpi4py",
-           "-m", "ringzero.train", "--steps", str(args.steps), "--metrics", metrics, "--quiet",
-           "--sample-chars", "0", "--eval-interval", "0", *extra]
+    cmd = [*mpirun_argv(args.ranks), sys.executable, "-m", "mpi4py", "-m", "ringzero.train",
+           "--steps", str(args.steps), "--metrics", metrics, "--quiet", "--sample-chars", "0", "--eval-interval", "0",
+           *extra]
     if trace_dir:
         cmd += ["--trace", trace_dir, "--trace-steps", f"{args.warm}:{args.steps}"]
     load = os.getloadavg()[0]

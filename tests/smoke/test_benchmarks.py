@@ -72,6 +72,8 @@ RUNS = {
                               r"all_reduce\s+4096")],
     "stage3_ring_before_after.py": [(2, [PREV, "2"], r"new/old step time: [\d.]+")],
     "sgemm_libs.py": [(None, ["--n-embd", "8", "--rows", "16"], r"^\s+the layer\s+\|\s+[\d.]+")],
+    "trace_overhead.py": [(None, ["--pairs", "1", "--ranks", "2", "--steps", "4", "--warm", "2", "--", *TINY_GPT],
+                           r"^median on / off over 1 pairs: [\d.]+ \([-+][\d.]+%\); load now")],
     "train_peer.py": [(None, PEER, r"^\| ringzero \| 2 \| \d+"),
                       (None, PEER_PRESET, r"^\| ringzero \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| -?[\d.]+ \|$"),
                       (None, PEER_SHARDED, r"^\| ringzero \| 2 \| \d+")],
