@@ -2,6 +2,7 @@
 
     python benchmarks/trace_pictures.py                          # all of them, into docs/img
     python benchmarks/trace_pictures.py --only stages,slow --out /tmp/img
+    python benchmarks/trace_pictures.py --only stages --out /tmp/img -- --n-layer 1 --n-embd 32   # flags for every run
 
 Each picture is one or two trainer runs and ``python -m ringzero.plot trace DIR --step 6``; every command is
 printed before it runs, with the 1-minute load average at its start:
@@ -44,18 +45,18 @@ def run(cmd, **kw) -> str:
     return res.stdout
 
 
-def train(n, flags, trace, mpi_flags=None):
-    run([*mpirun_argv(n, mpi_flags), sys.executable, *TRAIN, "--steps", "10", "--trace", trace, *flags])
+def train(n, flags, trace, args, mpi_flags=None):
+    run([*mpirun_argv(n, mpi_flags), sys.executable, *TRAIN, "--steps", "10", "--trace", trace, *flags, *args.extra])
 
 
 def plot(trace, out):
     run([sys.executable, "-m", "ringzero.plot", "trace", trace, "--step", str(STEP), "-o", out])
-    print(f"  -> {os.path.relpath(out, ROOT)}", flush=True)
+    print(f"  -> {out}", flush=True)
 
 
 def stages(work, out, args):
     for st in ("2", "3"):
-        train(4, ["--stage", st, "--overlap"], f"{work}/s{st}")
+        train(4, ["--stage", st, "--overlap"], f"{work}/s{st}", args)
         plot(f"{work}/s{st}", f"{out}/trace-stage{st}.png")
 
 
@@ -65,14 +66,14 @@ def overlap(work, out, args):
         run([os.path.join(ROOT, "launch", "cluster"), "--nodes", "2", "--ranks-per-node", "2", "--link", "1gbit",
              "--prefix", args.cluster_prefix, "--net", str(args.cluster_net), "--logs", f"{work}/cluster-logs",
              "--", "python", "-m", "ringzero.train", *TRAIN[4:], "--stage", "3",
-             "--overlap" if on else "--no-overlap", "--steps", "10", "--trace", d])
+             "--overlap" if on else "--no-overlap", "--steps", "10", "--trace", d, *args.extra])
         plot(d, f"{out}/trace-overlap-{'on' if on else 'off'}.png")
 
 
 def offload(work, out, args):
     os.makedirs(f"{work}/offload-dir", exist_ok=True)
     train(2, ["--model", "gpt2", "--stage", "3", "--offload", "optimizer", "--offload-dir", f"{work}/offload-dir",
-              "--batch", "1"], f"{work}/off")
+              "--batch", "1"], f"{work}/off", args)
     plot(f"{work}/off", f"{out}/trace-offload.png")
 
 
@@ -84,7 +85,7 @@ def slow(work, out, args):
     print(f"$ taskset -c {cores[1]} sh -c 'while :; do :; done' &    # pid {hog.pid}: rank 1's core, shared",
           flush=True)
     try:
-        train(2, [], f"{work}/slow", ["--oversubscribe", "--bind-to", "core", "--map-by", "core"])
+        train(2, [], f"{work}/slow", args, ["--oversubscribe", "--bind-to", "core", "--map-by", "core"])
     finally:
         hog.kill()
         hog.wait()
@@ -102,6 +103,7 @@ def main():
     p.add_argument("--work", default="", help="folder of the runs' traces (default: a new temporary one)")
     p.add_argument("--cluster-prefix", default="rzpic", help="launch/cluster --prefix (default rzpic)")
     p.add_argument("--cluster-net", type=int, default=21, help="launch/cluster --net (default 21)")
+    p.add_argument("extra", nargs="*", help="after --: flags added to every trainer run (a smaller model)")
     args = p.parse_args()
     todo = args.only.split(",")
     bad = sorted(set(todo) - set(PICTURES))

@@ -74,6 +74,8 @@ RUNS = {
     "sgemm_libs.py": [(None, ["--n-embd", "8", "--rows", "16"], r"^\s+the layer\s+\|\s+[\d.]+")],
     "trace_overhead.py": [(None, ["--pairs", "1", "--ranks", "2", "--steps", "4", "--warm", "2", "--", *TINY_GPT],
                            r"^median on / off over 1 pairs: [\d.]+ \([-+][\d.]+%\); load now")],
+    "trace_pictures.py": [(None, ["--only", "stages", "--out", "/tmp/rz-smoke-trace-pictures", "--", *TINY_GPT],
+                           r"^  -> .*trace-stage3\.png$")],
     "train_peer.py": [(None, PEER, r"^\| ringzero \| 2 \| \d+"),
                       (None, PEER_PRESET, r"^\| ringzero \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| -?[\d.]+ \|$"),
                       (None, PEER_SHARDED, r"^\| ringzero \| 2 \| \d+")],
