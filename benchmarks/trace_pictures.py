@@ -24,6 +24,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -31,11 +32,15 @@ sys.path.insert(0, HERE)
 from trace_overhead import mpirun_argv  # noqa: E402
 
 TRAIN = ["-m", "mpi4py", "-m", "ringzero.train", "--quiet", "--sample-chars", "0", "--eval-interval", "0"]
+MAX_LOAD = 0.0            # --max-load
 STEP = 6                   # the step drawn: inside the default window 5:8, after the loss-scale skips
 
 
 def run(cmd, **kw) -> str:
     """Run cmd from the checkout (printed first, with the load); its stdout. Exits on failure."""
+    t0 = time.monotonic()
+    while MAX_LOAD and os.getloadavg()[0] >= MAX_LOAD and time.monotonic() - t0 < 600:
+        time.sleep(5)                # --max-load: a quieter start, 10 minutes at most
     print(f"$ {shlex.join(cmd)}    # load {os.getloadavg()[0]:.2f}", flush=True)
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200,
                          env={**os.environ, "PYTHONPATH": ROOT}, **kw)
@@ -103,8 +108,12 @@ def main():
     p.add_argument("--work", default="", help="folder of the runs' traces (default: a new temporary one)")
     p.add_argument("--cluster-prefix", default="rzpic", help="launch/cluster --prefix (default rzpic)")
     p.add_argument("--cluster-net", type=int, default=21, help="launch/cluster --net (default 21)")
+    p.add_argument("--max-load", type=float, default=0.0, help="before each command, wait (10 min at most) for "
+                   "the 1-minute load average to fall below this (default 0: do not wait)")
     p.add_argument("extra", nargs="*", help="after --: flags added to every trainer run (a smaller model)")
     args = p.parse_args()
+    global MAX_LOAD
+    MAX_LOAD = args.max_load
     todo = args.only.split(",")
     bad = sorted(set(todo) - set(PICTURES))
     if bad:
