@@ -30,8 +30,8 @@ What it is
     last number. Times are the perf_counter floats the hooks already read for the engine's own timeline
     (one clock for both: the compute spans sum to compute_s). Nothing is formatted until ``write``.
     Why a list and not a NumPy structured array: a row assigned into a structured array converts its
-    fields one by one (~0.8 µs an event); a slice of a preallocated list takes the numbers as they are
-    (~0.1 µs) and keeps no per-event object the garbage collector must walk (floats and ints only).
+    fields one by one, several times the cost of a slice of a preallocated list, which takes the numbers
+    as they are and keeps no per-event container (the times' floats only: tests/test_trace.py counts).
     ``benchmarks/trace_overhead.py`` prints the ns per event beside the step's measured difference.
 
 What it is not
