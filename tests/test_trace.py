@@ -6,6 +6,7 @@ tracing off leaves the Ring's run untouched. The runs themselves: tests/test_tra
 """
 import json
 import threading
+import time
 
 import pytest
 
@@ -196,3 +197,50 @@ def test_a_job_started_before_the_window_is_not_counted_in_it():
     th.join()
     comm = [e for e in r.events() if e.get("cat") == "comm"]
     assert seen and len(comm) == 1 and comm[0]["args"]["flow"] == Pending.flow > 0
+
+
+def test_flows_and_bytes_in_flight_are_made_when_the_file_is_written():
+    """Two collectives started (16 B, then 32 B), run on another thread, the first waited for: the file has
+    each flow's s, t, f at the middle of its start, run and wait spans, and the in-flight counter a running
+    sum computed here by hand: 16, 48, then 32 after the wait."""
+    r = _rec()
+
+    class Plan:
+        name, sent, sent_net, sched, dtype, size = "all_gather", 8, 0, "ring", "float16", 16
+    run = r.traced_run(lambda p, bg=False: None, type("R", (), {"size": 2, "trace_name": "shard"})())
+    pend = [type("P", (), {"name": "all_gather", "recv": type("B", (), {"nbytes": b})(), "flow": 0})()
+            for b in (16, 32)]
+    jobs = [r.started(p, lambda: run(Plan, True)) for p in pend]
+    th = threading.Thread(target=lambda: [j() for j in jobs])
+    th.start()
+    th.join()
+    t = time.perf_counter()                      # after the starts (the counter's order is the ends' order)
+    r.waited("all_gather", pend[0].flow, t, t + 1e-4, 16)
+    ev = r.events()
+    counters = sorted((e for e in ev if e["ph"] == "C"), key=lambda e: e["ts"])
+    counts = [e["args"]["comm bytes in flight"] for e in counters]
+    assert counts == [16, 48, 32]
+    spans = {(e["cat"], e["args"].get("flow")): e for e in ev if e["ph"] == "X"}
+    for e in ev:
+        if e["ph"] in "stf":
+            cat = {"s": "comm_start", "t": "comm", "f": "comm_wait"}[e["ph"]]
+            sp = spans[(cat, e["id"])]
+            assert e["tid"] == sp["tid"] and abs(e["ts"] - (sp["ts"] + sp["dur"] / 2)) < 1.0
+    phases = sorted((e["id"], e["ph"]) for e in ev if e["ph"] in "stf")
+    f0, f1 = pend[0].flow, pend[1].flow
+    assert phases == sorted([(f0, "s"), (f0, "t"), (f0, "f"), (f1, "s"), (f1, "t")])
+
+
+def test_recording_keeps_no_object_per_event():
+    """10,000 spans into a preallocated lane keep only their times: tracemalloc counts what stays allocated,
+    two floats an event (24 B each, made by the caller); a tuple or dict kept per event would add 80 B or more."""
+    import tracemalloc
+    r = _rec(capacity=20_000)
+    r.span("forward 0", "compute", 0.0, 1.0)          # the lane, made at the first event
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(10_000):
+        r.span("forward 0", "compute", float(i), i + 0.5)
+    kept = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert kept / 10_000 < 64 and r.recorded() == 10_001, f"{kept / 10_000:.1f} B kept an event"

@@ -95,6 +95,6 @@ class TraceWindow:
             return
         self.engine.wait_params()         # the update's started gathers (stages 1-2, overlap) run and recorded
         RECORDER.active = False
-        if any(n[0] for *_, n in RECORDER._bufs):
+        if RECORDER.recorded():
             RECORDER.write(self.path)
         self.written = True

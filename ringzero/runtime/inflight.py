@@ -44,6 +44,10 @@ import time
 
 from ringzero.comm.trace import RECORDER
 
+# --trace: the span names of a kind's waits and blocking sections (no string built per event)
+WAITS = {"reduce": "reduce waits", "gather": "gather waits"}
+BLOCKING = {"reduce": "reduce (blocking)", "gather": "gather (blocking)"}
+
 
 class Inflight:
     """Started collectives by what they hold, and the step's communication seconds."""
@@ -74,7 +78,7 @@ class Inflight:
         t1 = time.perf_counter()
         self._t[kind + "_exposed"] += t1 - t0
         if RECORDER.active:      # --trace: the exposed interval as the step's timeline counts it
-            RECORDER.span(f"{kind} waits", "comm_block", t0, t1)
+            RECORDER.span(WAITS[kind], "comm_block", t0, t1)
 
     def wait(self, key):
         """Every started reduction holding `key` done; then what was to follow it."""
@@ -117,7 +121,7 @@ class Inflight:
         self._t[kind + "_exposed"] += seconds
         if RECORDER.active:      # --trace: the whole blocking section (copy-in, cast, the collective) as exposed
             t1 = time.perf_counter()
-            RECORDER.span(f"{kind} (blocking)", "comm_block", t1 - seconds, t1)
+            RECORDER.span(BLOCKING[kind], "comm_block", t1 - seconds, t1)
 
     def timeline(self) -> dict:
         t = self._t

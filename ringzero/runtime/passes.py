@@ -20,6 +20,7 @@ from __future__ import annotations
 from time import perf_counter
 
 from ringzero.comm.trace import RECORDER
+from ringzero.comm.trace import SPAN as X
 
 
 def train_pass(engine, x, y, micro: int = 0) -> float:
@@ -36,6 +37,8 @@ def train_pass(engine, x, y, micro: int = 0) -> float:
     # compute time (its wall time less the exposed communication)
     rec = RECORDER if RECORDER.active else None
     tp = perf_counter() if micro or not rec else engine.trace_t0     # the step's start (engine.step)
+    if rec:                              # the spans' name ids, made once ([Note: one event, nine numbers])
+        pre, fwd, bwd, fin, compute = _ids(rec, U, engine)
     ua = engine.update_ahead
     ws.begin_pass("train", (lambda w: ua.wait([w])) if ua else None)   # params read ahead in the plan's order
     for i in range(U):
@@ -53,8 +56,9 @@ def train_pass(engine, x, y, micro: int = 0) -> float:
         peak = max(peak, act)
         if rec:
             t1 = perf_counter()
-            rec.span(f"prepare {i}", "compute", tp, t0)
-            rec.span(_name("forward", i, U, engine), "compute", t0, t1)
+            st = rec.step
+            rec.put(pre[i], compute, X, st, tp, t0)
+            rec.put(fwd[i], compute, X, st, t0, t1)
             tp = t1
     loss = float(h)
     dy = engine._seed()                  # d(loss)/d(loss): the loss scale over K
@@ -77,9 +81,10 @@ def train_pass(engine, x, y, micro: int = 0) -> float:
             ws.close_grad(w, s, micro)
         if rec:
             t2 = perf_counter()
-            rec.span(f"prepare {u}", "compute", tp, t0)
-            rec.span(_name("backward", u, U, engine), "compute", t0, t1)
-            rec.span(f"finish {u}", "compute", t1, t2)
+            st = rec.step
+            rec.put(pre[u], compute, X, st, tp, t0)
+            rec.put(bwd[u], compute, X, st, t0, t1)
+            rec.put(fin[u], compute, X, st, t1, t2)
             tp = t2
     ws.drain()                           # every reduction done before anyone reads the grads
     engine.activation_peak = max(engine.activation_peak, peak)
@@ -88,9 +93,18 @@ def train_pass(engine, x, y, micro: int = 0) -> float:
     return loss
 
 
+def _ids(rec, U: int, engine) -> tuple:
+    """(prepare, forward, backward, finish) name ids by unit, and the id of "compute"."""
+    ck = bool(getattr(engine.model, "checkpoint", False))
+    return (*(rec.table((kind, U, ck), lambda k=kind: [_name(k, u, U, engine) for u in range(U)])
+              for kind in ("prepare", "forward", "backward", "finish")), rec.intern("compute"))
+
+
 def _name(kind: str, u: int, U: int, engine) -> str:
     """A unit's span name: "forward 3", "backward 3 (recompute)" (activation checkpointing), "forward 5 + loss"."""
     s = f"{kind} {u}"
+    if kind in ("prepare", "finish"):
+        return s
     if u == U - 1:
         s += " + loss"
     if kind == "backward" and getattr(engine.model, "checkpoint", False) and 0 < u < U - 1:   # the blocks

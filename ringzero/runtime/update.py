@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from ringzero.comm.trace import RECORDER
+from ringzero.comm.trace import RECORDER, SPAN
 from ringzero.runtime import optim, stream
 
 
@@ -67,14 +67,18 @@ def _in_ram(engine, coef, lr: float):
     the cast into scratch and AdamW's ten NumPy passes over master, m, v and scratch."""
     piece, adam = engine.state.piece, engine.adam
     if engine.xp is np and optim.HAVE_C:
-        rec = RECORDER if RECORDER.active else None    # --trace: a span a piece
-        for t in engine.ram_tiles:               # one tile a piece, r outer (stream.tiles)
+        rec = RECORDER if RECORDER.active else None    # --trace: a span a piece, its name id made once
+        if rec:
+            tiles = engine.ram_tiles
+            ids = rec.table(("adam", *((t.u, t.r) for t in tiles)), lambda: [f"adam u{t.u} r{t.r}" for t in tiles])
+            cat = rec.intern("update_piece")
+        for k, t in enumerate(engine.ram_tiles):  # one tile a piece, r outer (stream.tiles)
             u, r = t.u, t.r
             t0 = time.perf_counter()
             adam.update_tile(piece("master", u, r), piece("adam_m", u, r), piece("adam_v", u, r),
                              piece("grads", u, r), coef, lr, t.runs)
             if rec:
-                rec.span(f"adam u{u} r{r}", "update_piece", t0, time.perf_counter())
+                rec.put(ids[k], cat, SPAN, rec.step, t0, time.perf_counter())
         return
     for u, r, g in engine._grad_pieces():
         g *= coef

@@ -19,8 +19,11 @@ COLOURS = {"compute": "#4c72b0", "comm": "#dd8452", "comm_wait": "#c44e52", "com
            "offload_read": "#da8bc3", "offload_write": "#64b5cd", "offload_wait": "#c44e52",
            "eval": "#ccb974", "checkpoint": "#ccb974"}
 LABELS = {"compute": "compute", "comm": "collective (run)", "comm_wait": "waiting for a collective",
+          "comm_block": "waiting for a collective", "comm_start": "starting a collective",
           "update_piece": "update (AdamW piece)", "norm": "grad norm", "offload_read": "tile read",
-          "offload_write": "tile write", "data": "data loading"}
+          "offload_write": "tile write", "offload_wait": "waiting for a tile read", "data": "data loading",
+          "eval": "evaluation, checkpoint", "checkpoint": "evaluation, checkpoint"}
+UPDATE = "#d9ecd9"         # the update's whole span, under its pieces: what is left pale is its waits
 
 
 def _lanes(doc, step):
@@ -64,11 +67,17 @@ def plot_trace(d: str, step: int, out: str) -> str:
             if cat == "step":
                 ax.add_patch(plt.Rectangle((x, y - 0.42), w, 0.84, fill=False, lw=0.8, ec="k"))
                 continue
-            if cat not in COLOURS:                    # parents (forward + backward, update) are outlines' kin
+            if cat == "update":                       # behind its pieces (offload: the I/O it waits for)
+                lab = None if "update" in seen else "update (its span)"
+                seen.add("update")
+                ax.barh(y, w, left=x, height=0.7, color=UPDATE, label=lab, lw=0, zorder=0)
                 continue
-            lab = LABELS.get(cat) if cat not in seen else None
-            seen.add(cat)
-            ax.barh(y, w, left=x, height=0.7, color=COLOURS[cat], label=lab, lw=0)
+            if cat not in COLOURS:                    # parents (forward + backward) are outlines' kin
+                continue
+            lab = LABELS.get(cat)
+            lab = None if lab in seen else lab        # one legend entry a label (two kinds of wait share one)
+            seen.add(lab)
+            ax.barh(y, w, left=x, height=0.7, color=COLOURS[cat], label=lab, lw=0, zorder=1)
     ax.set_yticks(range(len(lanes)), [lb for lb, _ in lanes], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel(f"ms from the start of step {step}")
