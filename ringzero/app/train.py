@@ -151,6 +151,8 @@ def train_loop(cfg: Config, comm, engine, train, evaluate, writer, say, stop=Non
             raise ConfigError(str(e)) from None
         start = int(man["step"])
         say(f"ringzero | resumed from {man['path']} at step {start}")
+        for line in man.get("notes", ()):
+            say(f"ringzero | note: {line}")
         if bar:
             bar.update(start)
     t_start = time.perf_counter()
