@@ -1,6 +1,6 @@
 """qgZ's error-feedback residual in checkpoints (runtime/zeropp_state.py), against the uninterrupted run.
 
-- Train k steps, save, go on: a fresh engine (another init seed) that loads the checkpoint and takes
+- Train 6 steps (past the first fp16 overflows), save, go on: a fresh engine (another init seed) that loads the checkpoint and takes
   the same steps gives the same losses and the same fp32 master bits as the run that never stopped,
   at stage 3 and hybrid, at 2 ranks (one node) and 4 (2 emulated nodes x 2: the two-hop schedule).
   A load that does not restore the residual (checkpoint.py without ``zeropp_state.read``) fails it.
@@ -35,10 +35,10 @@ def test_resume_with_error_feedback_is_the_uninterrupted_run(comm, tmp_path_fact
     d = shared_dir(comm, tmp_path_factory, "zppres")
     data = batches(comm, comm.size, comm.rank)
     a = mk(comm, stage, 3)
-    train(a, data, steps=3)
-    path = ck.save(a, d, 3)
+    train(a, data, steps=6)            # past the first fp16 overflows (each clears the residual)
+    path = ck.save(a, d, 6)
     held = a.topology.zeropp.residual.copy()
-    ref = [a.step(*data.get(s), 3e-3).loss for s in range(3, 7)]
+    ref = [a.step(*data.get(s), 3e-3).loss for s in range(6, 10)]
     ref_master = a.full_state("master")
 
     on_disk = np.fromfile(os.path.join(path, residual_file(comm.rank)), np.float32)
@@ -46,7 +46,7 @@ def test_resume_with_error_feedback_is_the_uninterrupted_run(comm, tmp_path_fact
                "the saved residual file is not the rank's residual (or the residual is all zeros)")
     b = mk(comm, stage, 77)
     m = ck.load(b, path)
-    got = [b.step(*data.get(s), 3e-3).loss for s in range(3, 7)]
+    got = [b.step(*data.get(s), 3e-3).loss for s in range(6, 10)]
     got_master = b.full_state("master")
     assert_all(comm, m["notes"] == [], f"notes on a same-world resume: {m['notes']}")
     assert_all(comm, got == ref and np.array_equal(got_master, ref_master),
@@ -62,8 +62,8 @@ def test_another_node_map_drops_the_residual_with_a_note(comm, tmp_path_factory)
     d = shared_dir(comm, tmp_path_factory, "zppmap")
     data = batches(comm, comm.size, comm.rank)
     a = mk(comm, "3", 3)
-    train(a, data, steps=2)
-    ck.save(a, d, 2)
+    train(a, data, steps=6)
+    ck.save(a, d, 6)
     saved = a.full_state("master")
     b = mk(comm, "3", 77, nodes=[0] * comm.size)       # one node now
     b.topology.zeropp.residual[...] = 1.0               # the load must clear it, not keep it
@@ -105,3 +105,19 @@ def test_trainer_resume_two_emulated_nodes(comm, tmp_path_factory, monkeypatch):
         ok = resumed and resumed[0] >= 4 and all(part[s] == whole[s] for s in resumed) and len(whole) == 8
         msg = f"uninterrupted {whole}, resumed {part}"
     assert_all(comm, ok, msg)
+
+
+@pytest.mark.mpi
+def test_error_feedback_survives_fp16_overflows(comm):
+    """fp16 at a loss scale of 2^20: the first steps overflow (inf in the gradients, so in hop 1's
+    residual). The residual is cleared on each skipped step, so the run then trains: the later steps
+    are taken, the residual is finite, and the loss falls. (Kept, the inf made every step overflow.)"""
+    from ringzero.runtime.optim import LossScaler
+    eng = engine(comm, "3", nodes=labels_of(comm.size), scaler=LossScaler(init=2.0 ** 20),
+                 zeropp=policy("qwz,hpz,qgz", error_feedback=True))
+    data = batches(comm, comm.size, comm.rank)
+    res = [eng.step(*data.get(s), 3e-3) for s in range(30)]
+    skipped = [r.skipped for r in res]
+    finite = bool(np.all(np.isfinite(eng.topology.zeropp.residual)))
+    ok = skipped[0] and not any(skipped[-8:]) and finite and res[-1].loss < res[0].loss
+    assert_all(comm, ok, f"skipped {skipped}, residual finite {finite}, loss {res[0].loss} -> {res[-1].loss}")

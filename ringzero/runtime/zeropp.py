@@ -189,6 +189,18 @@ class ZeroPP:
             res = self.residual[o:o + self.layout.unit_padded[w]]
         return self.qc.reduce_scatter(seg, out, "sum", residual=res)
 
+    def after_step(self, skipped: bool, old_scale: float, new_scale: float):
+        """qgZ's residual across the loss scaler's decision (error feedback at fp16). It holds errors of
+        loss-scaled gradients: an overflowed step leaves inf/NaN in it (and its gradient is thrown
+        away), so it is cleared, else every later step would overflow too; a scale change (a power
+        of 2: exact) rescales it into the next step's units."""
+        if self.residual is None:
+            return
+        if skipped:
+            self.residual[...] = 0
+        elif new_scale != old_scale:
+            self.residual *= np.float32(new_scale / old_scale)
+
     def invalidate(self):
         """The params changed (an update, a restore): the next gather of every unit is a full one."""
         self.fresh = [False] * len(self.fresh)
