@@ -1,7 +1,8 @@
 """qgZ's error-feedback residual in checkpoints (runtime/zeropp_state.py), against the uninterrupted run.
 
 - Train 6 steps (past the first fp16 overflows), save, go on: a fresh engine (another init seed)
-  that loads the checkpoint and takes the same steps gives the same losses and the same fp32 master bits as the run that never stopped,
+  that loads the checkpoint and takes the same steps gives the same losses and the same fp32
+  master bits as the run that never stopped,
   at stage 3 and hybrid, at 2 ranks (one node) and 4 (2 emulated nodes x 2: the two-hop schedule).
   A load that does not restore the residual (checkpoint.py without ``zeropp_state.read``) fails it.
 - The saved file is the rank's residual as the engine held it (the bytes, read back with NumPy).
