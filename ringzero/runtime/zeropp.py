@@ -19,7 +19,9 @@ What it is
       qgz   each unit's gradient reduce-scatter goes through the two-hop all-to-all of
             comm/quantized.py: int4 (``grad_bits``) codes between ranks, float32 sums at each hop;
             ``error_feedback``: one float32 residual per unit (the whole padded unit, 4 bytes per
-            element, allocated once) carried from step to step.
+            element, allocated once) carried from step to step; cleared by a step the fp16 loss
+            scaler skips, rescaled when the scale changes (``after_step``); a checkpoint saves
+            each rank's (runtime/zeropp_state.py).
 
     ``ZeroPP(policy, layout, topology, xp, storage_dtype)`` holds the collectives and the
     buffers; runtime/gather.py and reduce.py call ``gather`` and ``reduce_scatter`` where they
