@@ -50,6 +50,7 @@ def test_end_to_end(comm, tmp_path_factory, stage):
         first = np.mean([s["loss"] for s in steps[:5]])
         last = np.mean([s["loss"] for s in steps[-5:]])
         ok &= len(steps) == 40 and all(STEP_KEYS <= set(s) for s in steps)
+        ok &= [s["step"] for s in steps if "eval_loss" in s] == [19]     # --eval-interval 20: after step 20
         ok &= summ.get("summary") is True and SUMMARY_KEYS <= set(summ)
         ok &= last < 0.8 * first
         ok &= all(v["measured_bytes"] == v["formula_bytes"] for v in summ["memory"].values())

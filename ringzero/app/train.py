@@ -151,6 +151,8 @@ def train_loop(cfg: Config, comm, engine, train, evaluate, writer, say, stop=Non
             raise ConfigError(str(e)) from None
         start = int(man["step"])
         say(f"ringzero | resumed from {man['path']} at step {start}")
+        for line in man.get("notes", ()):
+            say(f"ringzero | note: {line}")
         if bar:
             bar.update(start)
     t_start = time.perf_counter()
@@ -171,8 +173,13 @@ def train_loop(cfg: Config, comm, engine, train, evaluate, writer, say, stop=Non
         if res.skipped:
             note(f"ringzero | step {step}: overflow in the {cfg.precision} gradients; step skipped on every rank, "
                  f"loss scale {res.loss_scale:g} -> {engine.scaler.scale:g}")
+        ev = {}                 # the periodic held-out loss, in this step's record (plot loss draws it)
+        if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0 and step + 1 < cfg.steps:
+            with tw.span("evaluation", "eval") if tw else nullcontext():
+                ev["eval_loss"] = evaluate()
+            note(f"step {step + 1}: held-out loss {ev['eval_loss']:.4f}")
         if writer:
-            writer.step(step=step, loss=res.loss, lr=lr, loss_scale=res.loss_scale,
+            writer.step(step=step, loss=res.loss, lr=lr, loss_scale=res.loss_scale, **ev,
                         grad_norm=res.grad_norm, tokens_per_s=tps, step_time_s=dt,
                         bytes_sent=int(sum(engine.last_step_ledger.values())),
                         bytes_sent_internode=int(sum(engine.last_step_internode.values())), skipped=res.skipped,
@@ -196,10 +203,6 @@ def train_loop(cfg: Config, comm, engine, train, evaluate, writer, say, stop=Non
                     "no checkpoint (no save directory: give --save-dir or --save-every)")
             say(f"ringzero | {signame(res.stop)} at step {step + 1}: {what}; exiting {code}")
             raise Stopped(res.stop, step + 1, saved)
-        if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0 and step + 1 < cfg.steps:
-            with tw.span("evaluation", "eval") if tw else nullcontext():
-                ev = evaluate()
-            note(f"step {step + 1}: held-out loss {ev:.4f}")
     if bar:
         bar.close()
     out.wall = time.perf_counter() - t_start

@@ -24,6 +24,9 @@ What it is
     the verdict agreed by all ranks), and only then reads each rank's pieces
     straight into the engine's buffers and re-publishes the params.
 
+    With qgZ's error feedback each rank also writes its own residual (zeropp_state.py): restored
+    on the same world and node map, else dropped with a note (``load``'s "notes").
+
     Resharding is slicing. Unit u is padded to a multiple of shards*align, so
     a parameter sits at the same *unit-local* offset at every shard count;
     only the piece size ``po = unit_padded/shards`` changes. File k of a checkpoint holds
@@ -70,6 +73,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ringzero.comm.objects import allgather_obj, bcast_obj
+from ringzero.runtime import zeropp_state
 from ringzero.runtime.export import describe, export, main  # noqa: F401  (the public names)
 from ringzero.runtime.flat import Layout
 from ringzero.runtime.manifest import (  # noqa: F401
@@ -202,12 +206,14 @@ def save(engine, save_dir: str, step: int, config: dict | None = None, data_stat
         raise CheckpointError(err)
 
     # 2. every writer writes and fsyncs its partition (hybrid: replica 0 only)
+    # (and every rank its own qgZ residual, hybrid's replicas too: zeropp_state.py)
     files, err = {}, None
-    if engine.topology.writes_checkpoint:
-        try:
+    try:
+        if engine.topology.writes_checkpoint:
             files = _write_shards(engine, tmp)
-        except Exception as e:
-            err = f"rank {comm.rank}: writing into {tmp}: {error_line(e)}"
+        files.update(zeropp_state.write(engine, tmp))
+    except Exception as e:
+        err = f"rank {comm.rank}: writing into {tmp}: {error_line(e)}"
     got = allgather_obj(ctl, (files, err))
 
     # 3. rank 0: manifest last, fsync, rename into place, prune
@@ -238,6 +244,7 @@ def _finish(engine, save_dir, tmp, name, step, extra, files, keep) -> str:
            "psi": L.numel, "padded": L.padded, "padding": L.padded - L.numel, **extra,
            "layout": L.describe(),
            "classes": {c: str(engine.state.dtypes[c]) for c in CLASSES},
+           zeropp_state.KEY: zeropp_state.record(engine),
            "files": dict(sorted(files.items()))}
     mf = os.path.join(tmp, MANIFEST)
     with open(mf, "w") as fh:
@@ -286,6 +293,7 @@ def load(engine, path: str = "latest", save_dir: str | None = None) -> dict:
     try:
         old = check_layout(m, p, engine.layout)
         err = verify(p, m, rank=comm.rank, size=comm.size, drop=bool(engine.state.files))
+        err = err or zeropp_state.check(engine, m, p)
     except Exception as e:
         err = error_line(e)
     _agree(ctl, err)           # nothing has been modified yet
@@ -293,6 +301,7 @@ def load(engine, path: str = "latest", save_dir: str | None = None) -> dict:
     err = None
     try:
         _read_state(engine, p, old)
+        zeropp_state.read(engine, m, p)           # qgZ's residual: restored, or zeros (zeropp_state.plan)
     except Exception as e:
         err = f"{error_line(e)} (the engine is half-loaded: discard it)"
     _agree(ctl, err)
@@ -306,7 +315,7 @@ def load(engine, path: str = "latest", save_dir: str | None = None) -> dict:
     except OSError as e:
         err = f"rank {comm.rank}: flushing the offload files after the load: {error_line(e)}"
     _agree(ctl, err)
-    return dict(m, path=p)
+    return dict(m, path=p, notes=[n for n in [zeropp_state.plan(engine, m)[1]] if n])
 
 
 def _read_state(engine, path, old: Layout):

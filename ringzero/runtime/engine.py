@@ -237,6 +237,8 @@ class Zero:
         gnorm = math.sqrt(sumsq) * inv if math.isfinite(sumsq) else float("inf")
         skipped = self.scaler.update(not math.isfinite(sumsq))
         t4 = time.perf_counter()
+        if self.topology.zeropp is not None:         # qgZ's error feedback: cleared on overflow, rescaled
+            self.topology.zeropp.after_step(skipped, scale, self.scaler.scale)
         if not skipped:
             update.apply(self, np.float32(inv * clip_coef(gnorm, self.adam.cfg.grad_clip)), lr)
             if self.topology.zeropp is not None:     # hpZ: the secondary shard holds the old params

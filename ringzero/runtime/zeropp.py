@@ -19,7 +19,9 @@ What it is
       qgz   each unit's gradient reduce-scatter goes through the two-hop all-to-all of
             comm/quantized.py: int4 (``grad_bits``) codes between ranks, float32 sums at each hop;
             ``error_feedback``: one float32 residual per unit (the whole padded unit, 4 bytes per
-            element, allocated once) carried from step to step.
+            element, allocated once) carried from step to step; cleared by a step the fp16 loss
+            scaler skips, rescaled when the scale changes (``after_step``); a checkpoint saves
+            each rank's (runtime/zeropp_state.py).
 
     ``ZeroPP(policy, layout, topology, xp, storage_dtype)`` holds the collectives and the
     buffers; runtime/gather.py and reduce.py call ``gather`` and ``reduce_scatter`` where they
@@ -188,6 +190,18 @@ class ZeroPP:
             o = self.layout.unit_offset[w]
             res = self.residual[o:o + self.layout.unit_padded[w]]
         return self.qc.reduce_scatter(seg, out, "sum", residual=res)
+
+    def after_step(self, skipped: bool, old_scale: float, new_scale: float):
+        """qgZ's residual across the loss scaler's decision (error feedback at fp16). It holds errors of
+        loss-scaled gradients: an overflowed step leaves inf/NaN in it (and its gradient is thrown
+        away), so it is cleared, else every later step would overflow too; a scale change (a power
+        of 2: exact) rescales it into the next step's units."""
+        if self.residual is None:
+            return
+        if skipped:
+            self.residual[...] = 0
+        elif new_scale != old_scale:
+            self.residual *= np.float32(new_scale / old_scale)
 
     def invalidate(self):
         """The params changed (an update, a restore): the next gather of every unit is a full one."""

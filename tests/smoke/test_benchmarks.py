@@ -91,6 +91,10 @@ RUNS = {
                       (None, PEER_PRESET, r"^\| ringzero \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| -?[\d.]+ \|$"),
                       (None, PEER_SHARDED, r"^\| ringzero \| 2 \| \d+"),
                       (None, PEER_LLAMA, r"^\| ringzero \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| -?[\d.]+ \|$")],
+    # one host, 4 ranks as 2 emulated nodes (the script's own mpirun), two configs, two steps
+    "zeropp_convergence.py": [(None, ["--emulate", "--steps", "2", "--configs", "off,all", "--eval-interval", "1",
+                                      "--eval-batches", "1", "--timeout", "200", "--out", "/tmp/ringzero-zpp-smoke",
+                                      *TINY_GPT], r"^\| all \| qwz,hpz,qgz \| [\d.]+ \| [+-][\d.]+ % \|")],
 }
 # not scripts of their own: what runs them
 COVERED_BY = {"torch_gpt.py": "bench_model.py and train_peer.py (the torch side)",
