@@ -10,7 +10,8 @@ tile (1 MiB), ``--threads`` of them in flight per rank, O_DIRECT where the files
 takes it, into blocks reserved first, and no fdatasync, as the engine issues none
 (where O_DIRECT is refused, the page cache, with fdatasync after the writes and the
 pages dropped before the reads, so that the disk is timed and not the cache). That
-gives the node's write and read rate with all its ranks at it, as the step has them. Then an engine with ``--offload`` trains
+gives the node's write and read rate with all its ranks at it, as the step has them. Then an
+engine with ``--offload`` trains
 ``--steps`` steps (after one warm-up) on random tokens, and rank 0 prints the
 median step (by the slowest rank's time) split into parts that add up to it,
 each measured on that rank in that step:

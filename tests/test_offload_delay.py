@@ -1,7 +1,8 @@
 """--offload-delay (runtime/delay.py, ZeRO-Offload's DPU) against the exact run and a float64 reference.
 
-- warm-up (stages 1-3, fp32; bf16 with K = 2 micro-batches): with delay N, the losses of steps 0..N (the forward of step N reads the params of N exact
-  updates) are bitwise those of the exact offloaded run; step N+1's is not (it reads stale params);
+- warm-up (stages 1-3, fp32; bf16 with K = 2 micro-batches): with delay N, the losses of steps 0..N
+  (the forward of step N reads the params of N exact updates) are bitwise those of the exact
+  offloaded run; step N+1's is not (it reads stale params);
 - the delayed schedule: fp32, clipping active, weight decay on, 12 steps; the engine's losses,
   gradient norms and final weights against a float64 AdamW written out in test_step_reference.py's
   terms, whose step t > N takes its gradient at the weights before step t-1's update (one step
@@ -18,8 +19,21 @@
 import numpy as np
 import pytest
 from conftest import assert_all
-from test_step_reference import (BETA1, BETA2, EPS, TOL_LOSS, TOL_W, WD, batch, by_name, grads_fp64,
-                                 loss_error, lr_at, new_model, weight_errors)
+from test_step_reference import (
+    BETA1,
+    BETA2,
+    EPS,
+    TOL_LOSS,
+    TOL_W,
+    WD,
+    batch,
+    by_name,
+    grads_fp64,
+    loss_error,
+    lr_at,
+    new_model,
+    weight_errors,
+)
 
 pytestmark = pytest.mark.mpi
 STEPS, WARMUP = 12, 3

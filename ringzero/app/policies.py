@@ -57,7 +57,8 @@ def offload_policy(cfg):
         raise ConfigError(str(e)) from None
     try:
         return OffloadPolicy.parse(cfg.offload, cfg.offload_dir, ahead=bool(cfg.offload_ahead),
-                                   delay=getattr(cfg, "offload_delay", None), device=cfg.device, pin_limit=pin, **io_knobs(cfg))
+                                   delay=getattr(cfg, "offload_delay", None), device=cfg.device, pin_limit=pin,
+                                   **io_knobs(cfg))
     except OffloadError as e:
         raise ConfigError(str(e)) from None
 
