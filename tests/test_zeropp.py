@@ -241,6 +241,7 @@ def test_internode_bytes_are_the_wire_sizes(comm):
     ok &= abs(rep["zeropp_measured_psi"] - rep["zeropp_formula_psi"]) < 0.05
     mem = eng.memory_report()
     ok &= mem["hpz_secondary_bytes"] == mem["hpz_secondary_formula_bytes"] == 2 * L.padded // (n // 2)
+    ok &= mem["hpz_itemsize"] == 2          # the printed formula reads 2Ψ/P at fp16 (4Ψ/P at fp32)
     # the memory check (app/memcheck.py) counts the secondary shard the engine allocated
     from ringzero.app import memcheck
     from ringzero.app.config import parse_config

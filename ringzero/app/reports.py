@@ -79,7 +79,8 @@ def start_report(say, cfg: Config, corpus, engine, H: float) -> dict:
                 "grads and params tiles cross the link on a CuPy stream each")
     if mem.get("zeropp"):          # ZeRO++'s own buffers (runtime/zeropp.py), beside their formulas
         say(f"  ZeRO++ {mem['zeropp']}:"
-            + (f" hpZ secondary shard {_mib(mem['hpz_secondary_bytes']).strip()} (formula 2Ψ/P, P = "
+            + (f" hpZ secondary shard {_mib(mem['hpz_secondary_bytes']).strip()} (formula "
+               f"{mem.get('hpz_itemsize', 2)}Ψ/P, P = "
                f"{mem['hpz_ranks_per_node']} ranks per node: {_mib(mem['hpz_secondary_formula_bytes']).strip()})"
                if engine.zeropp.hpz else " no hpZ shard")
             + (f", qgZ error-feedback residual {_mib(mem['qgz_residual_bytes']).strip()} (formula 4Ψ: "

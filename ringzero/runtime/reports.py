@@ -104,6 +104,7 @@ def zeropp_memory(engine) -> dict:
             "hpz_secondary_bytes": got["hpz_secondary"],
             "hpz_secondary_formula_bytes": (L.padded // zpp.P * itemsize) if zpp.policy.hpz else 0,
             "hpz_ranks_per_node": zpp.P,
+            "hpz_itemsize": itemsize,              # the formula's bytes per element: 2 (fp16/bf16) or 4 (fp32)
             "qgz_residual_bytes": got["qgz_residual"],
             "qgz_residual_formula_bytes": 4 * L.padded if zpp.residual is not None else 0}
 
