@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -90,19 +91,42 @@ def command(mode, n, cap, dims, a, work) -> list:
                                       "1", "--sample-chars", "0", "--quiet"] + model + extra)
 
 
+# what a run that ran out of its RLIMIT_DATA prints (Python, NumPy, OpenBLAS, torch's allocator, a thread
+# or a shared library that could not be mapped, ringzero's AllocationError); any other failure is no verdict
+OUT_OF_MEMORY = re.compile(r"MemoryError|cannot allocate|can't allocate|Memory allocation|bad_alloc|"
+                           r"Resource temporarily unavailable|failed to map segment|out of memory|error code: 12|"
+                           r"timed out after", re.IGNORECASE)
+
+
+class ProbeFailed(Exception):
+    """A probe failed twice for a reason that is not memory (its last error line)."""
+
+
 def probe(mode, n, cap, dims, a) -> bool:
-    """True if every rank of one run trains --steps steps under the cap (exit 0)."""
-    return run_probe(mode, n, cap, dims, a)[0]
+    """True if every rank of one run trains --steps steps under the cap (exit 0); False if it ran out of
+    memory (or time). A failure of another kind (a port taken by a neighbour, a peer that died of something
+    else) is run once more, then raised (ProbeFailed): it says nothing about what fits."""
+    for attempt in (1, 2):
+        ok, out = run_probe(mode, n, cap, dims, a)
+        if ok or OUT_OF_MEMORY.search(out):
+            return ok
+        why = last_error(out)
+        print(f"    {mode} n={n} {dims['n_layer']} layers: failed, not for memory ({why}); "
+              f"{'once more' if attempt == 1 else 'no verdict'}", flush=True)
+    raise ProbeFailed(why)
+
+
+def last_error(out: str) -> str:
+    """The last line of ``out`` that names an error (else its last line), for one table cell."""
+    lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
+    errs = [ln for ln in lines if "Error" in ln or "error" in ln] or lines[-1:] or ["(no output)"]
+    return errs[-1][-300:].replace("|", "/")
 
 
 def refusal(mode, n, a) -> str:
     """'' if a peer trains its 1-layer model with no cap; else the last error line it printed."""
     ok, out = run_probe(mode, n, None, {"n_embd": a.n_embd, "n_head": a.n_head, "n_layer": 1}, a)
-    if ok:
-        return ""
-    lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
-    errs = [ln for ln in lines if "Error" in ln or "error" in ln] or lines[-1:] or ["(no output)"]
-    return errs[-1][-300:].replace("|", "/")
+    return "" if ok else last_error(out)
 
 
 def run_probe(mode, n, cap, dims, a):
@@ -116,7 +140,7 @@ def run_probe(mode, n, cap, dims, a):
                                stderr=subprocess.STDOUT, env=env, timeout=a.timeout, start_new_session=True)
         except subprocess.TimeoutExpired:
             print(f"    {mode} n={n} {dims['n_layer']} layers: timed out after {a.timeout} s (counted as not fitting)")
-            return False, "timed out"
+            return False, f"timed out after {a.timeout} s"
         if a.verbose:
             print(f"    {mode} n={n} cap {cap} {dims}: rc {p.returncode}")
         if p.returncode == 2:          # the trainer refused its flags: a broken probe, not a verdict
@@ -263,7 +287,13 @@ def main(argv=None) -> int:
             if why:
                 print(f"| {mode} | {n} | — | — | — | — | did not start (1 layer, no cap): {why} |", flush=True)
                 continue
-            k = largest(lambda j: probe(mode, n, cap, {**dims, "n_layer": j}, a), a.max_layers, a.resolution / 100)
+            try:
+                k = largest(lambda j: probe(mode, n, cap, {**dims, "n_layer": j}, a), a.max_layers,
+                            a.resolution / 100)
+            except ProbeFailed as e:
+                print(f"| {mode if mode in peers else 'stage ' + mode} | {n} | — | — | — | — | no verdict: a probe "
+                      f"failed twice, not for memory: {e} |", flush=True)
+                continue
             psi = psi_of(k, a.n_embd, a.seq_len) if k else 0
             ref = psi if mode == "0" else ref
             pred = predicted_ratio(mode, n)
@@ -277,4 +307,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except ProbeFailed as e:          # the baseline's search (the table's rows catch their own)
+        sys.exit(f"capacity: no verdict: a probe failed twice, not for memory: {e}")

@@ -187,6 +187,36 @@ def test_bench_offload_split_adds_up_to_the_step(ahead):
         assert io and abs(sum(float(g) for g in io.groups()[1:]) - float(io[1])) <= 0.002, ln
 
 
+def test_capacity_probe_counts_only_memory_as_not_fitting(monkeypatch):
+    """capacity.py's verdict: a run that ran out of its cap (the lines Python, torch, OpenBLAS and a thread
+    print) does not fit; a failure of another kind (a taken port) is run again, and twice is no verdict."""
+    spec = importlib.util.spec_from_file_location("capacity_probe", os.path.join(ROOT, "benchmarks", "capacity.py"))
+    cap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cap)
+    calls = []
+
+    def runs(*outs):
+        it = iter(outs)
+        monkeypatch.setattr(cap, "run_probe", lambda *a: calls.append(1) or next(it))
+
+    dims = {"n_layer": 1}
+    for line in ["[rank0]: MemoryError", "RuntimeError: Resource temporarily unavailable",
+                 "OpenBLAS error: Memory allocation still failed after 10 retries, giving up.",
+                 "RuntimeError: [enforce fail at alloc_cpu.cpp:117] err == 0. DefaultCPUAllocator: can't allocate "
+                 "memory: you tried to allocate 8388608 bytes. Error code 12 (Cannot allocate memory)",
+                 "timed out after 200 s"]:
+        calls.clear()
+        runs((False, "starting\n" + line + "\n"))
+        assert cap.probe("3", 2, 1 << 20, dims, None) is False and len(calls) == 1, line
+    calls.clear()
+    runs((False, "RuntimeError: The server socket has failed to listen on any local network address. "
+                 "port: 29500 (errno: 98 - Address already in use)."), (True, ""))
+    assert cap.probe("fsdp2-full", 2, 1 << 20, dims, None) is True and len(calls) == 2
+    runs((False, "ValueError: no such mode"), (False, "ValueError: no such mode"))
+    with pytest.raises(cap.ProbeFailed, match="no such mode"):
+        cap.probe("fsdp2-full", 2, 1 << 20, dims, None)
+
+
 def _check_sharded_peers(rc, out, what):
     """FSDP2's row where torch is; DeepSpeed's three rows where deepspeed is, else the line saying they were
     skipped; under CI's peer install (RINGZERO_PEER=1) deepspeed must be there."""
