@@ -166,6 +166,79 @@ def test_reduce_scatter_in_place_and_error_feedback(comm):
 
 
 @pytest.mark.mpi
+def test_started_calls_give_the_reference_bits_in_one_order(comm):
+    """The nonblocking forms (the engine's overlap): a plain all-reduce, a quantized all-gather and an
+    error-feedback reduce-scatter started on one Ring, then a blocking quantized call made while they
+    are in flight (it waits its turn). Each against NumPy: MPI's own Allreduce, qdq, the two-hop sums;
+    ``ring.owner`` names a started call over its buffers until it is waited for."""
+    n, r, m, bits, block = comm.size, comm.rank, 37, 4, 8
+    bad = []
+    for name, labels in maps(comm):
+        ring = Ring(comm, nodes=labels)
+        qc = QuantizedComm(ring, weights=Quant(8, block), grads=Quant(bits, block))
+        ar = data(r, 5000, "float32", seed=3)
+        want_ar = np.empty_like(ar)
+        comm.Allreduce(ar, want_ar)
+        ag_send, ag = data(r, m, "float16", seed=4), np.full(n * m, 7, np.float16)
+        g, mine, res = data(r, n * m, "float32", seed=5), np.full(m, 7, np.float32), np.zeros(n * m, np.float32)
+        p_ar = ring.all_reduce_start(ar)
+        p_ag = qc.all_gather_start(ag_send, ag)
+        p_rs = qc.reduce_scatter_start(g, mine, residual=res)
+        if ring.owner(mine) is not p_rs:
+            bad.append(f"{name}: ring.owner does not name the started reduce-scatter")
+        late, late_recv = data(r, m, "float32", seed=6), np.full(n * m, 7, np.float32)
+        qc.all_gather(late, late_recv)                # blocking, while the three may still run
+        for p in (p_ar, p_ag, p_rs):
+            p.wait()
+        # MPI's Allreduce sums in its own order: within fp32 rounding of it
+        if not np.allclose(ar, want_ar, rtol=1e-5, atol=1e-5 * n):
+            bad.append(f"{name}: all-reduce")
+        want_ag = np.concatenate([qdq(data(p, m, "float16", seed=4), 8, block)[0] for p in range(n)])
+        if not np.array_equal(ag, want_ag.astype(np.float16)):
+            bad.append(f"{name}: started all-gather")
+        want_late = np.concatenate([qdq(data(p, m, "float32", seed=6), 8, block)[0] for p in range(n)])
+        if not np.array_equal(late_recv, want_late):
+            bad.append(f"{name}: the blocking all-gather behind them")
+        xs = [data(p, n * m, "float32", seed=5) for p in range(n)]
+        want_rs, _, _ = ref_reduce_scatter(n, r, m, "float32", bits, block, ring.nodes, xs=xs)
+        want_res = xs[r] - np.concatenate([qdq(xs[r][b * m:(b + 1) * m], bits, block)[0] for b in range(n)])
+        if not np.array_equal(mine, want_rs):
+            bad.append(f"{name}: started reduce-scatter")
+        if not np.array_equal(res, want_res):
+            bad.append(f"{name}: started reduce-scatter's residual")
+        if ring.owner(mine) is not None:
+            bad.append(f"{name}: a waited call still owns its buffers")
+        qc.free()
+        ring.free()
+    assert_all(comm, not bad, "; ".join(bad))
+
+
+@pytest.mark.mpi
+def test_a_started_call_checks_its_arguments_before_any_message(comm):
+    n = comm.size
+    ring = Ring(comm)
+    qc = QuantizedComm(ring)
+    bad = []
+    for f, words in [(lambda: qc.all_gather_start(np.ones(4, np.float32), np.empty(4 * n + 1, np.float32)),
+                      f"expected len(recv) == {n}*len(send)"),
+                     (lambda: qc.reduce_scatter_start(np.ones(4 * n, np.float32), np.empty(4, np.float32),
+                                                      op="max"), "got 'max'")]:
+        try:
+            f()
+            bad.append(f"no error for {words}")
+        except (ValueError, TypeError) as e:
+            if words not in str(e) or "\n" in str(e):
+                bad.append(f"{words!r} not in {e}")
+    out = np.empty(3 * n, np.float32)
+    qc.all_gather_start(np.ones(3, np.float32), out).wait()     # still in step
+    if not np.array_equal(out, np.ones(3 * n, np.float32)):
+        bad.append("the call after the refusals")
+    qc.free()
+    ring.free()
+    assert_all(comm, not bad, "; ".join(bad))
+
+
+@pytest.mark.mpi
 def test_ledger_counts_codes_and_scales_inside_and_across(comm):
     n, r, m, bad = comm.size, comm.rank, 1000, []
     wq, gq = Quant(8, 64), Quant(4, 64)

@@ -112,10 +112,13 @@ def test_a_missing_rank_is_one_line(tmp_path):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("stage,overlap", [("2", False), ("2", True), ("3", True), ("hybrid", True)])
-def test_recorded_bytes_are_the_ledgers_across_emulated_nodes(comm, stage, overlap):
+@pytest.mark.parametrize("stage,overlap,zpp", [("2", False, ""), ("2", True, ""), ("3", True, ""),
+                                              ("hybrid", True, ""), ("3", True, "qwz,hpz,qgz"),
+                                              ("3", False, "qwz,qgz")])
+def test_recorded_bytes_are_the_ledgers_across_emulated_nodes(comm, stage, overlap, zpp):
     """Each step's collective bytes in the trace, and their inter-node part, equal the engine's ledger
-    (last_step_ledger, last_step_internode) on every rank, on two emulated nodes where n allows."""
+    (last_step_ledger, last_step_internode) on every rank, on two emulated nodes where n allows; with
+    --zeropp the quantized calls (started or blocking) and hpZ's node ring are in both."""
     from conftest import assert_all
     from test_internode import node_layouts
     from test_zero import batches, engine
@@ -128,7 +131,10 @@ def test_recorded_bytes_are_the_ledgers_across_emulated_nodes(comm, stage, overl
     labels = lay[0][3]
     RECORDER.enable(comm.rank, n, 2)         # before the engine: its Rings wrap their runs
     try:
-        eng = engine(comm, stage, nodes=labels, overlap=overlap)
+        from ringzero.runtime.zeropp import ZeroPPPolicy
+        eng = engine(comm, stage, nodes=labels, overlap=overlap, zeropp=ZeroPPPolicy.parse(zpp, block=64))
+        if zpp and "hpz" in zpp and eng.topology.zeropp.node_ring.size < 2:
+            pytest.skip("hpz needs two ranks a node")
         data = batches(comm, n, comm.rank)
         got, want = [], []
         RECORDER.active = True
@@ -138,7 +144,8 @@ def test_recorded_bytes_are_the_ledgers_across_emulated_nodes(comm, stage, overl
             want.append((sum(eng.last_step_ledger.values()), sum(eng.last_step_internode.values())))
         eng.wait_params()
         RECORDER.active = False
-        ev = [e for e in RECORDER.events() if e.get("cat") == "comm" and e["args"]["ring"] in ("shard", "replica")]
+        ev = [e for e in RECORDER.events()
+              if e.get("cat") == "comm" and e["args"]["ring"] in ("shard", "replica", "hpz")]
         for s in range(3):
             mine = [e["args"] for e in ev if e["args"]["step"] == s]
             got.append((sum(a["bytes"] for a in mine), sum(a["inter_node_bytes"] for a in mine)))

@@ -98,7 +98,11 @@ class RefComm:
 
 
 def run(comm, spec, steps=4, ref=False, precision="fp16", broken=None, stage="3", eng_kw=None, **kw):
-    eng = engine(comm, stage, precision=precision, **(eng_kw or {}), nodes=labels_of(comm.size),
+    """Train ``steps`` steps with --zeropp spec: (engine, losses, full master). ref: RefComm in place of the
+    engine's QuantizedComm, every call blocking (RefComm has no started form; across the emulated nodes
+    the engine's default is overlap, so the real run's started calls meet the blocking reference)."""
+    eng_kw = dict(eng_kw or {}, **({"overlap": False} if ref else {}))
+    eng = engine(comm, stage, precision=precision, **eng_kw, nodes=labels_of(comm.size),
                  zeropp=policy(spec, **kw) if spec else None)
     if ref:
         eng.topology.zeropp.qc = RefComm(eng.topology.zeropp.qc, comm, **(broken or {}))
@@ -119,6 +123,25 @@ def test_quantized_run_matches_numpy_reference(comm, spec, kw, precision):
     assert_all(comm, np.array_equal(mg, mw), f"{spec}: master differs from the reference's in "
                f"{int((mg != mw).sum())} elements")
     assert_all(comm, not np.array_equal(mg, mp), f"{spec}: the quantized run equals the unquantized one")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("spec,kw,eng_kw", [("qwz,hpz,qgz", {"error_feedback": True}, {}),
+                                            ("qwz,hpz,qgz", {}, {"grad_accum": 2}),
+                                            ("hpz", {}, {"prefetch": 2})])
+def test_overlap_matches_numpy_reference(comm, spec, kw, eng_kw, monkeypatch):
+    """With overlap (the nonblocking forms on the progress threads, prefetch starting each gather
+    positions early) the run is bitwise the reference's, which runs every call blocking; every buffer
+    the workspaces write is checked against the started calls (RINGZERO_CHECK_OWNERSHIP=1)."""
+    monkeypatch.setenv("RINGZERO_CHECK_OWNERSHIP", "1")
+    eng, got, mg = run(comm, spec, eng_kw={"overlap": True, **eng_kw}, **kw)
+    ref = spec != "hpz"            # hpz alone has no quantized call: the unquantized blocking run is its reference
+    _, want, mw = run(comm, spec if ref else "", ref=ref, eng_kw=dict(eng_kw, overlap=False, prefetch=None), **kw)
+    assert_all(comm, eng.overlap and eng.prefetch == eng_kw.get("prefetch", 1), "the run did not overlap")
+    assert_all(comm, got == want and np.array_equal(mg, mw), f"{spec} {eng_kw} with overlap: losses {got} vs "
+               f"reference {want}, master differs in {int((mg != mw).sum())} elements")
+    assert_all(comm, comm.size == 1 or eng.timeline["progress_cpu_s"] > 0,
+               f"nothing ran on a progress thread: {eng.timeline}")
 
 
 @pytest.mark.mpi
@@ -271,12 +294,14 @@ def test_policy_parse_and_refusals():
     bad = [lambda: ZeroPPPolicy.parse("qwz,zpp"), lambda: ZeroPPPolicy.parse("qgz", grad_bits=2),
            lambda: ZeroPPPolicy.parse("qgz", block=0), lambda: ZeroPPPolicy.parse("qwz", error_feedback=True),
            lambda: check(p, StagePolicy.of("2")), lambda: check(ZeroPPPolicy(hpz=True), StagePolicy.of("hybrid")),
-           lambda: check(p, StagePolicy.of("3"), overlap=True)]
+           lambda: check(p, StagePolicy.of("3"), overlap=True, host=False),
+           lambda: check(p, StagePolicy.of("3"), prefetch=1, host=False)]
     for f in bad:
         with pytest.raises(ValueError) as e:
             f()
         assert "\n" not in str(e.value) and "expected" in str(e.value)
     check(p, StagePolicy.of("hybrid"))          # qwz, qgz run at hybrid
+    check(p, StagePolicy.of("3"), overlap=True, prefetch=2)     # on the host: the nonblocking forms
     check(ZeroPPPolicy(), StagePolicy.of("0"))  # off: nothing to refuse
 
 
@@ -309,10 +334,8 @@ def memcheck_model_cfg(cfg):
     (["--zeropp", "hpz", "--stage", "hybrid"], "expected --stage 3 with hpz, got hybrid"),
     (["--zeropp", "qgz", "--zeropp-bits", "3", "--stage", "3"], "--zeropp-bits: expected 4 or 8, got 3"),
     (["--zeropp-bits", "8", "--stage", "3"], "--zeropp-bits is given without --zeropp"),
-    (["--zeropp", "qwz", "--stage", "3", "--overlap"], "expected no --overlap"),
     (["--zeropp", "qwz", "--stage", "3", "--zeropp-error-feedback"], "expected --zeropp with qgz"),
     (["--zeropp", "qwz", "--stage", "3", "--zeropp-block", "0"], "--zeropp-block: expected an int >= 1"),
-    (["--zeropp", "qwz", "--stage", "3", "--prefetch", "1"], "expected no --prefetch, got --prefetch 1"),
 ])
 def test_bad_flags_one_line_exit_2(tmp_path, args, needle):
     from test_train import _check
@@ -377,7 +400,9 @@ def test_device_run(comm, monkeypatch):
     """--device cuda under the strict CuPy stand-in (tests/cupy_standin/): the switches' device path
     (the collectives' CUDA kernels, staging through pinned host memory, hpZ's device secondary shard)
     runs; hpZ changes no bit there either; the run follows the host run (fp32, both computing in
-    float32; the device's AdamW and kernels round differently from the host's C pass, so within 1e-6)."""
+    float32; the device's AdamW and kernels round differently from the host's C pass, and the BLAS under
+    the stand-in picks its kernels by CPU: within 1e-5 relative after 4 steps, where qgZ's own error moves
+    the loss by ~1e-3; 2.3e-6 was seen on an AVX-512 EPYC)."""
     import os
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
@@ -387,7 +412,7 @@ def test_device_run(comm, monkeypatch):
     dev, _ = _device_run(comm, cp, "qwz,hpz,qgz", error_feedback=True)
     a, ma = _device_run(comm, cp, "qwz")
     b, mb = _device_run(comm, cp, "qwz,hpz")
-    assert_all(comm, np.allclose(dev, host, rtol=1e-6, atol=0), f"device {dev} vs host {host}")
+    assert_all(comm, np.allclose(dev, host, rtol=1e-5, atol=0), f"device {dev} vs host {host}")
     assert_all(comm, a == b and np.array_equal(ma, mb), f"device qwz {a} vs qwz,hpz {b}")
 
 

@@ -69,8 +69,10 @@ def need_of(cfg: Config, model, run: budget.Run, nodes: int = 1) -> budget.Need:
     L = Layout(model.units, shards=group)
     sd = storage_dtype(cfg.precision)
     cd = np.dtype(np.float32) if cfg.device == "cpu" else sd
-    zpp = bool(getattr(cfg, "zeropp", "")) and P.gather_params     # --zeropp runs without overlap
-    overlap = ((max(1, run.nd // run.ppn) > 1 or nodes > 1) and not zpp) if cfg.overlap is None else bool(cfg.overlap)
+    zpp = bool(getattr(cfg, "zeropp", "")) and P.gather_params
+    blocks = zpp and cfg.device == "cuda"      # --zeropp on a device runs without overlap (zeropp.check)
+    overlap = ((max(1, run.nd // run.ppn) > 1 or nodes > 1) and not blocks) if cfg.overlap is None \
+        else bool(cfg.overlap)
     prefetch = (1 if cfg.prefetch is None else cfg.prefetch) if overlap and P.gather_params else 0
     rb = cfg.reduce_bucket_mb
     bucket = (0 if overlap or P.gather_params else TREE_BYTES) if rb is None else int(rb * 2 ** 20)

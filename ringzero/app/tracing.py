@@ -41,6 +41,8 @@ class TraceWindow:
         # the Rings were built before enable(): wrap their runs now (comm/trace.py: traced_run)
         for _, ring in (*topo.rings(), ("control", topo.control)):
             ring._run = RECORDER.traced_run(ring.executor.run, ring)
+        if topo.zeropp is not None:                  # ZeRO++'s quantized calls and hpZ's node ring
+            topo.zeropp.trace_on()
 
     @classmethod
     def open(cls, cfg, comm, engine):

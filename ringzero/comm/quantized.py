@@ -8,7 +8,16 @@ What it is
 
         qc.all_gather(send, recv)               # len(recv) == n * len(send)         (qwZ)
         qc.reduce_scatter(send, recv, op="sum", residual=None)   # len(send) == n * len(recv)  (qgZ)
+        qc.all_gather_start(send, recv).wait()  # the nonblocking forms (NumPy buffers): a Pending
+        qc.reduce_scatter_start(send, recv, op="sum", residual=None)
         qc.ledger["q_all_gather"]               # bytes sent, codes and scales apart, intra / inter
+
+    The nonblocking forms check their arguments on the caller's thread, then run the very same
+    call on the Ring's progress thread (Ring.submit, comm/progress.py), in one order with the
+    Ring's own started calls: the quantizing (C kernels, the GIL released), the messages and the
+    sums run there while the caller computes. A blocking call made while started calls are in
+    flight waits its turn (its scratch is theirs until then). Until ``wait`` returns, the call
+    owns send, recv and the residual; ``ring.owner`` names it.
 
     all_gather (qwZ): each rank quantizes its block ONCE (``weights``), and the codes and scales
     of every block travel as one wire buffer per block (quant.wire_layout: codes, then the fp32
@@ -48,13 +57,15 @@ What it is
     an error the object refuses further calls (its messages are out of step).
 
 What it is not
-    The engine integration, the watchdog's stall lines, the nonblocking forms or a pipeline: each
-    call posts all its messages and waits. CuPy buffers are quantized and summed on the device and
+    The engine integration, the watchdog's stall lines, or a pipeline: each call posts all its
+    messages and waits (on the progress thread, for a started one); no nonblocking form for
+    CuPy buffers (Ring.submit keeps no stream order). CuPy buffers are quantized and summed on the device and
     the wire buffers staged through pinned host memory (small: a quarter or an eighth of fp32).
     The arithmetic is quant.py's (C kernels on the host, CUDA kernels for CuPy).
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -64,14 +75,26 @@ from mpi4py import MPI
 from ringzero.comm.backend import Staging, get_array_module, sync
 from ringzero.comm.qledger import QLedger
 from ringzero.comm.quant import Quant, Quantizer, wire_views
+from ringzero.comm.trace import RECORDER
 
 _IN = ("float32", "float16", "bfloat16")
+
+
+class _Call:
+    """One quantized call as comm/trace.py records a Ring plan's run: its name, schedule, dtype, size S
+    (the whole buffer, nccl-tests' size) and the bytes it sent, set once it ran."""
+    __slots__ = ("name", "sched", "dtype", "size", "sent", "sent_net", "fn")
+
+    def __init__(self, name, sched, dtype, size, fn):
+        self.name, self.sched, self.dtype, self.size, self.fn = name, sched, str(dtype), int(size), fn
+        self.sent = self.sent_net = 0
 
 
 class QuantizedComm:
     """qwZ all-gather and qgZ reduce-scatter over a Ring's ranks (module docstring)."""
 
     def __init__(self, ring, weights: Quant = Quant(8, 2048), grads: Quant = Quant(4, 2048)):
+        self.ring = ring         # its progress thread runs the nonblocking forms, in the Ring's order
         self.comm = ring.comm.Dup()
         self.rank, self.size, self.nodes = self.comm.rank, self.comm.size, ring.nodes
         self.timeout = ring.limits.timeout
@@ -84,17 +107,66 @@ class QuantizedComm:
         self.pos = [nm.local_of[b] * N + nm.node_of[b] for b in range(n)] if self.two_hop else list(range(n))
         self.at = {(nm.node_of[b], nm.local_of[b]): b for b in range(n)}
         self.ledger = QLedger()
+        self._traced = RECORDER.traced_run(self._run, ring)   # --trace: a comm span per call, as a Ring's
+        self._sched = "two-hop" if self.two_hop else "one-hop"
         self.staging = Staging()
         self._ws = {}            # (array module, name) -> grow-only scratch
         self._broken = None
 
     def free(self):
+        self.ring.drain()        # no started call of ours may be inside MPI when the communicator goes
         self.comm.Free()
 
     # ---- public ops -------------------------------------------------------
     def all_gather(self, send, recv):
         """recv = every rank's send, quantized (weights) and dequantized, in rank order; returns recv."""
         xp = self._check("all_gather", send, recv, len(send), len(recv))
+        if not self.ring.in_order():                      # started calls first: one order, their scratch
+            return self.all_gather_start(send, recv).wait()
+        return self._traced(self._ag_call(xp, send, recv))
+
+    def all_gather_start(self, send, recv):
+        """Start all_gather(send, recv) on the Ring's progress thread; ``.wait()`` returns recv."""
+        xp = self._check("all_gather", send, recv, len(send), len(recv))
+        return self.ring.submit("q_all_gather", send, recv,
+                                functools.partial(self._traced, self._ag_call(xp, send, recv), True))
+
+    def reduce_scatter(self, send, recv, op: str = "sum", residual=None):
+        """recv = block `rank` of the quantized sum (or mean) over ranks of send; returns recv."""
+        xp = self._check_rs(send, recv, op, residual)
+        if not self.ring.in_order():
+            return self.reduce_scatter_start(send, recv, op, residual).wait()
+        return self._traced(self._rs_call(xp, send, recv, op, residual))
+
+    def reduce_scatter_start(self, send, recv, op: str = "sum", residual=None):
+        """Start reduce_scatter(send, recv, op, residual) on the Ring's progress thread; ``.wait()`` returns
+        recv. The residual is the call's until then."""
+        xp = self._check_rs(send, recv, op, residual)
+        return self.ring.submit("q_reduce_scatter", send, recv,
+                                functools.partial(self._traced, self._rs_call(xp, send, recv, op, residual), True))
+
+    def trace_on(self):
+        """--trace was enabled after this was built: a comm span per call from now on."""
+        self._traced = RECORDER.traced_run(self._run, self.ring)
+
+    def _ag_call(self, xp, send, recv):
+        return _Call("q_all_gather", f"int{self.wq.spec.bits} {self._sched}", send.dtype, recv.nbytes,
+                     functools.partial(self._all_gather, xp, send, recv))
+
+    def _rs_call(self, xp, send, recv, op, residual):
+        return _Call("q_reduce_scatter", f"int{self.gq.spec.bits} {self._sched}", send.dtype, send.nbytes,
+                     functools.partial(self._reduce_scatter, xp, send, recv, op, residual))
+
+    def _run(self, call, background=False):
+        """Run one call; its bytes sent (and across nodes) from the ledger, for the trace's args. Calls run
+        one at a time (a blocking one only while none started is in flight), so the difference is its own."""
+        s0, n0 = self.ledger.total_sent(), self.ledger.total_sent_internode()
+        out = call.fn()
+        call.sent, call.sent_net = self.ledger.total_sent() - s0, self.ledger.total_sent_internode() - n0
+        return out
+
+    # ---- the calls themselves (on the caller's thread or the progress thread) ----
+    def _all_gather(self, xp, send, recv):
         n, r, m, spec = self.size, self.rank, len(send), self.wq.spec
         self.ledger.called("q_all_gather")
         if m == 0:
@@ -122,13 +194,7 @@ class QuantizedComm:
             self.wq.dequantize(*wire_views(spec, area[s:s + wb], m), recv[b * m:(b + 1) * m])
         return recv
 
-    def reduce_scatter(self, send, recv, op: str = "sum", residual=None):
-        """recv = block `rank` of the quantized sum (or mean) over ranks of send; returns recv."""
-        xp = self._check("reduce_scatter", recv, send, len(recv), len(send))
-        if op not in ("sum", "avg"):
-            raise ValueError(f"quantized reduce_scatter: expected op 'sum' or 'avg', got {op!r}")
-        if residual is not None:
-            self._check_residual(xp, residual, len(send))
+    def _reduce_scatter(self, xp, send, recv, op, residual):
         n, r, m, spec, q = self.size, self.rank, len(recv), self.gq.spec, self.gq
         self.ledger.called("q_reduce_scatter")
         if m == 0:
@@ -221,8 +287,18 @@ class QuantizedComm:
         statuses = [MPI.Status() for _ in reqs]
         deadline = time.monotonic() + self.timeout if self.timeout > 0 else None
         nap, spins = 5e-5, 0
+        pr = self.ring._progress
+        hurry = pr.hurry if pr is not None and pr.on_worker() else None   # a started call, beside compute
         try:
             while not MPI.Request.Testall(reqs, statuses):
+                if hurry is not None and not hurry.is_set():
+                    # the caller computes: test, then nap (cut short once it waits), as executor.py's runs
+                    if deadline is not None and time.monotonic() > deadline:
+                        spins = 2000                # the timeout below
+                    else:
+                        hurry.wait(nap)
+                        nap = min(2 * nap, 2e-3)
+                        continue
                 if spins < 2000:                 # first spin (yielding the core: ranks may share it), then nap
                     spins += 1
                     os.sched_yield()
@@ -246,6 +322,14 @@ class QuantizedComm:
                 self._broken = f"{op} failed on rank {self.rank}"
                 raise ValueError(f"quantized {op} on rank {self.rank}: expected {nb} bytes from rank {p}, got {got}; "
                                  "HINT: every rank must pass the same lengths")
+
+    def _check_rs(self, send, recv, op, residual):
+        xp = self._check("reduce_scatter", recv, send, len(recv), len(send))
+        if op not in ("sum", "avg"):
+            raise ValueError(f"quantized reduce_scatter: expected op 'sum' or 'avg', got {op!r}")
+        if residual is not None:
+            self._check_residual(xp, residual, len(send))
+        return xp
 
     def _buf(self, name, xp, k, dtype):
         """A grow-only scratch array of k elements (xp, dtype), by name (the name first: cupy_names.py reads

@@ -335,11 +335,36 @@ class Ring:
             self.cache.release(plan)
         return once
 
-    def _start(self, name, send, recv, op) -> Pending:
+    def progress(self) -> Progress:
+        """The progress thread of this Ring's started calls (started on first use)."""
         if self._progress is None:
             self._progress = Progress(f"ringzero-progress-{self.rank}")
             self.executor.set_hurry(self._progress.hurry)
+        return self._progress
+
+    def drain(self):
+        """Wait until every started call is done (their errors stay for their own wait())."""
+        if self._progress is not None:
+            self._progress.drain()
+
+    def in_order(self) -> bool:
+        """May a blocking call run on the caller's thread now? False while started calls are in flight
+        (a blocking call then waits its turn: started calls first, one order)."""
         pr = self._progress
+        return pr is None or pr.on_worker() or not pr.busy()
+
+    def submit(self, name, send, recv, job) -> Pending:
+        """Run ``job()`` on this Ring's progress thread after every call started before it, and return
+        its Pending (of ``recv``): how a collective on a communicator of its own (ZeRO++'s quantized
+        ones, comm/quantized.py) keeps the one order and the owner checks of the Ring it runs beside.
+        Host buffers only (no stream order is kept here)."""
+        if not isinstance(send, np.ndarray) or not isinstance(recv, np.ndarray):
+            raise TypeError(f"Ring.submit({name}): host (NumPy) buffers only, got {type(send).__name__}")
+        pr = self.progress()
+        return pr.submit(job, Pending(name, send, recv, pr))
+
+    def _start(self, name, send, recv, op) -> Pending:
+        pr = self.progress()
         plan = self._hot.get((id(send), id(recv), name, op))
         if plan is None or not self._guard(plan, send, recv):
             key = None if self._broken else self._key(name, send, recv, op)

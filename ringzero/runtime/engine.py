@@ -127,7 +127,7 @@ class Zero:
         self.layout = L = Layout(model.units, shards=topo.shard_size)
         self.offload = offload or OffloadPolicy()
         self.zeropp = zeropp or ZeroPPPolicy()      # ZeRO++'s switches (runtime/zeropp.py); refused before allocating
-        zeropp_check(self.zeropp, P, self.offload, overlap, prefetch)
+        zeropp_check(self.zeropp, P, self.offload, overlap, prefetch, host=device != "cuda")
         if mem_budget is not None:       # refuse before allocating anything
             check_budget(L, self.stage, topo.world_size, mem_budget, P.ranks_per_node(topo.shard_size),
                          precision, self.grad_accum, self.offload.tiers, device, self.offload.where)

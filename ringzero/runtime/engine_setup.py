@@ -79,7 +79,9 @@ def make_schedule(self, model, overlap, prefetch, reduce_bucket):
     # the plan holds that slot one position longer. None: on when the ranks span several
     # nodes, where communication is a third of the step; on one host it is a few percent and
     # the progress thread costs the compute more than it hides (docs/overlap.md)
-    self.overlap = topo.nodes.count > 1 and not self.zeropp.enabled if overlap is None else bool(overlap)
+    # (--zeropp on a device: off, its quantized collectives have no nonblocking form on CuPy)
+    zpp_blocks = self.zeropp.enabled and self.xp is not np
+    self.overlap = topo.nodes.count > 1 and not zpp_blocks if overlap is None else bool(overlap)
     self.prefetch, self.reduce_bucket = schedule_options(P, self.overlap, prefetch, reduce_bucket,
                                                          self.ring.tree_bytes)
     reads_slot = np.dtype(self.storage_dtype).itemsize == 4 and P.grad_bucket

@@ -24,6 +24,7 @@ What it is not
 """
 from __future__ import annotations
 
+import functools
 import time
 
 from ringzero.runtime.offload import read_into
@@ -51,7 +52,9 @@ class GatherCast:
         seg, own = self.slots.landing(w, slot, land)
         self._touch(seg)
         self._own(w, own)                                  # from RAM, or its file (offload)
-        self.inflight.gather(w, slot, self.topology.ring.all_gather_start(own, seg))
+        zpp = self.topology.zeropp                        # ZeRO++ (runtime/zeropp.py): qwZ, hpZ
+        start = self.topology.ring.all_gather_start if zpp is None else functools.partial(zpp.gather_start, w)
+        self.inflight.gather(w, slot, start(own, seg))
 
     def materialize(self, w, slot, land=0):
         """Make unit w's full params available in the compute dtype, in ``slot``: wait for its started
@@ -59,16 +62,18 @@ class GatherCast:
         L, state = self.layout, self.state
         if self.policy.gather_params:
             seg, own = self.slots.landing(w, slot, land)
+            zpp = self.topology.zeropp                    # ZeRO++ (runtime/zeropp.py): qwZ, hpZ
             if not self.inflight.gathered(w, slot):      # not prefetched: gather it here
                 t0 = time.perf_counter()
                 self._touch(seg)
                 self._own(w, own)
-                zpp = self.topology.zeropp                # ZeRO++ (runtime/zeropp.py): qwZ, hpZ
                 if zpp is not None:
                     zpp.gather(w, own, seg)
                 else:
                     self.topology.ring.all_gather(own, seg)
                 self.inflight.blocking("gather", time.perf_counter() - t0)
+            elif zpp is not None:
+                zpp.gathered(w, seg)                      # hpZ: the secondary from the prefetched gather
             src = seg
         else:
             src = L.unit_full(state.params, w)

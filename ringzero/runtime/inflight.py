@@ -172,7 +172,7 @@ class UpdateGathers:
 
 class OwnershipCheck:
     """RINGZERO_CHECK_OWNERSHIP=1 (read once, here): ``check(x)`` raises before buffer x is written while a
-    started collective on the shard or the replica ring still owns it. Off: a call that does nothing."""
+    started collective on the shard, the replica or hpZ's node ring still owns it. Off: a call that does nothing."""
 
     def __init__(self, topology):
         self.topology = topology     # read at each call: a caller may swap topology.ring
@@ -181,7 +181,9 @@ class OwnershipCheck:
     def __call__(self, x):
         if self.on:
             rr = self.topology.replica_ring
-            p = self.topology.ring.owner(x) or (rr.owner(x) if rr is not None else None)
+            zpp = self.topology.zeropp       # hpZ's node ring (the quantized calls are the shard ring's)
+            p = self.topology.ring.owner(x) or (rr.owner(x) if rr is not None else None) or \
+                (zpp.owner(x) if zpp is not None else None)
             if p is not None:
                 raise RuntimeError(f"workspace: a buffer is written while a started {p.name} owns it; "
                                    "HINT: the overlap's wait is missing or in the wrong place")

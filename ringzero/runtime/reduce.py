@@ -102,7 +102,7 @@ class CastReduce:
         else:
             out = L.unit_shard(state.grads, w)
             if self.overlap:
-                self.inflight.hold(key, [ring.reduce_scatter_start(seg, out)],
+                self.inflight.hold(key, [self._reduce_scatter_start(w, seg, out)],
                                    replica=out if self._replicas else None)
                 return
             self._reduce_scatter(w, seg, out)
@@ -118,12 +118,18 @@ class CastReduce:
         else:
             self.topology.ring.reduce_scatter(seg, out)
 
+    def _reduce_scatter_start(self, w, seg, out):
+        zpp = self.topology.zeropp
+        if zpp is not None:                       # ZeRO++'s qgZ (zeropp.py), or the shard ring's
+            return zpp.reduce_scatter_start(w, seg, out)
+        return self.topology.ring.reduce_scatter_start(seg, out)
+
     def close_grad(self, w, slot, k: int = 0):
         """Micro-batch k's gradient of unit w is complete (workspace.py's docstring)."""
         K = self.grad_accum
         if K == 1:
             return self.reduce_grad(w, slot)
-        L, state, topo = self.layout, self.state, self.topology
+        L, state = self.layout, self.state
         n, last = L.unit_padded[w], k == K - 1
         g = self.slots.grad_target(w, slot)[:n]       # this micro-batch's gradient (fp32 workspace)
         if self.policy.accumulate_locally:            # stages 0-2: sum on the rank, reduce once
@@ -147,7 +153,7 @@ class CastReduce:
             cast_into(seg, g)
         out = L.unit_shard(state.grads, w)
         if self.overlap:      # the add into the accumulator waits for the RS (at a release or the drain)
-            self.inflight.hold(key, [topo.ring.reduce_scatter_start(seg, out)],
+            self.inflight.hold(key, [self._reduce_scatter_start(w, seg, out)],
                                after=functools.partial(self._accumulate, w, k))
             return
         t0 = time.perf_counter()

@@ -24,15 +24,19 @@ What it is
             each rank's (runtime/zeropp_state.py).
 
     ``ZeroPP(policy, layout, topology, xp, storage_dtype)`` holds the collectives and the
-    buffers; runtime/gather.py and reduce.py call ``gather`` and ``reduce_scatter`` where they
-    would call the shard Ring's. ``ledgers()`` yields (label, ledger) for reports.ledger_totals:
+    buffers; runtime/gather.py and reduce.py call ``gather`` and ``reduce_scatter`` (or their
+    ``_start`` forms, then ``gathered`` once a gather is done) where they would call the shard
+    Ring's. ``ledgers()`` yields (label, ledger) for reports.ledger_totals:
     the QuantizedComm's (codes and scales apart, inside and across nodes) and hpZ's node ring.
 
     Where it is valid (``check``): stage 3 and hybrid (hybrid: qwz and qgz, whose shard group is
-    already a node, so hpz is refused); without overlap (the quantized collectives have no
-    nonblocking form yet: overlap defaults off with --zeropp, and --overlap is refused); with
-    --offload except ``ahead`` when hpz is on (the update running beside the forward would
-    publish units under a live secondary); on a device (CuPy: the collectives' CUDA kernels).
+    already a node, so hpz is refused); with overlap and prefetch on the host (``gather_start``
+    and ``reduce_scatter_start``: QuantizedComm's nonblocking forms on the shard Ring's progress
+    thread, hpZ's node gathers on the node Ring's; overlap is on by default across nodes, as
+    without --zeropp), without them on a device (the nonblocking forms keep no stream order: on
+    CuPy --overlap and --prefetch are refused and overlap defaults off); with --offload except
+    ``ahead`` when hpz is on (the update running beside the forward would publish units under a
+    live secondary); on a device (CuPy: the collectives' CUDA kernels).
 
     Arithmetic: the master, Adam and the checkpoint stay full precision; only what travels is
     quantized. qwz+hpz is bitwise qwz alone (the backward gets the forward's bits), hpz alone is
@@ -110,8 +114,8 @@ class ZeroPPPolicy:
         return out + ")"
 
 
-def check(zpp: ZeroPPPolicy, stage_policy, offload=None, overlap=None, prefetch=None) -> None:
-    """Refuse a combination the engine does not run, in one line (ValueError)."""
+def check(zpp: ZeroPPPolicy, stage_policy, offload=None, overlap=None, prefetch=None, host: bool = True) -> None:
+    """Refuse a combination the engine does not run, in one line (ValueError). host: NumPy buffers."""
     if not zpp.enabled:
         return
     if not stage_policy.gather_params:
@@ -120,12 +124,13 @@ def check(zpp: ZeroPPPolicy, stage_policy, offload=None, overlap=None, prefetch=
     if zpp.hpz and stage_policy.hybrid:
         raise ZeroPPError("--zeropp hpz: hybrid's shard group is already one node, so its gathers never leave it: "
                          "expected --stage 3 with hpz, got hybrid; HINT: drop hpz (qwz, qgz run at hybrid)")
-    if overlap:
-        raise ZeroPPError("--zeropp runs without overlap (the quantized collectives block): expected no --overlap, "
-                         "got --overlap; HINT: drop --overlap (--zeropp turns it off by default)")
-    if prefetch:
-        raise ZeroPPError(f"--zeropp gathers each unit where it is read (no overlap): expected no --prefetch, got "
-                         f"--prefetch {prefetch}; HINT: drop --prefetch")
+    if overlap and not host:
+        raise ZeroPPError("--zeropp on a device runs without overlap (its quantized collectives have no "
+                         "nonblocking form on CuPy): expected no --overlap, got --overlap; HINT: drop --overlap "
+                         "(--zeropp turns it off on a device)")
+    if prefetch and not host:
+        raise ZeroPPError(f"--zeropp on a device gathers each unit where it is read (no overlap): expected no "
+                         f"--prefetch, got --prefetch {prefetch}; HINT: drop --prefetch")
     if zpp.hpz and offload is not None and getattr(offload, "ahead", False):
         raise ZeroPPError("--zeropp hpz with --offload-ahead: the update beside the forward would change units "
                          "under the secondary shard; HINT: drop --offload-ahead or hpz")
@@ -151,6 +156,7 @@ class ZeroPP:
             # the node's ranks, ordered as the shard ring orders them: node-ring rank == local index
             node_comm = ring.comm.Split(nm.node_of[me], me)
             self.node_ring = Ring(node_comm, timeout=ring.limits.timeout, nodes=[0] * P)
+            self.node_ring.trace_name = "hpz"        # the trace's "ring" arg (the ledger's label too)
             node_comm.Free()
             self.local = nm.local_of[me]
             # unit u's secondary piece: elements [local*c, (local+1)*c) of the padded unit, c = unit_padded/P
@@ -170,12 +176,26 @@ class ZeroPP:
         node (hpz, after the first gather since the update), quantized (qwz), or plain."""
         if self.policy.hpz and self.fresh[w]:
             self.node_ring.all_gather(self._sec(w), seg)
-            return seg
-        if self.policy.qwz:
+        elif self.policy.qwz:
             self.qc.all_gather(own, seg)
         else:
             self.topology.ring.all_gather(own, seg)
-        if self.policy.hpz:
+        return self.gathered(w, seg)
+
+    def gather_start(self, w, own, seg):
+        """``gather`` started (overlap's prefetch): its Pending; ``gathered(w, seg)`` once it is waited for.
+        The path is chosen now: hpZ's secondary is fresh from the forward's gather by the time the
+        backward's gather of a unit starts (prefetch starts it at a later position of the plan)."""
+        if self.policy.hpz and self.fresh[w]:
+            return self.node_ring.all_gather_start(self._sec(w), seg)
+        if self.policy.qwz:
+            return self.qc.all_gather_start(own, seg)
+        return self.topology.ring.all_gather_start(own, seg)
+
+    def gathered(self, w, seg):
+        """Unit w's gather into seg is done: hpZ keeps this rank's node piece of the first one since the
+        update (the secondary shard: the exact bits this gather produced)."""
+        if self.policy.hpz and not self.fresh[w]:
             c = self.layout.unit_padded[w] // self.P
             self._sec(w)[...] = seg[self.local * c:(self.local + 1) * c]
             self.fresh[w] = True
@@ -185,11 +205,31 @@ class ZeroPP:
         """out = this rank's piece of the sum over ranks of unit w's gradient ``seg`` (qgz or plain)."""
         if not self.policy.qgz:
             return self.topology.ring.reduce_scatter(seg, out)
-        res = None
-        if self.residual is not None:
-            o = self.layout.unit_offset[w]
-            res = self.residual[o:o + self.layout.unit_padded[w]]
-        return self.qc.reduce_scatter(seg, out, "sum", residual=res)
+        return self.qc.reduce_scatter(seg, out, "sum", residual=self._residual(w))
+
+    def reduce_scatter_start(self, w, seg, out):
+        """``reduce_scatter`` started (overlap): its Pending. The call owns unit w's residual until then."""
+        if not self.policy.qgz:
+            return self.topology.ring.reduce_scatter_start(seg, out)
+        return self.qc.reduce_scatter_start(seg, out, "sum", residual=self._residual(w))
+
+    def trace_on(self):
+        """--trace was enabled after these were built: wrap their runs now (comm/trace.py: traced_run)."""
+        from ringzero.comm.trace import RECORDER
+        if self.node_ring is not None:
+            self.node_ring._run = RECORDER.traced_run(self.node_ring.executor.run, self.node_ring)
+        if self.qc is not None:
+            self.qc.trace_on()
+
+    def owner(self, x):
+        """The started call on hpZ's node ring that writing x would race (the shard Ring's are its own)."""
+        return self.node_ring.owner(x) if self.node_ring is not None else None
+
+    def _residual(self, w):
+        if self.residual is None:
+            return None
+        o = self.layout.unit_offset[w]
+        return self.residual[o:o + self.layout.unit_padded[w]]
 
     def after_step(self, skipped: bool, old_scale: float, new_scale: float):
         """qgZ's residual across the loss scaler's decision (error feedback at fp16). It holds errors of

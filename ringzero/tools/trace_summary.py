@@ -27,7 +27,10 @@ from collections import defaultdict
 
 MAIN_WAITS = ("comm", "comm_wait", "comm_start", "comm_block")   # nested: counted as their union
 FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-          "reduce_scatter": lambda n: (n - 1) / n}
+          "reduce_scatter": lambda n: (n - 1) / n,
+          # ZeRO++'s (comm/quantized.py): S is the unquantized buffer, so algbw and busbw are the effective
+          # rates, what the unquantized call would need to keep up (the wire carries a quarter or an eighth)
+          "q_all_gather": lambda n: (n - 1) / n, "q_reduce_scatter": lambda n: (n - 1) / n}
 
 
 class TraceError(ValueError):
@@ -171,11 +174,11 @@ def stragglers(bd: dict) -> dict:
 
 def bandwidth(docs) -> list:
     """[(op, group size, S bytes, calls, mean µs, algbw GB/s, busbw GB/s)] over every rank's collectives of the
-    engine's rings (shard, replica), on whichever thread ran them."""
+    engine's rings (shard, replica, hpZ's node ring), on whichever thread ran them."""
     acc = defaultdict(lambda: [0, 0.0])
     for doc in docs:
         for e in doc["traceEvents"]:
-            if e["ph"] == "X" and e["cat"] == "comm" and e["args"].get("ring") in ("shard", "replica"):
+            if e["ph"] == "X" and e["cat"] == "comm" and e["args"].get("ring") in ("shard", "replica", "hpz"):
                 a = e["args"]
                 k = (a["op"], a["group_size"], a["size"])
                 acc[k][0] += 1
@@ -202,9 +205,9 @@ def summary_text(d: str) -> str:
         for r, v in sorted(rows.items()):
             lines.append(f"{s:4d} {r:4d} " + " ".join(ms(v[k]) for k in ("wall", "compute", "exposed", "hidden",
                                                                          "update", "offload", "barrier", "idle")))
-    lines.append("collective        n           S   calls    mean us   algbw GB/s   busbw GB/s")
+    lines.append("collective         n           S   calls    mean us   algbw GB/s   busbw GB/s")
     for op, n, size, calls, t, alg, bus in bandwidth(docs):
-        lines.append(f"{op:15s} {n:3d} {size:11,d} {calls:7d} {t:10.1f} {alg:12.3f} {bus:12.3f}")
+        lines.append(f"{op:16s} {n:3d} {size:11,d} {calls:7d} {t:10.1f} {alg:12.3f} {bus:12.3f}")
     for doc in docs:
         lines.append(f"rank {doc['distributedInfo']['rank']}: computation ran during {100 * overlap(doc):.1f} % of "
                      "the collectives' time (the comm/comp overlap)")
