@@ -53,9 +53,37 @@ class Peer:
     optimizer: str           # which AdamW ran (DeepSpeed's CPU Adam or torch's)
 
 
+STALE_LOCK_S = 900      # a build of DeepSpeed's cpu_adam takes about 3 minutes on 2 cores, contended
+
+
+def clear_stale_build_lock(torch, name: str = "cpu_adam", older_than_s: float = STALE_LOCK_S) -> str | None:
+    """torch's JIT build (cpp_extension) takes a ``lock`` file in the op's build folder and every other
+    process waits for it to go, with no end; a build killed midway leaves it behind, and every later
+    DeepSpeed run hangs there. A lock older than any build is removed (the path, or None)."""
+    import sys
+    import time
+
+    from torch.utils.cpp_extension import get_default_build_root
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    acc = "cpu" if torch.version.cuda is None else "cu" + torch.version.cuda.replace(".", "")
+    folder = os.path.join(root, name) if root else os.path.join(
+        get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_{acc}", name)
+    lock = os.path.join(folder, "lock")
+    try:
+        if time.time() - os.path.getmtime(lock) > older_than_s:
+            os.remove(lock)
+            print(f"train_peer_worker: removed {lock}, left by a build killed midway "
+                  f"(older than {older_than_s:.0f} s; torch's build would wait for it forever)", flush=True)
+            return lock
+    except FileNotFoundError:            # no lock, or another rank removed it first
+        pass
+    return None
+
+
 def adamw(torch, groups, a, adam, prefer_ds: bool):
     """(optimizer, its name): DeepSpeed's CPU Adam where asked and its op builds, else torch's AdamW."""
     if prefer_ds:
+        clear_stale_build_lock(torch)
         try:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
             opt = DeepSpeedCPUAdam(groups, lr=a.lr, betas=(adam.beta1, adam.beta2), eps=adam.eps, adamw_mode=True)

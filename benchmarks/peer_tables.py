@@ -15,8 +15,10 @@ from __future__ import annotations
 import statistics
 
 TORCH_MODES = ("ddp", "fsdp-grad-op", "fsdp-full", "fsdp2-full", "ds-zero1", "ds-zero2", "ds-zero3")  # peer_engines
-RZ_MODES = {"ringzero": "fp32", "ringzero-fp16": "fp16", "ringzero-zpp": "fp32"}   # mode -> --precision
-RZ_EXTRA = {"ringzero-zpp": ("--zeropp", "qwz,hpz,qgz")}    # mode -> its own trainer flags (ZeRO++: stage 3)
+RZ_MODES = {"ringzero": "fp32", "ringzero-fp16": "fp16", "ringzero-zpp": "fp32",
+            "ringzero-zpp-blocking": "fp32"}                 # mode -> --precision
+RZ_EXTRA = {"ringzero-zpp": ("--zeropp", "qwz,hpz,qgz"),    # mode -> its own trainer flags (ZeRO++: stage 3)
+            "ringzero-zpp-blocking": ("--zeropp", "qwz,hpz,qgz", "--no-overlap")}
 MODES = TORCH_MODES + tuple(RZ_MODES)
 TIMELINE = ("step_time_s", "fwd_bwd_s", "compute_s", "comm_s", "reduce_s", "reduce_exposed_s",
             "gather_s", "gather_exposed_s", "param_gather_exposed_s", "progress_cpu_s")

@@ -13,6 +13,9 @@ What it is
       ringzero-fp16 the same with --precision fp16 (fp16 storage, fp32 compute)
       ringzero-zpp  fp32 with ZeRO++'s three switches, ``--zeropp qwz,hpz,qgz`` (needs --stage 3);
                     its row against the ringzero row is quantized / unquantized, round by round
+      ringzero-zpp-blocking
+                    the same with ``--no-overlap``: every quantized call where it is read (against
+                    ringzero-zpp: what the overlap gains, or costs where ranks share cores)
 
     and prints tokens/s, peak RSS per rank and the ratio ringzero / peer:
 

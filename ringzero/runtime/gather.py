@@ -16,6 +16,9 @@ What it is
     the param slot by ``materialize``. This rank's own block is copied in from
     its shard of the params first, and the ring fills the others. Prefetched
     gathers go on the same ring as the reductions, so both run in one order.
+    With --zeropp both go through runtime/zeropp.py (``gather``, ``gather_start``,
+    then ``gathered``: qwZ's quantized calls on the same ring's progress thread,
+    hpZ's gathers from the secondary shard on the node's ring).
     At stages 0-2 the params are held in full: ``materialize`` only casts.
 
 What it is not
@@ -24,7 +27,6 @@ What it is not
 """
 from __future__ import annotations
 
-import functools
 import time
 
 from ringzero.runtime.offload import read_into
@@ -53,8 +55,11 @@ class GatherCast:
         self._touch(seg)
         self._own(w, own)                                  # from RAM, or its file (offload)
         zpp = self.topology.zeropp                        # ZeRO++ (runtime/zeropp.py): qwZ, hpZ
-        start = self.topology.ring.all_gather_start if zpp is None else functools.partial(zpp.gather_start, w)
-        self.inflight.gather(w, slot, start(own, seg))
+        if zpp is None:
+            pending = self.topology.ring.all_gather_start(own, seg)
+        else:
+            pending = zpp.gather_start(w, own, seg)
+        self.inflight.gather(w, slot, pending)
 
     def materialize(self, w, slot, land=0):
         """Make unit w's full params available in the compute dtype, in ``slot``: wait for its started

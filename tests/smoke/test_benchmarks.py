@@ -217,6 +217,27 @@ def test_capacity_probe_counts_only_memory_as_not_fitting(monkeypatch):
         cap.probe("fsdp2-full", 2, 1 << 20, dims, None)
 
 
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed (RINGZERO_PEER=1 installs it)")
+def test_a_stale_deepspeed_build_lock_is_removed(tmp_path, monkeypatch, capsys):
+    """A cpu_adam build killed midway leaves torch's ``lock`` file, and every later DeepSpeed run waits on it
+    forever: peer_engines removes one older than any build, and leaves a young one (a build under way)."""
+    import time
+
+    import torch
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import peer_engines
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "cpu_adam" / "lock"
+    lock.parent.mkdir()
+    lock.write_text("")
+    assert peer_engines.clear_stale_build_lock(torch) is None and lock.exists()          # young: a build's
+    old = time.time() - peer_engines.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    assert peer_engines.clear_stale_build_lock(torch) == str(lock) and not lock.exists()
+    assert "left by a build killed midway" in capsys.readouterr().out
+    assert peer_engines.clear_stale_build_lock(torch) is None                             # none: nothing to do
+
+
 def _check_sharded_peers(rc, out, what):
     """FSDP2's row where torch is; DeepSpeed's three rows where deepspeed is, else the line saying they were
     skipped; under CI's peer install (RINGZERO_PEER=1) deepspeed must be there."""
