@@ -13,6 +13,9 @@ What it is
     is: it runs the plan's steps (executor.py), blocking inside MPI's waits
     with the GIL released, while the caller's NumPy/BLAS work (which releases
     the GIL too) goes on. One thread per Ring, started on first use.
+    ``StartedCalls`` is the Ring's side of it (``progress``, ``owner``,
+    ``drain``, ``in_order``, and ``submit``: a job from a collective on a
+    communicator of its own, ZeRO++'s quantized calls, run in the Ring's order).
 
     Promises kept from the blocking forms:
       - order: every call on a Ring, blocking or not, runs in the order made
@@ -47,6 +50,8 @@ import threading
 import time
 import weakref
 from collections import deque
+
+import numpy as np
 
 from ringzero.comm.trace import RECORDER
 
@@ -182,3 +187,44 @@ class Progress:
             if self.awaited is pending:  # the next job naps again, while the caller computes
                 self.hurry.clear()
             pending._done.set()
+
+
+class StartedCalls:
+    """A Ring's side of its started calls: its Progress (started on first use), the owner check, the
+    drain, and ``submit`` for a collective on a communicator of its own that keeps the Ring's one order
+    (ZeRO++'s quantized calls, comm/quantized.py). Ring inherits it; it needs ``_progress``, ``rank``
+    and ``executor``."""
+
+    def progress(self) -> Progress:
+        """The progress thread of this Ring's started calls (started on first use)."""
+        if self._progress is None:
+            self._progress = Progress(f"ringzero-progress-{self.rank}")
+            self.executor.set_hurry(self._progress.hurry)
+        return self._progress
+
+    def drain(self):
+        """Wait until every started call is done (their errors stay for their own wait())."""
+        if self._progress is not None:
+            self._progress.drain()
+
+    def in_order(self) -> bool:
+        """May a blocking call run on the caller's thread now? False while started calls are in flight
+        (a blocking call then waits its turn: started calls first, one order)."""
+        pr = self._progress
+        return pr is None or pr.on_worker() or not pr.busy()
+
+    def submit(self, name, send, recv, job) -> Pending:
+        """Run ``job()`` on this Ring's progress thread after every call started before it, and return
+        its Pending (of ``recv``): how a collective on a communicator of its own (ZeRO++'s quantized
+        ones, comm/quantized.py) keeps the one order and the owner checks of the Ring it runs beside.
+        Host buffers only (no stream order is kept here)."""
+        if not isinstance(send, np.ndarray) or not isinstance(recv, np.ndarray):
+            raise TypeError(f"Ring.submit({name}): host (NumPy) buffers only, got {type(send).__name__}")
+        pr = self.progress()
+        return pr.submit(job, Pending(name, send, recv, pr))
+
+    def owner(self, send, recv=None):
+        """The started, unfinished call that reading `send` and writing `recv` would race (None: safe)."""
+        if self._progress is None:
+            return None
+        return self._progress.owner(send, send if recv is None else recv)

@@ -284,44 +284,16 @@ class QuantizedComm:
             sync(area)
 
     def _wait(self, op, reqs, expect):
-        statuses = [MPI.Status() for _ in reqs]
-        deadline = time.monotonic() + self.timeout if self.timeout > 0 else None
-        nap, spins = 5e-5, 0
         pr = self.ring._progress
         hurry = pr.hurry if pr is not None and pr.on_worker() else None   # a started call, beside compute
         try:
-            while not MPI.Request.Testall(reqs, statuses):
-                if hurry is not None and not hurry.is_set():
-                    # the caller computes: test, then nap (cut short once it waits), as executor.py's runs
-                    if deadline is not None and time.monotonic() > deadline:
-                        spins = 2000                # the timeout below
-                    else:
-                        hurry.wait(nap)
-                        nap = min(2 * nap, 2e-3)
-                        continue
-                if spins < 2000:                 # first spin (yielding the core: ranks may share it), then nap
-                    spins += 1
-                    os.sched_yield()
-                    continue
-                if deadline is not None and time.monotonic() > deadline:
-                    for rq in reqs:
-                        rq.Cancel()
-                    self._broken = f"{op} timed out on rank {self.rank}"
-                    peers = ", ".join(str(p) for p, _ in expect)
-                    raise TimeoutError(f"quantized {op} on rank {self.rank}: no message within {self.timeout:g} s "
-                                       f"from ranks {peers}; HINT: every rank must make the same calls")
-                time.sleep(nap)
-                nap = min(2 * nap, 1e-3)
-        except MPI.Exception as e:                        # a longer message than posted: truncated
+            wait_messages(op, reqs, expect, self.rank, self.timeout, hurry)
+        except TimeoutError:
+            self._broken = f"{op} timed out on rank {self.rank}"
+            raise
+        except ValueError:
             self._broken = f"{op} failed on rank {self.rank}"
-            raise ValueError(f"quantized {op} on rank {self.rank}: {e.Get_error_string()}; "
-                             "HINT: every rank must pass the same lengths") from None
-        for (p, nb), st in zip(expect, statuses):
-            got = st.Get_count(MPI.BYTE)
-            if got != nb:
-                self._broken = f"{op} failed on rank {self.rank}"
-                raise ValueError(f"quantized {op} on rank {self.rank}: expected {nb} bytes from rank {p}, got {got}; "
-                                 "HINT: every rank must pass the same lengths")
+            raise
 
     def _check_rs(self, send, recv, op, residual):
         xp = self._check("reduce_scatter", recv, send, len(recv), len(send))
@@ -367,3 +339,42 @@ class QuantizedComm:
         if get_array_module(res) is not xp:
             raise TypeError("quantized reduce_scatter: expected residual on the same device as send "
                             f"({xp.__name__}), got {type(res).__module__}.{type(res).__name__}")
+
+
+def wait_messages(op, reqs, expect, rank, timeout, hurry=None):
+    """Wait for every request of one quantized call; ``expect`` [(peer, bytes)] of its receives, in order.
+
+    On the caller's thread: spin (yielding the core: ranks may share it), then nap. On the progress
+    thread beside compute (``hurry`` not set): test and nap, cut short once the caller waits, as
+    executor.py's runs do. TimeoutError after ``timeout`` s (0: none), ValueError for a message of
+    another length: one line each, naming the op and the peers."""
+    statuses = [MPI.Status() for _ in reqs]
+    deadline = time.monotonic() + timeout if timeout > 0 else None
+    nap, spins = 5e-5, 0
+    try:
+        while not MPI.Request.Testall(reqs, statuses):
+            late = deadline is not None and time.monotonic() > deadline
+            if hurry is not None and not hurry.is_set() and not late:
+                hurry.wait(nap)
+                nap = min(2 * nap, 2e-3)
+                continue
+            if spins < 2000 and not late:
+                spins += 1
+                os.sched_yield()
+                continue
+            if late:
+                for rq in reqs:
+                    rq.Cancel()
+                peers = ", ".join(str(p) for p, _ in expect)
+                raise TimeoutError(f"quantized {op} on rank {rank}: no message within {timeout:g} s "
+                                   f"from ranks {peers}; HINT: every rank must make the same calls")
+            time.sleep(nap)
+            nap = min(2 * nap, 1e-3)
+    except MPI.Exception as e:                        # a longer message than posted: truncated
+        raise ValueError(f"quantized {op} on rank {rank}: {e.Get_error_string()}; "
+                         "HINT: every rank must pass the same lengths") from None
+    for (p, nb), st in zip(expect, statuses):
+        got = st.Get_count(MPI.BYTE)
+        if got != nb:
+            raise ValueError(f"quantized {op} on rank {rank}: expected {nb} bytes from rank {p}, got {got}; "
+                             "HINT: every rank must pass the same lengths")

@@ -110,7 +110,7 @@ from ringzero.comm.checks import DTYPES, check_args
 from ringzero.comm.diagnostics import Diagnostics, Limits
 from ringzero.comm.executor import Executor
 from ringzero.comm.nodes import NodeMap, block_order, split
-from ringzero.comm.progress import Pending, Progress
+from ringzero.comm.progress import Pending, StartedCalls
 from ringzero.comm.schedule import DIRECT_RANKS, EAGER_BYTES, NODE_BYTES, SEG_BYTES, TREE_BYTES, choose, defaults
 from ringzero.comm.staging import staged_call
 from ringzero.comm.steps import blocks
@@ -128,7 +128,7 @@ def _where(x):
     return x.data.ptr, True  # CuPy: device pointer; its flags have no `writeable`
 
 
-class Ring:
+class Ring(StartedCalls):
     """Ring and latency-optimal collectives over `comm` (see the module docstring)."""
 
     set_context = staticmethod(set_context)   # Ring.set_context("step 17"): quoted in stall lines
@@ -261,12 +261,6 @@ class Ring:
         """Start all_gather(send, recv); ``.wait()`` returns recv."""
         return self._start("all_gather", send, recv, "sum")
 
-    def owner(self, send, recv=None):
-        """The started, unfinished call that reading `send` and writing `recv` would race (None: safe)."""
-        if self._progress is None:
-            return None
-        return self._progress.owner(send, send if recv is None else recv)
-
     # ---- the dispatcher: the kept plan, or check, build and maybe keep one
     def _call(self, name, send, recv, op):
         if self._progress is not None and self._progress.busy() and not self._progress.on_worker():
@@ -334,34 +328,6 @@ class Ring:
             self._run(plan)
             self.cache.release(plan)
         return once
-
-    def progress(self) -> Progress:
-        """The progress thread of this Ring's started calls (started on first use)."""
-        if self._progress is None:
-            self._progress = Progress(f"ringzero-progress-{self.rank}")
-            self.executor.set_hurry(self._progress.hurry)
-        return self._progress
-
-    def drain(self):
-        """Wait until every started call is done (their errors stay for their own wait())."""
-        if self._progress is not None:
-            self._progress.drain()
-
-    def in_order(self) -> bool:
-        """May a blocking call run on the caller's thread now? False while started calls are in flight
-        (a blocking call then waits its turn: started calls first, one order)."""
-        pr = self._progress
-        return pr is None or pr.on_worker() or not pr.busy()
-
-    def submit(self, name, send, recv, job) -> Pending:
-        """Run ``job()`` on this Ring's progress thread after every call started before it, and return
-        its Pending (of ``recv``): how a collective on a communicator of its own (ZeRO++'s quantized
-        ones, comm/quantized.py) keeps the one order and the owner checks of the Ring it runs beside.
-        Host buffers only (no stream order is kept here)."""
-        if not isinstance(send, np.ndarray) or not isinstance(recv, np.ndarray):
-            raise TypeError(f"Ring.submit({name}): host (NumPy) buffers only, got {type(send).__name__}")
-        pr = self.progress()
-        return pr.submit(job, Pending(name, send, recv, pr))
 
     def _start(self, name, send, recv, op) -> Pending:
         pr = self.progress()
