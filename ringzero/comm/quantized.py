@@ -108,7 +108,8 @@ class QuantizedComm:
         self.at = {(nm.node_of[b], nm.local_of[b]): b for b in range(n)}
         self.ledger = QLedger()
         self._traced = RECORDER.traced_run(self._run, ring)   # --trace: a comm span per call, as a Ring's
-        self._sched = "two-hop" if self.two_hop else "one-hop"
+        hops = "two-hop" if self.two_hop else "one-hop"    # the trace's schedule arg, made once
+        self._ag_sched, self._rs_sched = f"int{self.wq.spec.bits} {hops}", f"int{self.gq.spec.bits} {hops}"
         self.staging = Staging()
         self._ws = {}            # (array module, name) -> grow-only scratch
         self._broken = None
@@ -150,11 +151,11 @@ class QuantizedComm:
         self._traced = RECORDER.traced_run(self._run, self.ring)
 
     def _ag_call(self, xp, send, recv):
-        return _Call("q_all_gather", f"int{self.wq.spec.bits} {self._sched}", send.dtype, recv.nbytes,
+        return _Call("q_all_gather", self._ag_sched, send.dtype, recv.nbytes,
                      functools.partial(self._all_gather, xp, send, recv))
 
     def _rs_call(self, xp, send, recv, op, residual):
-        return _Call("q_reduce_scatter", f"int{self.gq.spec.bits} {self._sched}", send.dtype, send.nbytes,
+        return _Call("q_reduce_scatter", self._rs_sched, send.dtype, send.nbytes,
                      functools.partial(self._reduce_scatter, xp, send, recv, op, residual))
 
     def _run(self, call, background=False):

@@ -19,7 +19,7 @@ import re
 import sys
 
 import pytest
-from smoke_run import PY, ROOT, TINY_GPT, check, prev_comm, run, smoke_dir  # noqa: F401 (fixtures)
+from smoke_run import PY, ROOT, TIMEOUT, TINY_GPT, check, prev_comm, run, smoke_dir  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.smoke
 
@@ -41,7 +41,7 @@ PEER_SHARDED = ["--ranks", "2", "--steps", "3", "--warmup", "1", "--modes", "rin
                 "ds-zero3", "--timeout", "200", "--compute-steps", "1", *TINY_GPT]
 CAPACITY_PEERS = ["--cap", "600MiB", "--nd", "2", "--stages", "3", "--offload", "", "--peers", "fsdp2-full,ds-zero3",
                   "--n-embd", "64", "--n-head", "2", "--seq-len", "16", "--max-layers", "1", "--no-baseline",
-                  "--timeout", "200"]
+                  "--timeout", "600"]  # a fresh venv builds cpu_adam first (3+ min)
 PREV = "{prev}"   # replaced by the prev_comm fixture's folder
 TMP = "{tmp}"     # replaced by a folder under the test's tmp_path (an output)
 # a random Qwen2 folder at qwen2.5-0.5b's shapes made tiny, in shards of 100 KiB (an index beside them)
@@ -125,7 +125,8 @@ def test_benchmark(script, i, ranks, args, table, request):
         args = [str(request.getfixturevalue("tmp_path") / "out") if a == TMP else a for a in args]
     path = os.path.join("benchmarks", script)
     argv = [PY, "-m", "mpi4py", path, *args] if ranks else [PY, path, *args]
-    rc, out = run(argv, ranks=ranks)
+    # the DeepSpeed peer's first run in a fresh venv builds cpu_adam (3+ min on 2 slow cores): room for it
+    rc, out = run(argv, ranks=ranks, timeout=max(TIMEOUT, 900) if args == CAPACITY_PEERS else TIMEOUT)
     what = f"benchmarks/{script} ({f'mpirun -n {ranks} ' if ranks else ''}{' '.join(args)})"
     check(rc, out, table, what)
     if script == "train_peer.py" and args == PEER_SHARDED:
