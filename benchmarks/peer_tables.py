@@ -44,24 +44,39 @@ def paired_ratios(launches, rz_mode, peer, n):
     return [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(a, b) if x.get("ok") and y.get("ok")]
 
 
+def step_rest(recs):
+    """{"rest_s": the median over ringzero's timed steps of step - compute - waits} ({} without
+    compute_s). Taken step by step: the medians of the parts do not add up to the median step
+    (a difference of medians read -112 ms of a 49 s step once)."""
+    if not recs or not all("compute_s" in r for r in recs):
+        return {}
+    return {"rest_s": statistics.median(r["step_time_s"] - r["compute_s"] - sum(r.get(k, 0.0) for k in EXPOSED)
+                                        for r in recs)}
+
+
 def step_split(row, warmup):
-    """{step, compute, exposed} in seconds (medians over the timed steps) for one good row, or {}.
+    """{step, compute, exposed, rest} in seconds (medians over the timed steps) for one good row, or {}.
 
     ringzero: its metrics' step time, compute (forward+backward less the waits for collectives)
-    and the waits themselves (reductions, stage 3's gathers, the update's gathers).
+    and the waits themselves (reductions, stage 3's gathers, the update's gathers); the rest is
+    ``step_rest``'s, step by step.
     torch: the step, the compute probe's forward+backward (a plain TorchGPT, no wrapper, same batch,
     same moment on every rank: train_peer_worker.compute_probe) and the wrapped forward+backward
-    less that probe (what DDP/FSDP left exposed, their hooks and copies included)."""
+    less that probe (what DDP/FSDP left exposed, their hooks and copies included); the rest is the
+    median of step - forward+backward, step by step."""
     if row.get("timeline"):
         t = row["timeline"]
         if "compute_s" not in t:
             return {}
-        return {"step": t["step_time_s"], "compute": t["compute_s"], "exposed": sum(t.get(k, 0.0) for k in EXPOSED)}
+        exposed = sum(t.get(k, 0.0) for k in EXPOSED)
+        return {"step": t["step_time_s"], "compute": t["compute_s"], "exposed": exposed,
+                "rest": t.get("rest_s", t["step_time_s"] - t["compute_s"] - exposed)}
     if row.get("compute_s") and row.get("fwd_bwd_s"):
         compute = statistics.median(row["compute_s"])
         fb = statistics.median(row["fwd_bwd_s"][warmup:])
-        return {"step": statistics.median(row["step_time_s"][warmup:]), "compute": compute,
-                "exposed": max(0.0, fb - compute)}
+        steps = row["step_time_s"][warmup:]
+        return {"step": statistics.median(steps), "compute": compute, "exposed": max(0.0, fb - compute),
+                "rest": statistics.median(s - f for s, f in zip(steps, row["fwd_bwd_s"][warmup:]))}
     return {}
 
 
@@ -73,9 +88,8 @@ def step_table(rows, warmup):
         s = step_split(r, warmup) if r.get("ok") else {}
         if not s:
             continue
-        rest = s["step"] - s["compute"] - s["exposed"]
         lines.append(f"| {r['mode']} | {r['ranks']} | {s['step'] * 1e3:.1f} | {s['compute'] * 1e3:.1f} | "
-                     f"{s['exposed'] * 1e3:.1f} | {rest * 1e3:.1f} |")
+                     f"{s['exposed'] * 1e3:.1f} | {s['rest'] * 1e3:.1f} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 

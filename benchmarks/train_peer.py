@@ -85,6 +85,7 @@ from peer_tables import (  # noqa: E402
     TIMELINE,
     TORCH_MODES,
     best_of,
+    step_rest,
     step_table,
     table,
     timeline_table,
@@ -230,6 +231,7 @@ def run_mode(mode, n, a, work):
             row["reported_tokens_per_s"] = statistics.median(own) if own else None
             row["timeline"] = {k: statistics.median(r[k] for r in recs[a.warmup:])
                                for k in TIMELINE if all(k in r for r in recs[a.warmup:])}
+            row["timeline"].update(step_rest(recs[a.warmup:]))
         else:
             times, losses = ranks[0]["step_time_s"], ranks[0]["loss"]
             row["params"], row["layout_params"] = ranks[0]["params"], ranks[0]["layout_params"]

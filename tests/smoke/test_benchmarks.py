@@ -218,6 +218,26 @@ def test_capacity_probe_counts_only_memory_as_not_fitting(monkeypatch):
         cap.probe("fsdp2-full", 2, 1 << 20, dims, None)
 
 
+def test_step_table_rest_is_taken_step_by_step(monkeypatch):
+    """train_peer's "the rest" column: the median over the steps of step - compute - waits, each step's
+    own. Here every step's rest is 1 ms while the medians of the parts would give a negative one."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import peer_tables
+    recs = [{"step_time_s": 0.091, "compute_s": 0.060, "reduce_exposed_s": 0.030},
+            {"step_time_s": 0.091, "compute_s": 0.080, "reduce_exposed_s": 0.010},
+            {"step_time_s": 0.111, "compute_s": 0.080, "reduce_exposed_s": 0.030}]
+    med = lambda k: sorted(r[k] for r in recs)[1]                      # noqa: E731
+    assert med("step_time_s") - med("compute_s") - med("reduce_exposed_s") < -0.018   # a difference of medians
+    timeline = {k: med(k) for k in recs[0]} | peer_tables.step_rest(recs)
+    row = {"ok": True, "mode": "ringzero", "ranks": 2, "timeline": timeline}
+    assert peer_tables.step_split(row, 0)["rest"] == pytest.approx(0.001)
+    assert peer_tables.step_table([row], 0).splitlines()[-1] == "| ringzero | 2 | 91.0 | 80.0 | 30.0 | 1.0 |"
+    torch_row = {"ok": True, "mode": "ddp", "ranks": 2, "compute_s": [0.05], "fwd_bwd_s": [0.09, 0.07, 0.095],
+                 "step_time_s": [0.10, 0.09, 0.096]}                  # each step's rest: 10, 20, 1 ms
+    assert peer_tables.step_split(torch_row, 0)["rest"] == pytest.approx(0.010)
+    assert peer_tables.step_rest([{"step_time_s": 1.0}]) == {}
+
+
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed (RINGZERO_PEER=1 installs it)")
 def test_a_stale_deepspeed_build_lock_is_removed(tmp_path, monkeypatch, capsys):
     """A cpu_adam build killed midway leaves torch's ``lock`` file, and every later DeepSpeed run waits on it
