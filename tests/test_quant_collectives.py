@@ -8,6 +8,7 @@ the bytes each op must put on the wire written out from the shapes. Run under mp
 """
 import os
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -365,6 +366,40 @@ def test_steady_state_allocates_nothing_new(comm):
         qc.free()
         ring.free()
         assert_all(comm, ok, f"{name}: scratch grew after the first call")
+
+
+@pytest.mark.mpi
+def test_a_late_peer_gets_one_stall_line_from_each_waiting_rank(comm, capsys):
+    """RINGZERO_STALL_WARN for a quantized call: its waits are its own, not the Ring's, so the stall
+    inspector cannot see them; each rank left waiting says so once, naming the op, the step and rank 0."""
+    import re
+    n, r = comm.size, comm.rank
+    if n < 2:
+        pytest.skip("needs 2 ranks")
+    ring = Ring(comm, timeout=30, stall_warn=0.3)
+    qc = QuantizedComm(ring)
+    Ring.set_context("step 5")
+    out = np.empty(8 * n, np.float32)
+    comm.Barrier()
+    if r == 0:
+        time.sleep(1.5)
+    qc.all_gather(np.full(8, r + 1, np.float32), out)
+    time.sleep(0.1)
+    err = capsys.readouterr().err
+    Ring.set_context("")
+    qc.free()
+    ring.free()
+    lines = re.findall(r"ringzero \| rank (\d+): q_all_gather has made no progress for ([\d.]+) s at step 5, "
+                       r"waiting for messages from ranks? ([\d, ]+) \(warning after RINGZERO_STALL_WARN=0.3 s; "
+                       r"error at RINGZERO_TIMEOUT=30 s\)", err)
+    want = np.repeat(np.arange(1, n + 1, dtype=np.float32), 8)
+    ok = np.allclose(out, want, rtol=1 / 127)
+    if r == 0:
+        ok = ok and not lines
+    else:
+        ok = ok and len(lines) == 1 and int(lines[0][0]) == r and float(lines[0][1]) >= 0.3 \
+            and 0 in [int(p) for p in lines[0][2].split(",")]
+    assert_all(comm, ok, f"rank {r}: stderr {err!r}")
 
 
 @pytest.mark.mpi

@@ -52,13 +52,14 @@ What it is
     with the rings' (QLedger has the Ring ledger's keys, plus codes / scales, intra / inter).
 
     Errors: bad arguments raise one line before any message. A peer whose message does not come
-    within the Ring's timeout (RINGZERO_TIMEOUT) raises TimeoutError naming the op and the peers;
+    within the Ring's stall warning (RINGZERO_STALL_WARN) gets one line to stderr, worded as the stall
+    inspector's; within its timeout (RINGZERO_TIMEOUT), TimeoutError naming the op and the peers;
     a message of another length than expected raises ValueError on the rank that sees it. After
     an error the object refuses further calls (its messages are out of step).
 
 What it is not
-    The engine integration, the watchdog's stall lines, or a pipeline: each call posts all its
-    messages and waits (on the progress thread, for a started one); no nonblocking form for
+    The engine integration, the stall inspector (its waits are this module's own), or a pipeline:
+    each call posts all its messages and waits (on the progress thread, for a started one); no nonblocking form for
     CuPy buffers (Ring.submit keeps no stream order). CuPy buffers are quantized and summed on the device and
     the wire buffers staged through pinned host memory (small: a quarter or an eighth of fp32).
     The arithmetic is quant.py's (C kernels on the host, CUDA kernels for CuPy).
@@ -76,6 +77,7 @@ from ringzero.comm.backend import Staging, get_array_module, sync
 from ringzero.comm.qledger import QLedger
 from ringzero.comm.quant import Quant, Quantizer, wire_views
 from ringzero.comm.trace import RECORDER
+from ringzero.comm.watchdog import get_context, say
 
 _IN = ("float32", "float16", "bfloat16")
 
@@ -97,7 +99,7 @@ class QuantizedComm:
         self.ring = ring         # its progress thread runs the nonblocking forms, in the Ring's order
         self.comm = ring.comm.Dup()
         self.rank, self.size, self.nodes = self.comm.rank, self.comm.size, ring.nodes
-        self.timeout = ring.limits.timeout
+        self.timeout, self.stall_warn = ring.limits.timeout, ring.limits.stall_warn
         self.wq, self.gq = Quantizer(weights), Quantizer(grads)
         nm, n = self.nodes, self.size
         self.two_hop = nm.uniform
@@ -288,7 +290,7 @@ class QuantizedComm:
         pr = self.ring._progress
         hurry = pr.hurry if pr is not None and pr.on_worker() else None   # a started call, beside compute
         try:
-            wait_messages(op, reqs, expect, self.rank, self.timeout, hurry)
+            wait_messages(op, reqs, expect, self.rank, self.timeout, hurry, self.stall_warn)
         except TimeoutError:
             self._broken = f"{op} timed out on rank {self.rank}"
             raise
@@ -342,19 +344,36 @@ class QuantizedComm:
                             f"({xp.__name__}), got {type(res).__module__}.{type(res).__name__}")
 
 
-def wait_messages(op, reqs, expect, rank, timeout, hurry=None):
+def _stall_line(op, rank, stalled, expect, stall_warn, timeout):
+    """The stall inspector's line (watchdog.py) for a quantized call: its own waits are not the Ring's."""
+    ctx = get_context()
+    peers = sorted({p for p, _ in expect})
+    who = ("rank " if len(peers) == 1 else "ranks ") + ", ".join(map(str, peers))
+    say(f"ringzero | rank {rank}: {op} has made no progress for {stalled:.3g} s"
+        f"{' at ' + ctx if ctx else ''}, waiting for messages from {who} "
+        f"(warning after RINGZERO_STALL_WARN={stall_warn:g} s; error at RINGZERO_TIMEOUT={timeout:g} s)")
+
+
+def wait_messages(op, reqs, expect, rank, timeout, hurry=None, stall_warn=0.0):
     """Wait for every request of one quantized call; ``expect`` [(peer, bytes)] of its receives, in order.
 
     On the caller's thread: spin (yielding the core: ranks may share it), then nap. On the progress
     thread beside compute (``hurry`` not set): test and nap, cut short once the caller waits, as
-    executor.py's runs do. TimeoutError after ``timeout`` s (0: none), ValueError for a message of
-    another length: one line each, naming the op and the peers."""
+    executor.py's runs do. After ``stall_warn`` s (0: never) one line to stderr, as the Ring's stall
+    inspector prints for its own calls; TimeoutError after ``timeout`` s (0: none), ValueError for a
+    message of another length: one line each, naming the op and the peers."""
     statuses = [MPI.Status() for _ in reqs]
-    deadline = time.monotonic() + timeout if timeout > 0 else None
+    start = time.monotonic()
+    deadline = start + timeout if timeout > 0 else None
+    warn_at = start + stall_warn if 0 < stall_warn and (deadline is None or stall_warn < timeout) else None
     nap, spins = 5e-5, 0
     try:
         while not MPI.Request.Testall(reqs, statuses):
-            late = deadline is not None and time.monotonic() > deadline
+            now = time.monotonic()
+            if warn_at is not None and now > warn_at:
+                warn_at = None
+                _stall_line(op, rank, now - start, expect, stall_warn, timeout)
+            late = deadline is not None and now > deadline
             if hurry is not None and not hurry.is_set() and not late:
                 hurry.wait(nap)
                 nap = min(2 * nap, 2e-3)

@@ -83,7 +83,7 @@ class _Watchdog:
             try:
                 self._tick(watched, seen)
             except Exception as e:  # noqa: BLE001 (the inspector must outlive any surprise)
-                _say(f"ringzero | stall inspector: {type(e).__name__}: {e}")
+                say(f"ringzero | stall inspector: {type(e).__name__}: {e}")
             del watched
 
     def _tick(self, watched, seen):
@@ -106,7 +106,7 @@ class _Watchdog:
             stalled, lim = now - st[2], ex.limits
             if not st[3] and 0 < lim.stall_warn <= stalled < lim.timeout:
                 st[3] = True
-                _say(ex.diag.stall_line(ex.resolve(w), stalled))
+                say(ex.diag.stall_line(ex.resolve(w), stalled))
             if stalled >= lim.timeout and st[4] is None:
                 st[4] = now
                 ex.hit = (ex.resolve(w), stalled)
@@ -116,7 +116,7 @@ class _Watchdog:
                     except Exception:  # noqa: BLE001 (already complete, or MPI cannot cancel it)
                         pass
             elif st[4] is not None and now - st[4] >= lim.grace:
-                _say(ex.diag.timeout_message(ex.resolve(w), stalled)
+                say(ex.diag.timeout_message(ex.resolve(w), stalled)
                      + " (the wait could not be cancelled: aborting the job)")
                 MPI.COMM_WORLD.Abort(1)
         for k in list(seen):
@@ -124,7 +124,8 @@ class _Watchdog:
                 del seen[k]
 
 
-def _say(line):
+def say(line):
+    """One line to stderr, flushed (the quantized calls' stall line too); never raises."""
     try:
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
