@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 
+from ringzero.nn import fused
 from ringzero.nn.gqa import GroupedQueryAttention
 from ringzero.nn.llama_config import RopeScaling
 from ringzero.nn.rmsnorm import RMSNorm
@@ -28,6 +29,17 @@ def rng():
     return np.random.default_rng(11)
 
 
+@pytest.fixture(params=["c", "xp"])
+def path(request, monkeypatch):
+    """RMSNorm and SwiGLU run fused.c's kernels on C-contiguous float32/64 host arrays: both paths."""
+    if request.param == "c":
+        if not fused.HAVE_C:
+            pytest.skip("ringzero.nn._fused was not built (no compiler at install time, or RINGZERO_NO_C=1)")
+    else:
+        monkeypatch.setattr(fused, "_c", None)
+    return request.param
+
+
 class _RotaryLayer:
     """Rotary as a forward(p, x)/backward(dy, cache, g) layer: on copies (it works in place)."""
 
@@ -41,12 +53,12 @@ class _RotaryLayer:
         return self.rot.backward(dy.copy())
 
 
-def test_rmsnorm(rng):
+def test_rmsnorm(rng, path):
     p = {"w": rng.standard_normal(6)}
     check_layer(RMSNorm(1e-5), p, rng.standard_normal((2, 3, 6)), rng)
 
 
-def test_rmsnorm_is_the_formula(rng):
+def test_rmsnorm_is_the_formula(rng, path):
     x, w = rng.standard_normal((4, 8)), rng.standard_normal(8)
     y, _ = RMSNorm(1e-6).forward({"w": w}, x)
     ref = w * x / np.sqrt((x * x).mean(axis=1, keepdims=True) + 1e-6)
@@ -68,15 +80,45 @@ def test_rotary_is_a_rotation_by_position(rng):
     assert abs(np.linalg.norm(qs[9]) - np.linalg.norm(q)) <= 1e-6
 
 
-def test_swiglu(rng):
+def test_swiglu(rng, path):
     check_layer(SwiGLU(), {}, rng.standard_normal((2, 3, 10)), rng)
 
 
-def test_swiglu_is_the_formula(rng):
+def test_swiglu_is_the_formula(rng, path):
     gu = rng.standard_normal((3, 8))
     y, _ = SwiGLU().forward(None, gu)
     g, u = gu[:, :4], gu[:, 4:]
     assert np.abs(y - g / (1 + np.exp(-g)) * u).max() <= 1e-15
+
+
+@pytest.mark.skipif(not fused.HAVE_C, reason="ringzero.nn._fused was not built")
+def test_c_and_xp_paths_agree_in_float32_at_smollm2_shapes(rng, monkeypatch):
+    """fused.c's RMSNorm and SwiGLU against the xp passes on the same float32 inputs (256 tokens, C = 576,
+    F = 1536): equal to float32 rounding, not bitwise (their own expf, their own order of sums)."""
+    N, C, F = 256, 576, 1536
+    x, w = rng.standard_normal((N, C)).astype(np.float32), rng.standard_normal(C).astype(np.float32)
+    dy = rng.standard_normal((N, C)).astype(np.float32)
+    gu, dyf = (rng.standard_normal((N, 2 * F)) * 3).astype(np.float32), rng.standard_normal((N, F)).astype(np.float32)
+
+    def run():
+        out = {}
+        rn, g = RMSNorm(1e-5), {"w": np.zeros(C, np.float32)}
+        y, cache = rn.forward({"w": w}, x)
+        out["rms"] = y.copy()
+        out["drms"] = rn.backward(dy, cache, g).copy()
+        out["drms_w"] = g["w"]
+        sw = SwiGLU()
+        y, cache = sw.forward(None, gu)
+        out["swiglu"] = y.copy()
+        out["dswiglu"] = sw.backward(dyf, cache).copy()
+        return out
+    c = run()
+    monkeypatch.setattr(fused, "_c", None)
+    xp = run()
+    for k in c:
+        err = np.abs(c[k].astype(np.float64) - xp[k]).max() / np.abs(xp[k]).max()
+        assert err <= 1e-5, f"{k}: C and NumPy paths differ by {err:.2e} of the largest value"
+        assert err > 0, f"{k}: the C path did not run (bitwise the NumPy passes)"
 
 
 @pytest.mark.parametrize("bias", [False, True])

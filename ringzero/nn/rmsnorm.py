@@ -13,13 +13,19 @@ What it is
     Backward: with gh = dy * w, dx = rstd * (gh - xhat * mean(gh * xhat)),
     dw = sum over rows of dy * xhat.
 
+    On C-contiguous float32/float64 host arrays the C extension does each
+    direction in one pass over a row (fused.c's rms_fwd / rms_bwd: the row
+    sums in 8 lanes, dw's column sums in fused.py's 64 row lanes), agreeing
+    with the xp passes below to float32 rounding, as fused.py's kernels do.
+
 What it is not
     No bias, no mean subtraction (that is LayerNorm, ``ringzero.nn.pointwise``).
-    No C kernel yet: the NumPy passes below.
+    No CUDA kernel yet (CuPy takes the xp passes).
 """
 from __future__ import annotations
 
 from ringzero.nn.base import Layer
+from ringzero.nn.fused import ROWLANES, _c, use_c
 from ringzero.nn.ops import _same_module, acc_dtype, array_module
 
 
@@ -39,6 +45,12 @@ class RMSNorm(Layer):
             raise ValueError(f"rmsnorm expects input width {C}, got x of shape {tuple(x.shape)}")
         x2 = x.reshape(-1, C)                                   # (N, C)
         N, ad = x2.shape[0], acc_dtype(x.dtype)
+        if use_c(x2, w, outs=0) and ad == x.dtype:
+            xhat = self.buf("xhat", (N, C), x.dtype, xp)
+            rstd = self.buf("rstd", (N, 1), ad, xp)
+            y = self.buf("y", x.shape, x.dtype, xp)
+            _c.rms_fwd(x2, w, y, xhat, rstd, N, C, x.dtype.itemsize == 8, self.eps)
+            return y, (p, xhat, rstd)
         sq = self.bbuf("sq", (N, C), ad, xp)                    # x^2 in the accumulation dtype
         xp.copyto(sq, x2, casting="unsafe")
         sq *= sq
@@ -60,6 +72,14 @@ class RMSNorm(Layer):
         N, C = xhat.shape
         ad = acc_dtype(dy.dtype)
         dy2 = dy.reshape(N, C)
+        if use_c(dy2, xhat, rstd, w, outs=0) and ad == dy.dtype:
+            dx = self.bbuf("dx", dy.shape, dy.dtype, xp)
+            dw = self.bbuf("dw", (C,), ad, xp)
+            cols = self.bbuf("cols", (ROWLANES, C), ad, xp)
+            _c.rms_bwd(dy2, xhat, rstd, w, dx, dw, self.bbuf("tmp", (C,), ad, xp), cols, N, C,
+                       dy.dtype.itemsize == 8)
+            g["w"] += dw
+            return dx
         t = self.bbuf("t", (N, C), ad, xp)
         xp.multiply(dy2, xhat, out=t, casting="unsafe")         # dy * xhat
         dw = self.bbuf("dw", (C,), ad, xp)

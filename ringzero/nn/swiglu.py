@@ -12,12 +12,19 @@ What it is
     The cache is gu itself (the GEMM's output buffer); backward recomputes
     s = sigmoid(g) rather than keeping an F-wide buffer per block.
 
+    On C-contiguous float32/float64 host arrays the C extension's kernels do
+    each direction in one pass over a row (fused.c's swiglu_fwd / swiglu_bwd,
+    the same formulas in the same order, its own expf: agreeing with these
+    passes to float32 rounding, as fused.py's kernels do); elsewhere the xp
+    passes below.
+
 What it is not
-    No parameters, no C kernel yet (NumPy/CuPy passes on pool buffers).
+    No parameters, no CUDA kernel yet (CuPy takes the xp passes on pool buffers).
 """
 from __future__ import annotations
 
 from ringzero.nn.base import Layer
+from ringzero.nn.fused import _c, use_c
 from ringzero.nn.ops import array_module
 
 
@@ -38,8 +45,11 @@ class SwiGLU(Layer):
         if F2 % 2:
             raise ValueError(f"swiglu expects [gate | up] of even width, got {tuple(gu.shape)}")
         F = F2 // 2
-        g, u = gu[..., :F], gu[..., F:]
         y = self.buf("y", gu.shape[:-1] + (F,), gu.dtype, xp)
+        if use_c(gu, y, outs=1):
+            _c.swiglu_fwd(gu, y, gu.size // F2, F, gu.dtype.itemsize == 8)
+            return y, (gu,)
+        g, u = gu[..., :F], gu[..., F:]
         s = self._sigmoid(g, xp, "s")
         xp.multiply(g, s, out=y)                                # silu(g)
         y *= u
@@ -49,9 +59,12 @@ class SwiGLU(Layer):
         (gu,) = cache
         xp = array_module(dy)
         F = gu.shape[-1] // 2
+        dgu = self.bbuf("dgu", gu.shape, gu.dtype, xp)
+        if use_c(gu, dy, dgu, outs=1):
+            _c.swiglu_bwd(gu, dy, dgu, dy.size // F, F, gu.dtype.itemsize == 8)
+            return dgu
         g, u = gu[..., :F], gu[..., F:]
         s = self._sigmoid(g, xp, "s")
-        dgu = self.bbuf("dgu", gu.shape, gu.dtype, xp)
         dg, du = dgu[..., :F], dgu[..., F:]
         xp.multiply(g, s, out=du)                               # silu(g)
         du *= dy                                                # du = dy * silu(g)

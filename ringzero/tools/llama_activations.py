@@ -11,11 +11,14 @@ What it is
                              1/rms (2 x (2·N·C + N)), q|k|v, the probabilities, the heads' output, proj's
                              output, [gate | up] and silu(gate)·up
         per block, always    2·N·C              the block's output and its input gradient (pool "unit{u}")
-        one block's backward 10·N·C + 2·N + 2·C + N·(3·HD + K·D + W) + att + C·(HD + W + 3F)
-                             + W (q/k/v bias) + 4·N·F   shared by every block: the norms' scratch,
-                             rotary's, dq|dk|dv, the group copy, the probabilities' gradient, the
-                             weight-gradient staging, the SwiGLU's
-        the ends             8·N·C + 3·N·V + V·C + 3·N + C + s·D, and 2 index arrays of N (8 bytes)
+        one block's backward 4·N·C + 132·C + N·(3·HD + K·D + W) + att + C·(HD + W + 3F)
+                             + W (q/k/v bias) + 3·N·F   shared by every block: the norms' dw and
+                             column partials (2 x 66·C), rotary's, dq|dk|dv, the group copy, the
+                             probabilities' gradient, the weight-gradient staging, the SwiGLU's
+        the ends             5·N·C + 3·N·V + V·C + 2·N + 66·C + s·D, and 2 index arrays of N (8 bytes)
+
+    The norms and the SwiGLU counted as fused.c's kernels run them (a CPU run's path): the NumPy
+    passes a build without the extension takes keep 3·N·C + N more per norm and N·F more per block.
 
     With checkpointing a block keeps only its 2·N·C; one block's "kept" is
     recomputed into shared buffers. Plus one block's "kept" of temporaries
@@ -37,7 +40,7 @@ def training_bytes(cfg, batch: int, seq: int, checkpointing: bool = False, compu
     att = H * s * s * batch
     layer = 5 * N * C + N * W + N * HD + 3 * N * F + 2 * N + att
     kept = L * 2 * N * C + (layer if checkpointing else L * layer)
-    backward = (10 * N * C + 2 * N + 2 * C + N * (3 * HD + K * D + W) + att + C * (HD + W + 3 * F)
-                + (W if cfg.qkv_bias else 0) + 4 * N * F)
-    ends = 8 * N * C + 3 * N * V + V * C + 3 * N + C + s * D
+    backward = (4 * N * C + 132 * C + N * (3 * HD + K * D + W) + att + C * (HD + W + 3 * F)
+                + (W if cfg.qkv_bias else 0) + 3 * N * F)
+    ends = 5 * N * C + 3 * N * V + V * C + 2 * N + 66 * C + s * D
     return compute_bytes * (kept + backward + ends + layer) + 2 * 8 * N

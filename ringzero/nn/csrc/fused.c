@@ -2,7 +2,8 @@
  *
  * What it is: GELU forward (with the bias add of the GEMM before it) and
  * backward (with that bias's gradient), LayerNorm forward and backward (with
- * its weight and bias gradients), the bias add fused with the residual add,
+ * its weight and bias gradients), RMSNorm and SwiGLU forward and backward (the
+ * Llama family's), the bias add fused with the residual add,
  * the attention softmax with its causal mask and scale, its backward, and
  * softmax + cross-entropy. Each walks its rows once; a row (<= a few KiB)
  * stays in L1 between the kernel's inner loops. ringzero/nn/fused.py checks
@@ -258,6 +259,72 @@ RZ_CLONES static void rows_add_at_##S(T *g, const int64_t *ids, const T *d, ix n
         T *gr = g + ids[i] * m;                                                                 \
         const T *dr = d + i * m;                                                                \
         for (ix j = 0; j < m; j++) gr[j] = gr[j] + dr[j];                                       \
+    }                                                                                           \
+}                                                                                               \
+                                                                                                \
+/* RMSNorm, per row: rstd = 1/sqrt(mean(x^2) + eps), xhat = x rstd, y = xhat w (y is the squares' scratch) */ \
+RZ_CLONES static void rms_fwd_##S(const T *restrict x, const T *restrict w, T *restrict y,       \
+                                  T *restrict xhat, T *restrict rstd, ix n, ix m, T eps)       \
+{                                                                                               \
+    for (ix i = 0; i < n; i++) {                                                                \
+        const T *xr = x + i * m;                                                                \
+        T *hr = xhat + i * m, *yr = y + i * m;                                                  \
+        for (ix j = 0; j < m; j++) yr[j] = xr[j] * xr[j];                                       \
+        T rs = (T)1 / SQRT(lane_sum_##S(yr, m) / (T)m + eps);                                   \
+        rstd[i] = rs;                                                                           \
+        for (ix j = 0; j < m; j++) {                                                            \
+            T h = xr[j] * rs;                                                                   \
+            hr[j] = h;                                                                          \
+            yr[j] = h * w[j];                                                                   \
+        }                                                                                       \
+    }                                                                                           \
+}                                                                                               \
+                                                                                                \
+/* gh = dy w; dx = (gh - xhat mean(gh xhat)) rstd; dw = sum over rows of dy xhat                \
+ * (row lanes; cols: (ROWLANES, m) scratch; tmp: (m,) scratch) */                               \
+RZ_CLONES static void rms_bwd_##S(const T *restrict dy, const T *restrict xhat, const T *restrict rstd, \
+                                  const T *restrict w, T *restrict dx, T *restrict dw,          \
+                                  T *restrict tmp, T *restrict cols, ix n, ix m)                \
+{                                                                                               \
+    for (ix k = 0; k < ROWLANES * m; k++) cols[k] = 0;                                          \
+    for (ix i = 0; i < n; i++) {                                                                \
+        const T *gr = dy + i * m, *hr = xhat + i * m;                                           \
+        T *dr = dx + i * m, *cw = cols + (i % ROWLANES) * m;                                    \
+        for (ix j = 0; j < m; j++) {                                                            \
+            cw[j] += gr[j] * hr[j];                                                             \
+            dr[j] = gr[j] * w[j];                                                               \
+            tmp[j] = dr[j] * hr[j];                                                             \
+        }                                                                                       \
+        T m2 = lane_sum_##S(tmp, m) / (T)m, rs = rstd[i];                                       \
+        for (ix j = 0; j < m; j++) dr[j] = (dr[j] - hr[j] * m2) * rs;                           \
+    }                                                                                           \
+    fold_rows_##S(cols, dw, m);                                                                 \
+}                                                                                               \
+                                                                                                \
+/* SwiGLU over gu (n, 2f) = [gate | up] per row: y (n, f) = (g s) u, s = 1 / (1 + exp(-g)) */     \
+RZ_CLONES static void swiglu_fwd_##S(const T *restrict gu, T *restrict y, ix n, ix f)            \
+{                                                                                               \
+    for (ix i = 0; i < n; i++) {                                                                \
+        const T *g = gu + i * 2 * f, *u = g + f;                                                \
+        T *yr = y + i * f;                                                                      \
+        for (ix j = 0; j < f; j++) yr[j] = (T)1 / ((T)1 + EXP(-g[j]));                          \
+        for (ix j = 0; j < f; j++) yr[j] = (g[j] * yr[j]) * u[j];                               \
+    }                                                                                           \
+}                                                                                               \
+                                                                                                \
+/* dgu (n, 2f) = [dg | du]: du = (g s) dy, dg = ((((1 - s) g) + 1) s) u dy (s recomputed) */       \
+RZ_CLONES static void swiglu_bwd_##S(const T *restrict gu, const T *restrict dy, T *restrict dgu, \
+                                     ix n, ix f)                                                \
+{                                                                                               \
+    for (ix i = 0; i < n; i++) {                                                                \
+        const T *g = gu + i * 2 * f, *u = g + f, *d = dy + i * f;                               \
+        T *dg = dgu + i * 2 * f, *du = dg + f;                                                  \
+        for (ix j = 0; j < f; j++) dg[j] = (T)1 / ((T)1 + EXP(-g[j]));          /* s */          \
+        for (ix j = 0; j < f; j++) {                                                            \
+            T sv = dg[j];                                                                       \
+            du[j] = (g[j] * sv) * d[j];                                                         \
+            dg[j] = ((((((T)1 - sv) * g[j]) + (T)1) * sv) * u[j]) * d[j];                       \
+        }                                                                                       \
     }                                                                                           \
 }                                                                                               \
                                                                                                 \
@@ -539,6 +606,63 @@ static PyObject *py_rows_add_at(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *py_rms_fwd(PyObject *self, PyObject *args)
+{
+    PyObject *x, *w, *y, *h, *r; ix n, m; int dbl; double eps; Bufs B = {.k = 0}; void *px, *pw, *py, *ph, *pr;
+    if (!PyArg_ParseTuple(args, "OOOOOnnpd", &x, &w, &y, &h, &r, &n, &m, &dbl, &eps)) return NULL;
+    ix e = SZ(dbl);
+    if (take(&B, x, 0, n * m * e, 0, "rmsnorm x", &px) || take(&B, w, 0, m * e, 0, "rmsnorm w", &pw)
+        || take(&B, y, 1, n * m * e, 0, "rmsnorm y", &py) || take(&B, h, 1, n * m * e, 0, "rmsnorm xhat", &ph)
+        || take(&B, r, 1, n * e, 0, "rmsnorm rstd", &pr)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (dbl) rms_fwd_d(px, pw, py, ph, pr, n, m, eps); else rms_fwd_f(px, pw, py, ph, pr, n, m, (float)eps);
+    Py_END_ALLOW_THREADS
+    release(&B);
+    Py_RETURN_NONE;
+}
+static PyObject *py_rms_bwd(PyObject *self, PyObject *args)
+{
+    PyObject *dy, *h, *r, *w, *dx, *dw, *tmp, *cl; ix n, m; int dbl; Bufs B = {.k = 0};
+    void *pg, *ph, *pr, *pw, *pd, *pdw, *pt, *pl;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOnnp", &dy, &h, &r, &w, &dx, &dw, &tmp, &cl, &n, &m, &dbl)) return NULL;
+    ix e = SZ(dbl);
+    if (take(&B, dy, 0, n * m * e, 0, "rmsnorm dy", &pg) || take(&B, h, 0, n * m * e, 0, "rmsnorm xhat", &ph)
+        || take(&B, r, 0, n * e, 0, "rmsnorm rstd", &pr) || take(&B, w, 0, m * e, 0, "rmsnorm w", &pw)
+        || take(&B, dx, 1, n * m * e, 0, "rmsnorm dx", &pd) || take(&B, dw, 1, m * e, 0, "rmsnorm dw", &pdw)
+        || take(&B, tmp, 1, m * e, 0, "rmsnorm tmp", &pt)
+        || take(&B, cl, 1, ROWLANES * m * e, 0, "rmsnorm column partials", &pl)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (dbl) rms_bwd_d(pg, ph, pr, pw, pd, pdw, pt, pl, n, m); else rms_bwd_f(pg, ph, pr, pw, pd, pdw, pt, pl, n, m);
+    Py_END_ALLOW_THREADS
+    release(&B);
+    Py_RETURN_NONE;
+}
+static PyObject *py_swiglu_fwd(PyObject *self, PyObject *args)
+{
+    PyObject *gu, *y; ix n, f; int dbl; Bufs B = {.k = 0}; void *pg, *py;
+    if (!PyArg_ParseTuple(args, "OOnnp", &gu, &y, &n, &f, &dbl)) return NULL;
+    ix e = SZ(dbl);
+    if (take(&B, gu, 0, 2 * n * f * e, 0, "swiglu gu", &pg) || take(&B, y, 1, n * f * e, 0, "swiglu y", &py))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (dbl) swiglu_fwd_d(pg, py, n, f); else swiglu_fwd_f(pg, py, n, f);
+    Py_END_ALLOW_THREADS
+    release(&B);
+    Py_RETURN_NONE;
+}
+static PyObject *py_swiglu_bwd(PyObject *self, PyObject *args)
+{
+    PyObject *gu, *dy, *dgu; ix n, f; int dbl; Bufs B = {.k = 0}; void *pg, *pd, *po;
+    if (!PyArg_ParseTuple(args, "OOOnnp", &gu, &dy, &dgu, &n, &f, &dbl)) return NULL;
+    ix e = SZ(dbl);
+    if (take(&B, gu, 0, 2 * n * f * e, 0, "swiglu gu", &pg) || take(&B, dy, 0, n * f * e, 0, "swiglu dy", &pd)
+        || take(&B, dgu, 1, 2 * n * f * e, 0, "swiglu dgu", &po)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (dbl) swiglu_bwd_d(pg, pd, po, n, f); else swiglu_bwd_f(pg, pd, po, n, f);
+    Py_END_ALLOW_THREADS
+    release(&B);
+    Py_RETURN_NONE;
+}
 static PyMethodDef methods[] = {
     {"rows_add_at", py_rows_add_at, METH_VARARGS, "rows_add_at(g, ids int64, d, n, V, m, dbl): g[ids[i]] += d[i]"},
     {"gelu_fwd", py_gelu_fwd, METH_VARARGS, "gelu_fwd(x, b|None, y, s, n, m, dbl): y = gelu(x + b)"},
@@ -548,6 +672,10 @@ static PyMethodDef methods[] = {
     {"ln_bwd", py_ln_bwd, METH_VARARGS, "ln_bwd(dy, xhat, rstd, w, dx, dw, db, tmp, cols, n, m, dbl)"},
     {"softmax_causal", py_softmax_causal, METH_VARARGS, "softmax_causal(att, R, T, dbl, scale)"},
     {"softmax_causal_bwd", py_softmax_causal_bwd, METH_VARARGS, "softmax_causal_bwd(datt, att, tmp, R, T, dbl, scale)"},
+    {"rms_fwd", py_rms_fwd, METH_VARARGS, "rms_fwd(x, w, y, xhat, rstd, n, m, dbl, eps)"},
+    {"rms_bwd", py_rms_bwd, METH_VARARGS, "rms_bwd(dy, xhat, rstd, w, dx, dw, tmp, cols, n, m, dbl)"},
+    {"swiglu_fwd", py_swiglu_fwd, METH_VARARGS, "swiglu_fwd(gu, y, n, f, dbl): y = silu(gate) * up"},
+    {"swiglu_bwd", py_swiglu_bwd, METH_VARARGS, "swiglu_bwd(gu, dy, dgu, n, f, dbl)"},
     {"ce_fwd", py_ce_fwd, METH_VARARGS, "ce_fwd(logits, targets int64, probs, nll, n, V, dbl)"},
     {NULL, NULL, 0, NULL},
 };
