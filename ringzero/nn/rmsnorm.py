@@ -18,14 +18,17 @@ What it is
     sums in 8 lanes, dw's column sums in fused.py's 64 row lanes), agreeing
     with the xp passes below to float32 rounding, as fused.py's kernels do.
 
+    On CuPy arrays ``fused.use_gpu`` takes, fused_cuda_llama.py's kernels
+    (the same sums on threads in the same order).
+
 What it is not
     No bias, no mean subtraction (that is LayerNorm, ``ringzero.nn.pointwise``).
-    No CUDA kernel yet (CuPy takes the xp passes).
 """
 from __future__ import annotations
 
+from ringzero.nn import fused_cuda_llama
 from ringzero.nn.base import Layer
-from ringzero.nn.fused import ROWLANES, _c, use_c
+from ringzero.nn.fused import ROWLANES, _c, use_c, use_gpu
 from ringzero.nn.ops import _same_module, acc_dtype, array_module
 
 
@@ -36,6 +39,10 @@ class RMSNorm(Layer):
         super().__init__(pool, tag, btag)
         self.eps = float(eps)
 
+    def _ws(self, xp):
+        """The device kernels' scratch (lane and column partials), from the backward pool."""
+        return lambda name, shape, dtype: self.bbuf(name, shape, dtype, xp)
+
     def forward(self, p, x):
         w = p["w"]
         xp = array_module(w)
@@ -45,23 +52,23 @@ class RMSNorm(Layer):
             raise ValueError(f"rmsnorm expects input width {C}, got x of shape {tuple(x.shape)}")
         x2 = x.reshape(-1, C)                                   # (N, C)
         N, ad = x2.shape[0], acc_dtype(x.dtype)
+        xhat = self.buf("xhat", (N, C), x.dtype, xp)            # x * rstd, rounded to x's dtype (HF)
+        rstd = self.buf("rstd", (N, 1), ad, xp)                 # (N, 1) kept for backward
+        y = self.buf("y", x.shape, x.dtype, xp)
         if use_c(x2, w, outs=0) and ad == x.dtype:
-            xhat = self.buf("xhat", (N, C), x.dtype, xp)
-            rstd = self.buf("rstd", (N, 1), ad, xp)
-            y = self.buf("y", x.shape, x.dtype, xp)
             _c.rms_fwd(x2, w, y, xhat, rstd, N, C, x.dtype.itemsize == 8, self.eps)
+            return y, (p, xhat, rstd)
+        if use_gpu(x2, w, y.reshape(N, C), xhat, rstd, outs=3, free=(rstd,)):
+            fused_cuda_llama.rms_fwd(x2, w, y.reshape(N, C), xhat, rstd, self.eps, self._ws(xp))
             return y, (p, xhat, rstd)
         sq = self.bbuf("sq", (N, C), ad, xp)                    # x^2 in the accumulation dtype
         xp.copyto(sq, x2, casting="unsafe")
         sq *= sq
-        rstd = self.buf("rstd", (N, 1), ad, xp)                 # (N, 1) kept for backward
         sq.mean(axis=1, keepdims=True, out=rstd)
         rstd += self.eps
         xp.sqrt(rstd, out=rstd)
         xp.divide(1.0, rstd, out=rstd)
-        xhat = self.buf("xhat", (N, C), x.dtype, xp)            # x * rstd, rounded to x's dtype (HF)
         xp.multiply(x2, rstd, out=xhat, casting="unsafe")
-        y = self.buf("y", x.shape, x.dtype, xp)
         xp.multiply(xhat, w, out=y.reshape(N, C))
         return y, (p, xhat, rstd)
 
@@ -72,17 +79,20 @@ class RMSNorm(Layer):
         N, C = xhat.shape
         ad = acc_dtype(dy.dtype)
         dy2 = dy.reshape(N, C)
+        dx = self.bbuf("dx", dy.shape, dy.dtype, xp)
+        dw = self.bbuf("dw", (C,), ad, xp)
         if use_c(dy2, xhat, rstd, w, outs=0) and ad == dy.dtype:
-            dx = self.bbuf("dx", dy.shape, dy.dtype, xp)
-            dw = self.bbuf("dw", (C,), ad, xp)
             cols = self.bbuf("cols", (ROWLANES, C), ad, xp)
             _c.rms_bwd(dy2, xhat, rstd, w, dx, dw, self.bbuf("tmp", (C,), ad, xp), cols, N, C,
                        dy.dtype.itemsize == 8)
             g["w"] += dw
             return dx
+        if use_gpu(dy2, xhat, rstd, w, dx.reshape(N, C), dw, outs=2, free=(rstd, dw)):
+            fused_cuda_llama.rms_bwd(dy2, xhat, rstd, w, dx.reshape(N, C), dw, self._ws(xp))
+            g["w"] += dw
+            return dx
         t = self.bbuf("t", (N, C), ad, xp)
         xp.multiply(dy2, xhat, out=t, casting="unsafe")         # dy * xhat
-        dw = self.bbuf("dw", (C,), ad, xp)
         t.sum(axis=0, out=dw)
         g["w"] += dw
         gh = self.bbuf("gh", (N, C), ad, xp)
@@ -93,6 +103,5 @@ class RMSNorm(Layer):
         xp.multiply(xhat, m, out=t, casting="unsafe")
         gh -= t
         gh *= rstd
-        dx = self.bbuf("dx", dy.shape, dy.dtype, xp)
         xp.copyto(dx.reshape(N, C), gh, casting="unsafe")
         return dx

@@ -15,16 +15,18 @@ What it is
     On C-contiguous float32/float64 host arrays the C extension's kernels do
     each direction in one pass over a row (fused.c's swiglu_fwd / swiglu_bwd,
     the same formulas in the same order, its own expf: agreeing with these
-    passes to float32 rounding, as fused.py's kernels do); elsewhere the xp
-    passes below.
+    passes to float32 rounding, as fused.py's kernels do); on CuPy arrays
+    ``fused.use_gpu`` takes, fused_cuda_llama.py's twins of them; elsewhere the
+    xp passes below.
 
 What it is not
-    No parameters, no CUDA kernel yet (CuPy takes the xp passes on pool buffers).
+    No parameters.
 """
 from __future__ import annotations
 
+from ringzero.nn import fused_cuda_llama
 from ringzero.nn.base import Layer
-from ringzero.nn.fused import _c, use_c
+from ringzero.nn.fused import _c, use_c, use_gpu
 from ringzero.nn.ops import array_module
 
 
@@ -49,6 +51,9 @@ class SwiGLU(Layer):
         if use_c(gu, y, outs=1):
             _c.swiglu_fwd(gu, y, gu.size // F2, F, gu.dtype.itemsize == 8)
             return y, (gu,)
+        if use_gpu(gu, y, outs=1):
+            fused_cuda_llama.swiglu_fwd(gu, y)
+            return y, (gu,)
         g, u = gu[..., :F], gu[..., F:]
         s = self._sigmoid(g, xp, "s")
         xp.multiply(g, s, out=y)                                # silu(g)
@@ -62,6 +67,9 @@ class SwiGLU(Layer):
         dgu = self.bbuf("dgu", gu.shape, gu.dtype, xp)
         if use_c(gu, dy, dgu, outs=1):
             _c.swiglu_bwd(gu, dy, dgu, dy.size // F, F, gu.dtype.itemsize == 8)
+            return dgu
+        if use_gpu(gu, dy, dgu, outs=1):
+            fused_cuda_llama.swiglu_bwd(gu, dy, dgu)
             return dgu
         g, u = gu[..., :F], gu[..., F:]
         s = self._sigmoid(g, xp, "s")
