@@ -313,6 +313,8 @@ def test_device_path_on_the_cupy_standin(monkeypatch, dtype):
     gdev = cp.zeros(L.padded, dtype)
     loss = Llama(cfg).loss_and_grad(L.views(dev), L.views(gdev), cp.asarray(x), cp.asarray(y))
     got = gdev.get().astype(np.float64)
+    from ringzero.nn import fused_cuda
+    assert {"rz_rms_fwd_affine", "rz_rms_bwd_dx", "rz_swiglu_fwd", "rz_swiglu_bwd"} <= set(fused_cuda._KERNELS)
     tol = 1e-5 if dtype == np.float32 else 3e-2
     assert abs(loss - ref) <= tol * abs(ref)
     assert np.linalg.norm(got - g64) <= tol * np.linalg.norm(g64)
