@@ -6,7 +6,7 @@ What it is
     add, LayerNorm forward/backward (with its weight and bias gradients), the
     attention softmax with its scale and causal mask and its backward, and
     softmax + cross-entropy; the Llama family's RMSNorm and SwiGLU join the
-    same table from fused_cuda_llama.py. ``ringzero.nn.fused`` calls these for
+    same table when fused_cuda_llama.py is imported. ``ringzero.nn.fused`` calls these for
     CuPy arrays (``takes``), as it calls the C kernels for NumPy ones.
 
     Each kernel is written in fused.c's order of operations: the same Cephes
@@ -277,9 +277,6 @@ _SOURCES = {
         }"""),
 }
 
-from ringzero.nn.fused_cuda_llama import SOURCES as _LLAMA_SOURCES  # noqa: E402 (RMSNorm, SwiGLU)
-
-_SOURCES.update(_LLAMA_SOURCES)
 _KERNELS = {}
 
 

@@ -12,7 +12,7 @@ What it is
     float32 and rounds once per stored value (RMSNorm's x̂ rounded before the
     weight multiplies it, as transformers' ``LlamaRMSNorm`` does).
 
-    ``SOURCES`` joins ``fused_cuda._SOURCES`` (one table of kernels, one
+    ``SOURCES`` joins ``fused_cuda._SOURCES`` on import (one table of kernels, one
     compiler cache, one NVRTC check in tests/gpu_api); ``rms_fwd``,
     ``rms_bwd``, ``swiglu_fwd`` and ``swiglu_bwd`` are the calls
     ``nn/rmsnorm.py`` and ``nn/swiglu.py`` make for CuPy arrays that
@@ -26,6 +26,8 @@ What it is not
 """
 from __future__ import annotations
 
+from ringzero.nn import fused_cuda
+from ringzero.nn.fused_cuda import LANES, ROWLANES
 from ringzero.nn.ops import acc_dtype
 
 # name: (in_params, out_params, operation), in fused_cuda.py's notation: T the arrays' dtype, Q the
@@ -87,11 +89,12 @@ SOURCES = {
         dgu[o + f] = (T)((g * s) * d);
         dgu[o] = (T)(((((((A)1 - s) * g) + (A)1) * s) * u) * d)"""),
 }
+fused_cuda._SOURCES.update(SOURCES)         # one table: fused_cuda._k builds them, tests/gpu_api compiles them
+_k = fused_cuda._k
 
 
 def rms_fwd(x, w, y, xhat, rstd, eps, ws):
     """x, y, xhat (N, C); w (C,); rstd (N, 1) in the sums' dtype; ws(name, shape, dtype): scratch."""
-    from ringzero.nn.fused_cuda import LANES, _k
     N, C = x.shape
     part = ws("g_part", (N * LANES,), acc_dtype(x.dtype))
     _k("rz_rms_fwd_sum")(x, C, part, size=N * LANES)
@@ -101,7 +104,6 @@ def rms_fwd(x, w, y, xhat, rstd, eps, ws):
 
 def rms_bwd(dy, xhat, rstd, w, dx, dw, ws):
     """dx (N, C) from dy; dw (C,) = the column sums of dy xhat (written, not added)."""
-    from ringzero.nn.fused_cuda import LANES, ROWLANES, _k
     N, C = dy.shape
     q = acc_dtype(dy.dtype)
     part = ws("g_part", (N * LANES,), q)
@@ -114,11 +116,9 @@ def rms_bwd(dy, xhat, rstd, w, dx, dw, ws):
 
 def swiglu_fwd(gu, y):
     """y (..., F) = silu(gate) * up of gu (..., 2F)."""
-    from ringzero.nn.fused_cuda import _k
     _k("rz_swiglu_fwd")(gu, y.shape[-1], y)
 
 
 def swiglu_bwd(gu, dy, dgu):
     """dgu (..., 2F) = [dgate | dup] from dy (..., F)."""
-    from ringzero.nn.fused_cuda import _k
     _k("rz_swiglu_bwd")(gu, dy, dy.shape[-1], dgu, size=dy.size)

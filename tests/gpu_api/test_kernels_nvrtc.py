@@ -91,7 +91,8 @@ def _compile(nv, src, name, options):
 
 def _kernels():
     from ringzero.nn import fused_cuda as fc
-    scalar_names = {"m", "eps", "rows", "tn", "scale", "V"}
+    from ringzero.nn import fused_cuda_llama  # noqa: F401 (its kernels join fc._SOURCES)
+    scalar_names = {"m", "eps", "rows", "tn", "scale", "V", "f"}
     for name, (ins, outs, op) in fc._SOURCES.items():
         scalars = {p.split()[-1] for p in ins.split(",")} & scalar_names
         yield name, ins, outs, op, fc._PREAMBLE, scalars, ("--fmad=false",)
