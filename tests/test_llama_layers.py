@@ -1,3 +1,4 @@
+# ruff: noqa: F811 (path is test_fused's fixture, imported so that pytest finds it)
 """The Llama layers' hand-written backward against float64 central finite differences.
 
 RMSNorm, rotary (plain and with Llama 3's scaling), SwiGLU and grouped-query
@@ -21,23 +22,13 @@ from ringzero.nn.rotary import Rotary, inv_freq
 from ringzero.nn.swiglu import SwiGLU
 
 sys.path.insert(0, os.path.dirname(__file__))
+from test_fused import path  # noqa: E402, F401 (RMSNorm and SwiGLU on both paths: fused.c's kernels, xp's passes)
 from test_layers import check_layer  # noqa: E402
 
 
 @pytest.fixture
 def rng():
     return np.random.default_rng(11)
-
-
-@pytest.fixture(params=["c", "xp"])
-def path(request, monkeypatch):
-    """RMSNorm and SwiGLU run fused.c's kernels on C-contiguous float32/64 host arrays: both paths."""
-    if request.param == "c":
-        if not fused.HAVE_C:
-            pytest.skip("ringzero.nn._fused was not built (no compiler at install time, or RINGZERO_NO_C=1)")
-    else:
-        monkeypatch.setattr(fused, "_c", None)
-    return request.param
 
 
 class _RotaryLayer:
