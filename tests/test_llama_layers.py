@@ -57,11 +57,11 @@ def test_rmsnorm_is_the_formula(rng, path):
 
 
 @pytest.mark.parametrize("scaling", [None, RopeScaling(8.0, 1.0, 4.0, 16)])
-def test_rotary(rng, scaling):
+def test_rotary(rng, scaling, path):
     check_layer(_RotaryLayer(Rotary(8, 100.0, scaling)), {}, rng.standard_normal((2, 5, 3, 8)), rng)
 
 
-def test_rotary_is_a_rotation_by_position(rng):
+def test_rotary_is_a_rotation_by_position(rng, path):
     """q_t . k_s after the rotation depends on t - s only (the property rotary exists for)."""
     rot = Rotary(8, 10000.0)
     q, k = rng.standard_normal(8), rng.standard_normal(8)
@@ -110,6 +110,45 @@ def test_c_and_xp_paths_agree_in_float32_at_smollm2_shapes(rng, monkeypatch):
         err = np.abs(c[k].astype(np.float64) - xp[k]).max() / np.abs(xp[k]).max()
         assert err <= 1e-5, f"{k}: C and NumPy paths differ by {err:.2e} of the largest value"
         assert err > 0, f"{k}: the C path did not run (bitwise the NumPy passes)"
+
+
+@pytest.mark.skipif(not fused.HAVE_C, reason="ringzero.nn._fused was not built")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_c_rotary_on_the_qkv_columns_is_the_complex_rotation_and_the_xp_bits(rng, dtype, monkeypatch):
+    """fused.c's rope on q|k, the first H + K heads of each row of a (B, T, (H+2K)·D) buffer (smollm2's
+    9 + 3 + 3 heads of 64): (x1 + i x2) e^{i t f} in complex128 is the reference, and the xp passes give
+    the same bits (each product rounded before its sum). v, the buffer's last K heads, is left alone."""
+    B, T, H, K, D = 2, 256, 9, 3, 64
+    rot = Rotary(D, 10000.0)
+    qkv = rng.standard_normal((B, T, (H + 2 * K) * D)).astype(dtype)
+
+    def qk(a):
+        return a.reshape(B, T, H + 2 * K, D)[:, :, :H + K]
+    c_fwd = qkv.copy()
+    assert fused.rope_(qk(c_fwd), *rot.tables(T, dtype, np), +1), "the C kernel did not take the q|k view"
+    c_bwd = qkv.copy()
+    rot.backward(qk(c_bwd))
+    assert np.array_equal(c_fwd[..., (H + K) * D:], qkv[..., (H + K) * D:])      # v untouched
+    x = qk(qkv).astype(np.float64)
+    angle = (np.arange(T, dtype=np.float32)[:, None] * rot.f)[:, None, :]    # float32, cos/sin too, as HF
+    z = (x[..., :D // 2] + 1j * x[..., D // 2:]) * (np.cos(angle).astype(np.float64) + 1j * np.sin(angle))
+    ref = np.concatenate([z.real, z.imag], axis=-1)
+    tol = 1e-6 if dtype == np.float32 else 1e-13
+    assert np.abs(qk(c_fwd) - ref).max() <= tol * np.abs(ref).max()
+    monkeypatch.setattr(fused, "_c", None)
+    xp_fwd, xp_bwd = qkv.copy(), qkv.copy()
+    rot.forward(qk(xp_fwd))
+    rot.backward(qk(xp_bwd))
+    assert np.array_equal(c_fwd, xp_fwd) and np.array_equal(c_bwd, xp_bwd)
+
+
+@pytest.mark.skipif(not fused.HAVE_C, reason="ringzero.nn._fused was not built")
+def test_c_rotary_refuses_a_view_past_its_buffer():
+    base = np.zeros((4, 8))
+    cos = sin = np.ones((4, 2))
+    with pytest.raises(ValueError, match="runs past"):
+        fused._c.rope(base, 8, cos, sin, 4, 4, 8, 2, 4, 1, True)     # one element past the end
+    fused._c.rope(base, 0, cos, sin, 4, 4, 8, 2, 4, 1, True)         # the whole buffer: in bounds
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -6,7 +6,8 @@ What it is
     ``layernorm_forward`` / ``layernorm_backward``, ``softmax_causal_`` /
     ``softmax_causal_backward_`` (the attention softmax with its scale and
     causal mask), ``cross_entropy_forward``, ``rows_add_at`` (the embedding
-    gradient, ``np.add.at``'s sums in its order). Arrays are 2-D (rows, width)
+    gradient, ``np.add.at``'s sums in its order), ``rope_`` (rotary in place
+    on heads that are columns of a larger buffer; the layer is rotary.py). Arrays are 2-D (rows, width)
     or, for the softmax, (R, T, T); every output is a buffer the caller owns.
 
     On NumPy float32/float64 arrays that are C-contiguous, the work is done by
@@ -299,6 +300,41 @@ def softmax_causal_backward_(datt, att, scale, ws=None):
     datt *= att
     datt *= scale
     return datt
+
+
+# ---- rotary ---------------------------------------------------------------------------
+
+def _allocation(a):
+    """The ndarray that owns a view's memory (a pool's flat buffer, or the array itself)."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+def rope_(x, cos, sin, sign) -> bool:
+    """Rotary in place on the C kernel, if it takes x; returns whether it did (else the caller's xp path).
+
+    x (B, T, n, D): heads of D side by side in rows of a larger buffer (the columns of q|k|v: strides
+    (T·ld, ld, D, 1) elements), cos and sin (T, 1, D/2) C-contiguous in x's dtype. The kernel is handed
+    the view's allocation and the view's byte offset in it, and checks that every row lies inside.
+    """
+    if _c is None or type(x) is not np.ndarray or x.dtype not in _C_DTYPES or x.ndim != 4:
+        return False
+    B, T, n, D = x.shape
+    e = x.itemsize
+    st = x.strides
+    if not (x.flags.writeable and x.flags.aligned and st[3] == e and (n < 2 or st[2] == D * e)
+            and st[1] % e == 0 and st[1] >= n * D * e and (B < 2 or st[0] == T * st[1])):
+        return False
+    if not all(type(t) is np.ndarray and t.dtype == x.dtype and t.flags.c_contiguous and t.size == T * (D // 2)
+               for t in (cos, sin)):
+        return False
+    base = _allocation(x)
+    if not (base.flags.c_contiguous and base.flags.writeable) or x.size == 0:
+        return False
+    off = x.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    _c.rope(base, off, cos, sin, B * T, T, st[1] // e, n, D, sign, _dbl(x))
+    return True
 
 
 # ---- embedding gradient ------------------------------------------------------------

@@ -58,6 +58,10 @@ class GroupedQueryAttention(Layer):
         a = qkv.reshape(B, T, H + 2 * K, D)
         return a[:, :, :H], a[:, :, H:H + K], a[:, :, H + K:]
 
+    def _qk(self, qkv, B, T):
+        """(B, T, (H+2K)·D) -> q|k (B, T, H+K, D): the heads rotary turns, side by side in each row."""
+        return qkv.reshape(B, T, self.H + 2 * self.K, self.D)[:, :, :self.H + self.K]
+
     def _grouped(self, q4, B, T):
         """q (B, T, H, D) -> (B, K, G, T, D) view: query head k·G + j is group k's j-th."""
         return q4.reshape(B, T, self.K, self.H // self.K, self.D).transpose(0, 2, 3, 1, 4)
@@ -72,8 +76,7 @@ class GroupedQueryAttention(Layer):
         xp = array_module(x)
         qkv, _ = self.qkv.forward({"w": p["attn.w"], "b": p.get("attn.b")}, x)    # (B, T, (H+2K)·D)
         q4, k4, v4 = self._views(qkv, B, T)
-        self.rotary.forward(q4)                                 # in place: the cache keeps the rotated q, k
-        self.rotary.forward(k4)
+        self.rotary.forward(self._qk(qkv, B, T))                # in place: the cache keeps the rotated q, k
         q5 = self._grouped(q4, B, T)                            # (B, K, G, T, D)
         k5 = k4.transpose(0, 2, 1, 3)[:, :, None]               # (B, K, 1, T, D): broadcast over the group
         v5 = v4.transpose(0, 2, 1, 3)[:, :, None]
@@ -111,7 +114,6 @@ class GroupedQueryAttention(Layer):
         # dK (B, K, T, D) = sum over the group of dS^T q
         xp.matmul(_t(datt.reshape(B, K, G * T, T)), c5.reshape(B, K, G * T, D),
                   out=dk4.transpose(0, 2, 1, 3))
-        self.rotary.backward(dq4)                               # the gradient before the rotation
-        self.rotary.backward(dk4)
+        self.rotary.backward(self._qk(dqkv, B, T))              # the gradient before the rotation
         return self.qkv.backward(dqkv, ({"w": p["attn.w"], "b": p.get("attn.b")}, x),
                                  {"w": g["attn.w"], "b": g.get("attn.b")})

@@ -16,7 +16,10 @@ What it is
 
         y1 = x1 cos - x2 sin        y2 = x2 cos + x1 sin
 
-    and the backward is the inverse rotation (sin -> -sin). The cos/sin tables
+    and the backward is the inverse rotation (sin -> -sin). On host float32/64
+    heads laid side by side in rows (the q|k|v buffer's columns), fused.c's
+    ``rope`` does it in one pass with no scratch, each product rounded before
+    its sum as the xp passes below round them: the same bits. The cos/sin tables
     (T, D/2) are made once per (dtype, module), and again only for a longer T: angles in float32 as
     transformers takes them (position * inv_freq), cos and sin rounded to the
     compute dtype.
@@ -31,6 +34,7 @@ import math
 
 import numpy as np
 
+from ringzero.nn import fused
 from ringzero.nn.base import Layer
 from ringzero.nn.ops import array_module
 
@@ -79,6 +83,8 @@ class Rotary(Layer):
             raise ValueError(f"rotary expects head_dim {self.D}, got x of shape {tuple(x.shape)}")
         xp = array_module(x)
         cos, sin = self.tables(T, x.dtype, xp)
+        if fused.rope_(x, cos, sin, sign):                     # one pass, no scratch: the same bits
+            return x
         h = D // 2
         x1, x2 = x[..., :h], x[..., h:]                         # (B, T, n, D/2) views
         t1 = self.bbuf("t1", (B, T, n, h), x.dtype, xp)

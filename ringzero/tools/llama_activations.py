@@ -11,14 +11,15 @@ What it is
                              1/rms (2 x (2·N·C + N)), q|k|v, the probabilities, the heads' output, proj's
                              output, [gate | up] and silu(gate)·up
         per block, always    2·N·C              the block's output and its input gradient (pool "unit{u}")
-        one block's backward 4·N·C + 132·C + N·(3·HD + K·D + W) + att + C·(HD + W + 3F)
+        one block's backward 4·N·C + 132·C + N·(2·HD + W) + att + C·(HD + W + 3F)
                              + W (q/k/v bias) + 3·N·F   shared by every block: the norms' dw and
-                             column partials (2 x 66·C), rotary's, dq|dk|dv, the group copy, the
+                             column partials (2 x 66·C), dq|dk|dv, the group copy, the
                              probabilities' gradient, the weight-gradient staging, the SwiGLU's
         the ends             5·N·C + 3·N·V + V·C + 2·N + 66·C + s·D, and 2 index arrays of N (8 bytes)
 
-    The norms and the SwiGLU counted as fused.c's kernels run them (a CPU run's path): the NumPy
-    passes a build without the extension takes keep 3·N·C + N more per norm and N·F more per block.
+    The norms, the SwiGLU and rotary counted as fused.c's kernels run them (a CPU run's path): the
+    NumPy passes a build without the extension takes keep 3·N·C + N more per norm, N·F more per
+    block, and rotary's two (H + K)·D/2 products a token (on a device too: rotary has no CuPy kernel).
 
     With checkpointing a block keeps only its 2·N·C; one block's "kept" is
     recomputed into shared buffers. Plus one block's "kept" of temporaries
@@ -35,12 +36,12 @@ from __future__ import annotations
 def training_bytes(cfg, batch: int, seq: int, checkpointing: bool = False, compute_bytes: int = 4) -> int:
     """Bytes of the Llama's pool (and one block's temporaries) for a micro-batch (batch, seq)."""
     N, s = batch * seq, seq
-    C, L, F, D, K, H = cfg.n_embd, cfg.n_layer, cfg.ffn, cfg.head_dim, cfg.n_kv_head, cfg.n_head
+    C, L, F, D, H = cfg.n_embd, cfg.n_layer, cfg.ffn, cfg.head_dim, cfg.n_head
     HD, W, V = H * D, cfg.qkv_width, cfg.n_tokens
     att = H * s * s * batch
     layer = 5 * N * C + N * W + N * HD + 3 * N * F + 2 * N + att
     kept = L * 2 * N * C + (layer if checkpointing else L * layer)
-    backward = (4 * N * C + 132 * C + N * (3 * HD + K * D + W) + att + C * (HD + W + 3 * F)
+    backward = (4 * N * C + 132 * C + N * (2 * HD + W) + att + C * (HD + W + 3 * F)
                 + (W if cfg.qkv_bias else 0) + 3 * N * F)
     ends = 5 * N * C + 3 * N * V + V * C + 2 * N + 66 * C + s * D
     return compute_bytes * (kept + backward + ends + layer) + 2 * 8 * N

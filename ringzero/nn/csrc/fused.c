@@ -2,8 +2,8 @@
  *
  * What it is: GELU forward (with the bias add of the GEMM before it) and
  * backward (with that bias's gradient), LayerNorm forward and backward (with
- * its weight and bias gradients), RMSNorm and SwiGLU forward and backward (the
- * Llama family's), the bias add fused with the residual add,
+ * its weight and bias gradients), RMSNorm, SwiGLU and rotary forward and backward
+ * (the Llama family's), the bias add fused with the residual add,
  * the attention softmax with its causal mask and scale, its backward, and
  * softmax + cross-entropy. Each walks its rows once; a row (<= a few KiB)
  * stays in L1 between the kernel's inner loops. ringzero/nn/fused.py checks
@@ -27,7 +27,8 @@
  * Buffers passed to one call never overlap (fused.py hands in distinct pool
  * buffers; the pointers are declared restrict where the loops need it).
  *
- * What it is not: a general ufunc. No strides, no broadcasting beyond a
+ * What it is not: a general ufunc. No strides (but rotary's rows of heads, the
+ * columns of the q|k|v buffer), no broadcasting beyond a
  * bias row, no float16 (the fallback handles every other dtype).
  */
 #define PY_SSIZE_T_CLEAN
@@ -299,6 +300,34 @@ RZ_CLONES static void rms_bwd_##S(const T *restrict dy, const T *restrict xhat, 
         for (ix j = 0; j < m; j++) dr[j] = (dr[j] - hr[j] * m2) * rs;                           \
     }                                                                                           \
     fold_rows_##S(cols, dw, m);                                                                 \
+}                                                                                               \
+                                                                                                \
+/* Rotary in place (HF's rotate_half layout): R rows of nh heads of D, row r at x + r ld, position r % Tn;   \
+ * dimension j of a head pairs with j + D/2. cs, sn: (Tn, D/2). sign > 0: y1 = x1 c - x2 s,        \
+ * y2 = x2 c + x1 s; sign < 0 (the transpose): y1 = x1 c + x2 s, y2 = x2 c - x1 s. Each product    \
+ * rounded before the sum, as the xp path's multiply-then-add: the same bits. */                  \
+RZ_CLONES static void rope_##S(T *restrict x, const T *restrict cs, const T *restrict sn,        \
+                               ix R, ix Tn, ix ld, ix nh, ix D, int sign)                       \
+{                                                                                               \
+    ix h = D / 2;                                                                               \
+    for (ix r = 0; r < R; r++) {                                                                \
+        const T *c = cs + (r % Tn) * h, *s = sn + (r % Tn) * h;                                 \
+        for (ix k = 0; k < nh; k++) {                                                           \
+            T *a = x + r * ld + k * D, *b = a + h;                                              \
+            if (sign > 0)                                                                       \
+                for (ix j = 0; j < h; j++) {                                                    \
+                    T a1 = a[j], b1 = b[j];                                                     \
+                    a[j] = a1 * c[j] - b1 * s[j];                                               \
+                    b[j] = b1 * c[j] + a1 * s[j];                                               \
+                }                                                                               \
+            else                                                                                \
+                for (ix j = 0; j < h; j++) {                                                    \
+                    T a1 = a[j], b1 = b[j];                                                     \
+                    a[j] = a1 * c[j] + b1 * s[j];                                               \
+                    b[j] = b1 * c[j] - a1 * s[j];                                               \
+                }                                                                               \
+        }                                                                                       \
+    }                                                                                           \
 }                                                                                               \
                                                                                                 \
 /* SwiGLU over gu (n, 2f) = [gate | up] per row: y (n, f) = (g s) u, s = 1 / (1 + exp(-g)) */     \
@@ -663,6 +692,41 @@ static PyObject *py_swiglu_bwd(PyObject *self, PyObject *args)
     release(&B);
     Py_RETURN_NONE;
 }
+/* rope(base, off, cos, sin, R, Tn, ld, nh, D, sign, dbl): x = base's bytes from `off`, a strided view of
+ * R rows (ld elements apart) of nh heads of D, rotated in place. base is any C-contiguous writable buffer
+ * (the view's allocation); every element the view touches is checked to lie inside it. */
+static PyObject *py_rope(PyObject *self, PyObject *args)
+{
+    PyObject *base, *c, *sn; ix off, R, Tn, ld, nh, D; int sign, dbl; Bufs B = {.k = 0}; void *pb, *pc, *ps;
+    if (!PyArg_ParseTuple(args, "OnOOnnnnnip", &base, &off, &c, &sn, &R, &Tn, &ld, &nh, &D, &sign, &dbl)) return NULL;
+    ix e = SZ(dbl);
+    if (R < 0 || Tn < 1 || D < 2 || D % 2 || nh < 0 || ld < nh * D || off < 0 || off % e) {
+        PyErr_Format(PyExc_ValueError, "rope: bad shape (R %zd, T %zd, ld %zd, heads %zd, D %zd, offset %zd)",
+                     R, Tn, ld, nh, D, off);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(base, &B.v[0], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyErr_SetString(PyExc_TypeError, "rope base: expected a C-contiguous writable buffer");
+        return NULL;
+    }
+    B.k = 1;
+    pb = B.v[0].buf;
+    if (R > 0 && off + ((R - 1) * ld + nh * D) * e > B.v[0].len) {
+        PyErr_Format(PyExc_ValueError, "rope: the view (offset %zd, %zd rows of stride %zd) runs past the %zd-byte base",
+                     off, R, ld, B.v[0].len);
+        release(&B);
+        return NULL;
+    }
+    if (take(&B, c, 0, Tn * (D / 2) * e, 0, "rope cos", &pc) || take(&B, sn, 0, Tn * (D / 2) * e, 0, "rope sin", &ps))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (dbl) rope_d((double *)((char *)pb + off), pc, ps, R, Tn, ld, nh, D, sign);
+    else rope_f((float *)((char *)pb + off), pc, ps, R, Tn, ld, nh, D, sign);
+    Py_END_ALLOW_THREADS
+    release(&B);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"rows_add_at", py_rows_add_at, METH_VARARGS, "rows_add_at(g, ids int64, d, n, V, m, dbl): g[ids[i]] += d[i]"},
     {"gelu_fwd", py_gelu_fwd, METH_VARARGS, "gelu_fwd(x, b|None, y, s, n, m, dbl): y = gelu(x + b)"},
@@ -675,6 +739,7 @@ static PyMethodDef methods[] = {
     {"rms_fwd", py_rms_fwd, METH_VARARGS, "rms_fwd(x, w, y, xhat, rstd, n, m, dbl, eps)"},
     {"rms_bwd", py_rms_bwd, METH_VARARGS, "rms_bwd(dy, xhat, rstd, w, dx, dw, tmp, cols, n, m, dbl)"},
     {"swiglu_fwd", py_swiglu_fwd, METH_VARARGS, "swiglu_fwd(gu, y, n, f, dbl): y = silu(gate) * up"},
+    {"rope", py_rope, METH_VARARGS, "rope(base, off, cos, sin, R, T, ld, nh, D, sign, dbl): rotary in place"},
     {"swiglu_bwd", py_swiglu_bwd, METH_VARARGS, "swiglu_bwd(gu, dy, dgu, n, f, dbl)"},
     {"ce_fwd", py_ce_fwd, METH_VARARGS, "ce_fwd(logits, targets int64, probs, nll, n, V, dbl)"},
     {NULL, NULL, 0, NULL},
