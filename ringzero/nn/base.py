@@ -59,18 +59,16 @@ def cache_nbytes(cache) -> int:
     from two places is not double-counted.
     """
     seen = {}
-
-    def walk(c):
+    todo = [cache]          # a stack, not a recursive closure: a closure naming itself is a reference
+    while todo:             # cycle, garbage left for the cyclic collector at every unit of every step
+        c = todo.pop()
         if c is None or isinstance(c, (dict, int, float, str)):
-            return                       # dicts are parameter views, not activations
+            continue                     # dicts are parameter views, not activations
         if isinstance(c, (tuple, list)):
-            for e in c:
-                walk(e)
-            return
-        if hasattr(c, "nbytes") and hasattr(c, "shape"):
+            todo.extend(c)
+        elif hasattr(c, "nbytes") and hasattr(c, "shape"):
             ptr = c.data.ptr if hasattr(c.data, "ptr") else c.__array_interface__["data"][0]
             seen[(ptr, c.nbytes)] = c.nbytes
-    walk(cache)
     return sum(seen.values())
 
 
