@@ -419,7 +419,7 @@ def test_device_run(comm, monkeypatch):
 @pytest.mark.mpi
 def test_no_allocation_after_the_first_steps(comm):
     """The switches' buffers (hpZ's shard, qgZ's residual, the collectives' scratch) are made once:
-    after two steps, three more grow traced memory by less than 64 KiB and move no buffer (counted after
+    after two steps, three and four more grow traced memory by less than 64 KiB and move no buffer (counted after
     a gc.collect() each side: what is kept, not cyclic garbage the collector has yet to visit, whose
     amount at any instant depends on when it last ran)."""
     import gc
@@ -434,11 +434,16 @@ def test_no_allocation_after_the_first_steps(comm):
     eng.step(*data.get(2), 1e-3)
     gc.collect()
     base = tracemalloc.get_traced_memory()[0]
-    for s in range(3, 6):
+    after = []
+    for s in range(3, 7):
         eng.step(*data.get(s), 1e-3)
-    gc.collect()
-    grown = tracemalloc.get_traced_memory()[0] - base
+        gc.collect()
+        after.append(tracemalloc.get_traced_memory()[0] - base)
+    # the lesser of the last two: what one step holds transiently at its end (a message's objects
+    # still alive, seen up to ~100 KB at n=8 under the full suite) is not counted, a leak shows in both
+    grown = min(after[-2:])
     tracemalloc.stop()
     now = (zpp.secondary.ctypes.data, zpp.residual.ctypes.data,
            sorted((k, v.ctypes.data) for k, v in zpp.qc._ws.items()))
-    assert_all(comm, now == ptrs and grown < 64 * 1024, f"moved: {now != ptrs}; grew {grown} B over 3 steps")
+    assert_all(comm, now == ptrs and grown < 64 * 1024,
+               f"moved: {now != ptrs}; grew {grown} B after 3 and 4 steps (the lesser)")
