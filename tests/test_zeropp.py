@@ -419,7 +419,7 @@ def test_device_run(comm, monkeypatch):
 @pytest.mark.mpi
 def test_no_allocation_after_the_first_steps(comm):
     """The switches' buffers (hpZ's shard, qgZ's residual, the collectives' scratch) are made once:
-    after two steps, three and four more grow traced memory by less than 64 KiB and move no buffer (counted after
+    after two steps, three and four more grow traced memory by less than 256 KiB and move no buffer (counted after
     a gc.collect() each side: what is kept, not cyclic garbage the collector has yet to visit, whose
     amount at any instant depends on when it last ran)."""
     import gc
@@ -445,5 +445,7 @@ def test_no_allocation_after_the_first_steps(comm):
     tracemalloc.stop()
     now = (zpp.secondary.ctypes.data, zpp.residual.ctypes.data,
            sorted((k, v.ctypes.data) for k, v in zpp.qc._ws.items()))
-    assert_all(comm, now == ptrs and grown < 64 * 1024,
+    # 256 KiB: the Ring's plan cache (an LRU, bounded) still adds persistent requests in these steps at
+    # n = 8 (65,720 B seen in the full suite); the switches' buffers are megabytes, so a remade one shows
+    assert_all(comm, now == ptrs and grown < 256 * 1024,
                f"moved: {now != ptrs}; grew {grown} B after 3 and 4 steps (the lesser)")
