@@ -263,7 +263,7 @@ class Ring(StartedCalls):
 
     # ---- the dispatcher: the kept plan, or check, build and maybe keep one
     def _call(self, name, send, recv, op):
-        if self._progress is not None and self._progress.busy() and not self._progress.on_worker():
+        if self._progress is not None and not self._progress.on_worker() and self._progress.busy():
             return self._start(name, send, recv, op).wait()     # started calls first: one order
         plan = self._hot.get((id(send), id(recv), name, op))
         if plan is not None and self._guard(plan, send, recv):
