@@ -85,3 +85,46 @@ def test_float16_against_float64_formulas(cp, rng, monkeypatch):
         if not err <= 4e-3:                                     # float16: 2^-11 per rounding, a few roundings
             bad.append(f"{k} {err:.1e}")
     assert not bad, bad
+
+
+def _rope(x, B, T, H, K, D):
+    """x (B, T, (H+2K)·D), a q|k|v buffer: q|k rotated forward on one copy, back on another (in place)."""
+    from ringzero.nn.rotary import Rotary
+    rot = Rotary(D, 10000.0)
+    fwd, bwd = x.copy(), x.copy()
+    rot.forward(fwd.reshape(B, T, H + 2 * K, D)[:, :, :H + K])     # strided: the q|k columns of each row
+    rot.backward(bwd.reshape(B, T, H + 2 * K, D)[:, :, :H + K])
+    return fwd, bwd
+
+
+# (B, T, H, K, D): a head of 2, a ragged T and GQA 2:1, smollm2's 9 + 3 + 3 heads of 64
+ROPE_SHAPES = [(1, 3, 1, 1, 2), (2, 17, 4, 2, 8), (2, 64, 9, 3, 64)]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", ROPE_SHAPES, ids=str)
+def test_rotary_bitwise_equals_host_kernel(cp, rng, dtype, shape):
+    """The device rotary on the strided q|k heads of a q|k|v buffer, forward and back, against fused.c's
+    rope on the same view: the whole buffer bit for bit (v, the last K heads, untouched on both)."""
+    need_c()
+    B, T, H, K, D = shape
+    x = (rng.standard_normal((B, T, (H + 2 * K) * D)) * 2).astype(dtype)
+    host = _rope(x, B, T, H, K, D)
+    assert "rz_rope" not in fused.fused_cuda._KERNELS             # the host arrays took fused.c
+    dev = _rope(cp.asarray(x), B, T, H, K, D)
+    assert ran("rz_rope")
+    for d, h, n in zip(dev, host, ("forward", "backward")):
+        same(cp, d, h, n)                                       # * + - only: IEEE on both sides
+    assert np.array_equal(dev[0].get()[..., (H + K) * D:], x[..., (H + K) * D:])
+
+
+def test_rotary_float16_is_the_xp_bits(cp, rng):
+    """float16: each product and each sum rounded once to float16, as NumPy's float16 passes (the xp
+    path; fused.c takes no float16) round them: the same bits."""
+    B, T, H, K, D = 2, 17, 4, 2, 8
+    x = (rng.standard_normal((B, T, (H + 2 * K) * D)) * 2).astype(np.float16)
+    host = _rope(x, B, T, H, K, D)
+    dev = _rope(cp.asarray(x), B, T, H, K, D)
+    assert ran("rz_rope")
+    for d, h, n in zip(dev, host, ("forward", "backward")):
+        same(cp, d, h, n)

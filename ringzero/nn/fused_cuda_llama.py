@@ -1,4 +1,4 @@
-"""The Llama family's elementwise passes on a GPU: fused.c's RMSNorm and SwiGLU kernels, as CuPy ElementwiseKernels.
+"""The Llama family's elementwise passes on a GPU: fused.c's RMSNorm, SwiGLU and rotary, as CuPy ElementwiseKernels.
 
 What it is
     The device twin of fused.c's ``rms_fwd`` / ``rms_bwd`` / ``swiglu_fwd`` /
@@ -12,17 +12,24 @@ What it is
     float32 and rounds once per stored value (RMSNorm's x̂ rounded before the
     weight multiplies it, as transformers' ``LlamaRMSNorm`` does).
 
+    Rotary (``rope``) works in place on the strided q|k heads of the q|k|v
+    buffer: its two halves are the kernel's outputs, (B, T, n, D/2) views
+    that CuPy indexes by their strides, and cos / sin (T, 1, D/2) broadcast
+    over them. Each product is rounded to T before its sum, as fused.c's
+    ``rope`` and the xp passes of nn/rotary.py round them: the same bits for
+    every dtype (float16 through float32, once per product and once per sum,
+    as NumPy computes float16).
+
     ``SOURCES`` joins ``fused_cuda._SOURCES`` on import (one table of kernels, one
     compiler cache, one NVRTC check in tests/gpu_api); ``rms_fwd``,
     ``rms_bwd``, ``swiglu_fwd`` and ``swiglu_bwd`` are the calls
     ``nn/rmsnorm.py`` and ``nn/swiglu.py`` make for CuPy arrays that
-    ``fused.use_gpu`` takes, with the C path's arguments.
+    ``fused.use_gpu`` takes, with the C path's arguments; ``rope`` is
+    nn/rotary.py's, for the arrays ``rope_takes`` accepts.
 
 What it is not
-    Rotary (its q and k are strided views of the q|k|v buffer: the xp passes
-    do it), or anything measured on a device yet: the CuPy stand-in runs these
-    sources on the host (tests/test_fused_cuda_llama.py), launch/gpu-check on
-    a GPU.
+    Anything measured on a device yet: the CuPy stand-in runs these sources
+    on the host (tests/test_fused_cuda_llama.py), launch/gpu-check on a GPU.
 """
 from __future__ import annotations
 
@@ -88,6 +95,15 @@ SOURCES = {
         A s = (A)1 / ((A)1 + rz_exp(-g));
         dgu[o + f] = (T)((g * s) * d);
         dgu[o] = (T)(((((((A)1 - s) * g) + (A)1) * s) * u) * d)"""),
+    # rotary in place on x1, x2 (B, T, n, D/2), the two halves of each head (strided views); c, s
+    # (T, 1, D/2) broadcast. sign > 0: y1 = x1 c - x2 s, y2 = x2 c + x1 s; else the transpose
+    # (s -> -s). Every product rounded to T before its sum, as fused.c's rope and the xp passes
+    "rz_rope": ("T c, T s, int64 sign", "T x1, T x2", """
+        typedef rz_acc<T>::type A;
+        A a = (A)x1, b = (A)x2;
+        A ac = (A)(T)(a * (A)c), bs = (A)(T)(b * (A)s), bc = (A)(T)(b * (A)c), as_ = (A)(T)(a * (A)s);
+        if (sign > 0) { x1 = (T)(ac - bs); x2 = (T)(bc + as_); }
+        else          { x1 = (T)(ac + bs); x2 = (T)(bc - as_); }"""),
 }
 fused_cuda._SOURCES.update(SOURCES)         # one table: fused_cuda._k builds them, tests/gpu_api compiles them
 _k = fused_cuda._k
@@ -122,3 +138,20 @@ def swiglu_fwd(gu, y):
 def swiglu_bwd(gu, dy, dgu):
     """dgu (..., 2F) = [dgate | dup] from dy (..., F)."""
     _k("rz_swiglu_bwd")(gu, dy, dy.shape[-1], dgu, size=dy.size)
+
+
+def rope_takes(x, cos, sin) -> bool:
+    """True when ``rope`` takes x (B, T, n, D), a CuPy view in float16/32/64, and its tables cos, sin
+    (T, 1, D/2), C-contiguous in x's dtype. The tables are the layer's own arrays: they never share
+    x's memory. x may be strided (the q|k columns of q|k|v): CuPy indexes each output by its strides."""
+    if type(x).__module__.split(".")[0] != "cupy" or x.ndim != 4 or x.dtype not in fused_cuda._FLOATS:
+        return False
+    B, T, n, D = x.shape
+    return all(type(t) is type(x) and t.dtype == x.dtype and t.flags.c_contiguous
+               and t.shape == (T, 1, D // 2) for t in (cos, sin))
+
+
+def rope(x, cos, sin, sign):
+    """x (B, T, n, D) rotated in place by position (sign > 0) or back (sign < 0); see rz_rope."""
+    h = x.shape[-1] // 2
+    _k("rz_rope")(cos, sin, int(sign), x[..., :h], x[..., h:])

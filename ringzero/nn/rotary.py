@@ -19,7 +19,8 @@ What it is
     and the backward is the inverse rotation (sin -> -sin). On host float32/64
     heads laid side by side in rows (the q|k|v buffer's columns), fused.c's
     ``rope`` does it in one pass with no scratch, each product rounded before
-    its sum as the xp passes below round them: the same bits. The cos/sin tables
+    its sum as the xp passes below round them: the same bits. On CuPy arrays
+    fused_cuda_llama.py's ``rz_rope`` does the same, on the strided views. The cos/sin tables
     (T, D/2) are made once per (dtype, module), and again only for a longer T: angles in float32 as
     transformers takes them (position * inv_freq), cos and sin rounded to the
     compute dtype.
@@ -34,7 +35,7 @@ import math
 
 import numpy as np
 
-from ringzero.nn import fused
+from ringzero.nn import fused, fused_cuda_llama
 from ringzero.nn.base import Layer
 from ringzero.nn.ops import array_module
 
@@ -84,6 +85,9 @@ class Rotary(Layer):
         xp = array_module(x)
         cos, sin = self.tables(T, x.dtype, xp)
         if fused.rope_(x, cos, sin, sign):                     # one pass, no scratch: the same bits
+            return x
+        if fused_cuda_llama.rope_takes(x, cos, sin):           # the device twin: the same bits
+            fused_cuda_llama.rope(x, cos, sin, sign)
             return x
         h = D // 2
         x1, x2 = x[..., :h], x[..., h:]                         # (B, T, n, D/2) views
