@@ -155,8 +155,8 @@ class Progress:
         """Drop the finished Pendings from inflight, in place. The jobs run one at a time in order, so
         the finished ones are a prefix. Called at every submit, not only by ``busy``: a Ring whose calls
         are all started (ZeRO++'s quantized ones, through ``StartedCalls.submit``) never asks ``busy``,
-        and a list pruned only there kept every Pending of the run and its Event (~5.5 KB a step at
-        n = 8: tests/test_zeropp.py::test_no_allocation_after_the_first_steps). Only the caller's
+        and a list pruned only there kept every Pending of the run and its Event (5.5-18 KB a step at
+        n = 4 and 8: tests/test_zeropp.py::test_no_allocation_after_the_first_steps). Only the caller's
         thread changes the list (submit); the progress thread only reads it."""
         inf, k = self.inflight, 0
         while k < len(inf) and inf[k].done():
