@@ -138,7 +138,7 @@ class Progress:
         self._cv = threading.Condition()
         self.hurry = threading.Event()   # set while the caller waits for a Pending (Pending.wait) ...
         self.awaited = None              # ... this one
-        self.inflight = []             # Pendings not yet waited for (the owner checks read it)
+        self.inflight = []             # started Pendings, oldest first; finished ones dropped at the next submit
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
         _LIVE.add(self)
