@@ -118,15 +118,20 @@ def probe(mode, n, cap, dims, a) -> bool:
 
 def last_error(out: str) -> str:
     """The last line of ``out`` that names an error (else its last line), for one table cell."""
-    lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
+    lines = [ln.strip() for ln in out.splitlines() if ln.strip(" -=*")]   # not mpirun's banner rules
     errs = [ln for ln in lines if "Error" in ln or "error" in ln] or lines[-1:] or ["(no output)"]
     return errs[-1][-300:].replace("|", "/")
 
 
 def refusal(mode, n, a) -> str:
-    """'' if a peer trains its 1-layer model with no cap; else the last error line it printed."""
-    ok, out = run_probe(mode, n, None, {"n_embd": a.n_embd, "n_head": a.n_head, "n_layer": 1}, a)
-    return "" if ok else last_error(out)
+    """'' if a peer trains its 1-layer model with no cap; else the last error line it printed. A failure
+    that may be the machine's (the port free_port chose, taken by a neighbour before rank 0 bound it; an
+    mpirun that could not start) is run once more on a fresh port, as probe does."""
+    for _ in (1, 2):
+        ok, out = run_probe(mode, n, None, {"n_embd": a.n_embd, "n_head": a.n_head, "n_layer": 1}, a)
+        if ok:
+            return ""
+    return last_error(out)
 
 
 def run_probe(mode, n, cap, dims, a):

@@ -17,6 +17,7 @@ import importlib.util
 import os
 import re
 import sys
+import types
 
 import pytest
 from smoke_run import PY, ROOT, TIMEOUT, TINY_GPT, check, prev_comm, run, smoke_dir  # noqa: F401 (fixtures)
@@ -216,6 +217,15 @@ def test_capacity_probe_counts_only_memory_as_not_fitting(monkeypatch):
     runs((False, "ValueError: no such mode"), (False, "ValueError: no such mode"))
     with pytest.raises(cap.ProbeFailed, match="no such mode"):
         cap.probe("fsdp2-full", 2, 1 << 20, dims, None)
+    # the uncapped start of a peer (refusal) is run once more too; what it says skips mpirun's banner rules
+    a = types.SimpleNamespace(n_embd=64, n_head=2)
+    calls.clear()
+    runs((False, "Address already in use\n" + "-" * 74 + "\n"), (True, ""))
+    assert cap.refusal("fsdp2-full", 2, a) == "" and len(calls) == 2
+    banner = "-" * 74 + "\nprterun detected that one or more processes exited with non-zero status\n" + "-" * 74
+    runs((False, "ValueError: no such mode\n" + banner), (False, "ValueError: no such mode\n" + banner))
+    assert cap.refusal("fsdp2-full", 2, a) == "ValueError: no such mode"
+    assert cap.last_error("starting\n" + banner).startswith("prterun detected that one or more processes")
 
 
 def test_step_table_rest_is_taken_step_by_step(monkeypatch):
