@@ -234,6 +234,17 @@ def test_overflow_on_one_rank_skips_everywhere(comm, stage):
     ok &= bool(np.isfinite(after).all())
     assert_all(comm, ok, f"skipped={res.skipped} scale={eng.scaler.scale} "
                          f"unchanged={np.array_equal(before, after)}")
+    # the traffic report reads the last step taken (step 1), not the skipped one; the skipped step's own
+    # ledger lacks the params' all-gather at stage 2 (no update to publish), as a ring pass counts it
+    n, P, last = comm.size, eng.layout.padded, eng.layout.unit_padded[-1]
+    hop = lambda elems: 2 * elems * (n - 1) // n         # noqa: E731 (fp16 bytes a ring pass sends per rank)
+    want = {"0": hop(P) * 2, "2": hop(P) * 2, "3": hop(P) + hop(2 * P - last)}[stage]
+    rep = eng.traffic_report()
+    own = sum(eng.last_step_ledger.values())
+    ok = rep["measured_step"] == 1 and rep["steps_run"] == 3 and rep["measured_bytes_per_step"] == want
+    ok &= own == (hop(P) if stage == "2" else want)
+    assert_all(comm, ok, f"stage {stage}: report of step {rep['measured_step']} {rep['measured_bytes_per_step']} B, "
+                         f"the skipped step's {own} B, expected {want} B")
     eng.model = wrapped.m
     res = eng.step(x, y, 1e-3)
     assert_all(comm, not res.skipped, "the step after an overflow should proceed")

@@ -113,6 +113,13 @@ def end_report(say, cfg: Config, engine, loop, eval_loss: float, H: float) -> di
     say(f"traffic per step per rank  measured {traffic['measured_bytes_per_step']:,} B   formula "
         f"{'(unquantized) ' if traffic.get('zeropp') else ''}{traffic['formula']} = "
         f"{traffic['formula_bytes_per_step']:,} B")
+    taken, run = traffic.get("measured_step"), traffic.get("steps_run", 0)
+    if taken is None and run and traffic["measured_bytes_per_step"] != traffic["plan_bytes_per_step"]:
+        say("  every step was skipped (fp16 overflow): a skipped step updates nothing, so it all-gathers no "
+            "updated params")
+    elif taken is not None and taken != run - 1:
+        say(f"  (step {taken}, the last step taken: the {run - 1 - taken} after it were skipped for fp16 overflow, "
+            "and a skipped step all-gathers no updated params)")
     for op, b in traffic["by_op"].items():
         if b:
             say(f"  {op:<22} {b:,} B")

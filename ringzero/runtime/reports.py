@@ -139,8 +139,20 @@ def io_report(engine) -> dict:
             "read_formula": form["read_formula"], "write_formula": form["write_formula"]}
 
 
+def reported_step(engine) -> tuple:
+    """(ledger, internode ledger, step number or None): the ledgers the traffic report reads. The last
+    step's, unless it was skipped (an fp16 overflow: no update, so stages 1-2 all-gather no params in it)
+    and an earlier step was taken: then the last step taken's. None: no step was taken yet."""
+    last, net = getattr(engine, "last_step_ledger", {}), getattr(engine, "last_step_internode", {})
+    taken = getattr(engine, "taken_step", None)
+    if taken is None or taken == getattr(engine, "step_count", 0) - 1:
+        return last, net, taken
+    return engine.taken_step_ledger, engine.taken_step_internode, taken
+
+
 def traffic_report(engine) -> dict:
-    """Bytes this rank sent in the last step, by collective, beside the formula."""
+    """Bytes this rank sent in the last step taken (reported_step), by collective, beside the formula."""
+    ledger, _, taken = reported_step(engine)
     L, topo, policy, K = engine.layout, engine.topology, engine.policy, engine.grad_accum
     n = topo.shard_size
     elements = accounting.traffic_elements(engine.stage, L.padded, topo.world_size, policy.ranks_per_node(n), K)
@@ -153,8 +165,9 @@ def traffic_report(engine) -> dict:
     if policy.gather_params:
         gathered = sum(L.unit_padded[w] for w, a, b in engine.plan.param_runs)
         exact = formula - K * ((2 * L.padded - gathered) * (n - 1) // n) * itemsize
-    measured = sum(engine.last_step_ledger.values())
-    return {"stage": engine.stage, "by_op": dict(engine.last_step_ledger),
+    measured = sum(ledger.values())
+    return {"stage": engine.stage, "by_op": dict(ledger), "measured_step": taken,
+            "steps_run": getattr(engine, "step_count", 0),
             "measured_bytes_per_step": int(measured),
             "formula_bytes_per_step": int(formula),
             "plan_bytes_per_step": int(exact),
@@ -182,7 +195,7 @@ def zeropp_traffic(engine, itemsize: int) -> dict:
     q = zpp.qc.ledger.as_dict() if zpp.qc is not None else {}
     split = {k: sum(rec[k] for rec in q.values()) for k in ("codes_intra", "scales_intra", "codes_inter",
                                                              "scales_inter")}
-    measured = sum(getattr(engine, "last_step_internode", {}).values())
+    measured = sum(reported_step(engine)[1].values())
     if engine.policy.hybrid:         # the switches act inside the node; only the replicas' all-reduce crosses
         return {"zeropp": pol.describe(), "zeropp_hybrid": True, "zeropp_quantized_bytes_so_far": split}
     return {"zeropp": pol.describe(), "zeropp_phases_psi": {k: v for k, v in vol.items() if k != "total"},
@@ -193,7 +206,7 @@ def zeropp_traffic(engine, itemsize: int) -> dict:
 
 
 def internode_report(engine, itemsize: int) -> dict:
-    """The part of the last step's bytes that went to other nodes, beside its formula.
+    """The part of the reported step's bytes (reported_step) that went to other nodes, beside its formula.
 
     N and P come from the world's NodeMap (topology.nodes): keys ``nodes``, ``node_ppn``
     (ranks per node; not hybrid's Ng), ``by_op_internode`` and the measured, formula and
@@ -205,7 +218,7 @@ def internode_report(engine, itemsize: int) -> dict:
     """
     L, topo, K, nm = engine.layout, engine.topology, engine.grad_accum, engine.topology.nodes
     nd = topo.world_size
-    measured = sum(getattr(engine, "last_step_internode", {}).values())
+    measured = sum(reported_step(engine)[1].values())
     formula = plan = None
     try:                 # hybrid's shard group must sit inside a node, else no formula
         el = accounting.internode_elements(engine.stage, L.padded, nd, nm.count,
@@ -220,7 +233,7 @@ def internode_report(engine, itemsize: int) -> dict:
             gathered = sum(L.unit_padded[w] for w, a, b in engine.plan.param_runs)
             plan = formula - K * ((2 * L.padded - gathered) * (nm.count - 1) // nd) * itemsize
     return {"nodes": nm.count, "node_ppn": nm.ppn, "node_map": nm.describe(),
-            "by_op_internode": dict(getattr(engine, "last_step_internode", {})),
+            "by_op_internode": dict(reported_step(engine)[1]),
             "measured_internode_bytes_per_step": int(measured),
             "formula_internode_bytes_per_step": formula,
             "plan_internode_bytes_per_step": plan,
