@@ -10,6 +10,8 @@ What it is
         qgz        int4 gradients through the two-hop all-to-all
         all        qwz,hpz,qgz
         all+ef     qwz,hpz,qgz --zeropp-error-feedback
+        qgz+ef     qgz --zeropp-error-feedback                 (not in the default list)
+        qgz8       qgz --zeropp-bits 8: int8 gradients         (not in the default list)
 
     across ``launch/cluster --nodes 2 --ranks-per-node 2`` (--cluster 2x2, as root; the nodes
     are rzq-n1, rzq-n2 at 198.18.49.0/24) or, with --emulate, ``mpirun -n 4`` on one host with
@@ -43,14 +45,18 @@ ROOT = cluster_opts.ROOT
 PY = sys.executable
 CONFIGS = {"off": [], "qwz": ["--zeropp", "qwz"], "hpz": ["--zeropp", "hpz"], "qgz": ["--zeropp", "qgz"],
            "all": ["--zeropp", "qwz,hpz,qgz"],
-           "all+ef": ["--zeropp", "qwz,hpz,qgz", "--zeropp-error-feedback"]}
+           "all+ef": ["--zeropp", "qwz,hpz,qgz", "--zeropp-error-feedback"],
+           "qgz+ef": ["--zeropp", "qgz", "--zeropp-error-feedback"], "qgz8": ["--zeropp", "qgz", "--zeropp-bits", "8"]}
 
 
 def trainer_args(a, name: str, out: str) -> list:
     return ["--stage", "3", "--n-layer", str(a.n_layer), "--n-embd", str(a.n_embd), "--n-head", str(a.n_head),
             "--seq-len", str(a.seq_len), "--batch", str(a.batch), "--steps", str(a.steps),
             "--eval-interval", str(a.eval_interval), "--eval-batches", str(a.eval_batches), "--seed", str(a.seed),
-            "--quiet", "--metrics", os.path.join(out, f"{name}.jsonl")] + CONFIGS[name]
+            "--quiet", "--metrics", os.path.join(out, f"{name}.jsonl")] + (
+                ["--lr", repr(a.lr)] if a.lr else []) + CONFIGS[name] + (
+                ["--zeropp-block", str(a.block)] if a.block and CONFIGS[name] else []) + (
+                ["--zeropp-grad-block", str(a.grad_block)] if a.grad_block and CONFIGS[name] else [])
 
 
 def launch(a, out: str) -> list:
@@ -108,6 +114,12 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-interval", type=int, default=50)
     ap.add_argument("--eval-batches", type=int, default=4)
     ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--lr", type=float, default=2e-3, help="the peak learning rate (default 2e-3: of 1e-3, 2e-3 and "
+                    "4e-3, the unquantized run ends lowest at 2e-3 at the default model; docs/quantized.md)")
+    ap.add_argument("--block", type=int, default=None, help="--zeropp-block (qwz's weights) for every quantized "
+                    "config (default: the trainer's, 2048)")
+    ap.add_argument("--grad-block", type=int, default=None, help="--zeropp-grad-block (qgz's gradients) for every "
+                    "quantized config (default: the trainer's, 256)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per config")
     ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "ringzero-zeropp"),
                     help="the metrics files' folder")
@@ -146,6 +158,8 @@ def main(argv=None) -> int:
     where = (f"mpirun -n {a.nodes * a.ppn}, RINGZERO_EMULATE_NODES={a.nodes}" if a.emulate
              else cluster_opts.describe(a))
     print(f"\nstage 3, {a.n_layer} x {a.n_embd} (seq {a.seq_len}, batch {a.batch} a rank), {a.steps} steps, "
+          f"lr {a.lr or 'the trainer default'}, blocks {a.block or 2048} (weights) and {a.grad_block or 256} "
+          "(gradients), "
           f"{where}\n")
     print(table(res))
     if a.png:

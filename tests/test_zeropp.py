@@ -21,6 +21,7 @@ from conftest import assert_all
 from test_zero import batches, engine, train
 
 BLOCK = 64                     # several blocks a chunk, a short last one: the tiny model's units are ~1-2k
+GRAD_BLOCK = 40                # qgZ's blocks: another size, so weights and gradients in each other's blocks fail
 
 
 def labels_of(n):
@@ -29,17 +30,17 @@ def labels_of(n):
 
 def policy(spec, **kw):
     from ringzero.runtime.zeropp import ZeroPPPolicy
-    return ZeroPPPolicy.parse(spec, block=BLOCK, **kw)
+    return ZeroPPPolicy.parse(spec, block=BLOCK, **{"grad_block": GRAD_BLOCK, **kw})
 
 
 # ------------------------------------------------------------- the reference
-def ref_quant(x, bits, rnd=np.rint):
+def ref_quant(x, bits, block, rnd=np.rint):
     """x (fp32, 1-D) -> its dequantized values, written from the format's definition."""
     qmax = np.float32(127 if bits == 8 else 7)
-    nb = -(-len(x) // BLOCK)
-    xp = np.zeros(nb * BLOCK, np.float32)
+    nb = -(-len(x) // block)
+    xp = np.zeros(nb * block, np.float32)
     xp[:len(x)] = x
-    blocks = xp.reshape(nb, BLOCK)
+    blocks = xp.reshape(nb, block)
     scale = (np.abs(blocks).max(axis=1).astype(np.float32) / qmax).astype(np.float32)
     ok = (scale != 0) & np.isfinite(scale)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -66,7 +67,7 @@ class RefComm:
 
     def all_gather(self, send, recv):
         for b, row in enumerate(self._everyone(send)):
-            recv[b * len(send):(b + 1) * len(send)] = ref_quant(row, self.wbits, self.rnd).astype(recv.dtype)
+            recv[b * len(send):(b + 1) * len(send)] = ref_quant(row, self.wbits, BLOCK, self.rnd).astype(recv.dtype)
         return recv
 
     def reduce_scatter(self, send, recv, op="sum", residual=None):
@@ -74,10 +75,10 @@ class RefComm:
         x = np.asarray(send, np.float32).copy()
         if residual is not None:
             x = (x + residual).astype(np.float32)
-            deq = np.concatenate([ref_quant(x[b * m:(b + 1) * m], self.gbits, self.rnd) for b in range(n)])
+            deq = np.concatenate([ref_quant(x[b * m:(b + 1) * m], self.gbits, GRAD_BLOCK, self.rnd) for b in range(n)])
             residual[...] = x - deq
         xs = self._everyone(x)
-        v = lambda src, b: ref_quant(xs[src][b * m:(b + 1) * m], self.gbits, self.rnd)   # noqa: E731
+        v = lambda src, b: ref_quant(xs[src][b * m:(b + 1) * m], self.gbits, GRAD_BLOCK, self.rnd)   # noqa: E731
         if not nm.uniform:                               # one hop: rank order
             srcs = list(range(n))[::self.order]
             acc = v(srcs[0], r).copy()
@@ -91,7 +92,7 @@ class RefComm:
                 part = v(at[k, loc[0]], r).copy()
                 for i in loc[1:]:
                     part += v(at[k, i], r)
-                q = ref_quant(part, self.gbits, self.rnd)
+                q = ref_quant(part, self.gbits, GRAD_BLOCK, self.rnd)
                 acc = q.copy() if acc is None else acc + q
         recv[...] = acc.astype(recv.dtype)
         return recv
@@ -235,10 +236,10 @@ def test_checkpoint_is_full_precision_and_resumes(comm, tmp_path_factory):
     assert_all(comm, got == ref, f"resumed losses {got} vs {ref}")
 
 
-def wire(m, bits):
+def wire(m, bits, block):
     """(codes bytes padded to 4, scales bytes) of one quantized chunk of m elements."""
     codes = m if bits == 8 else -(-m // 2)
-    return -(-codes // 4) * 4, 4 * -(-m // BLOCK)
+    return -(-codes // 4) * 4, 4 * -(-m // block)
 
 
 @pytest.mark.mpi
@@ -253,14 +254,14 @@ def test_internode_bytes_are_the_wire_sizes(comm):
     eng.step(*data.get(1), 3e-3)
     after = eng.topology.zeropp.qc.ledger.as_dict()
     L = eng.layout
-    codes = sum(wire(m, 8)[0] + wire(m, 4)[0] for m in L.piece_numel)       # N - 1 = 1 peer across
-    scales = sum(wire(m, 8)[1] + wire(m, 4)[1] for m in L.piece_numel)
+    codes = sum(wire(m, 8, BLOCK)[0] + wire(m, 4, GRAD_BLOCK)[0] for m in L.piece_numel)   # N - 1 = 1 peer across
+    scales = sum(wire(m, 8, BLOCK)[1] + wire(m, 4, GRAD_BLOCK)[1] for m in L.piece_numel)
     got = {k: sum(after[op][k] - before[op][k] for op in after) for k in ("codes_inter", "scales_inter")}
     rep = eng.traffic_report()
     ok = got == {"codes_inter": codes, "scales_inter": scales}
     ok &= rep["measured_internode_bytes_per_step"] == codes + scales      # hpZ's ring: nothing across
     ok &= rep["by_op_internode"].get("all_gather@hpz", 0) == 0 and rep["by_op"].get("all_gather@hpz", 0) > 0
-    # ZeRO++'s formula (0.5 + 1/32 + 0 + 0.25 + 1/32 at block 64) is the plan's within block padding
+    # ZeRO++'s formula (0.5 + 1/32 + 0 + 0.25 + 1/20 at blocks 64 and 40) is the plan's within block padding
     ok &= abs(rep["zeropp_measured_psi"] - rep["zeropp_formula_psi"]) < 0.05
     mem = eng.memory_report()
     ok &= mem["hpz_secondary_bytes"] == mem["hpz_secondary_formula_bytes"] == 2 * L.padded // (n // 2)
@@ -290,9 +291,11 @@ def test_policy_parse_and_refusals():
     from ringzero.runtime.zeropp import ZeroPPPolicy, check
     p = ZeroPPPolicy.parse("qgz, qwz")
     assert (p.qwz, p.hpz, p.qgz, p.grads.bits, p.weights.bits, p.block) == (True, False, True, 4, 8, 2048)
+    assert (p.weights.block, p.grads.block) == (2048, 256)
     assert not ZeroPPPolicy.parse("").enabled and not ZeroPPPolicy.parse("none").enabled
     bad = [lambda: ZeroPPPolicy.parse("qwz,zpp"), lambda: ZeroPPPolicy.parse("qgz", grad_bits=2),
-           lambda: ZeroPPPolicy.parse("qgz", block=0), lambda: ZeroPPPolicy.parse("qwz", error_feedback=True),
+           lambda: ZeroPPPolicy.parse("qgz", block=0), lambda: ZeroPPPolicy.parse("qgz", grad_block=0),
+           lambda: ZeroPPPolicy.parse("qwz", error_feedback=True),
            lambda: check(p, StagePolicy.of("2")), lambda: check(ZeroPPPolicy(hpz=True), StagePolicy.of("hybrid")),
            lambda: check(p, StagePolicy.of("3"), overlap=True, host=False),
            lambda: check(p, StagePolicy.of("3"), prefetch=1, host=False)]
@@ -336,6 +339,8 @@ def memcheck_model_cfg(cfg):
     (["--zeropp-bits", "8", "--stage", "3"], "--zeropp-bits is given without --zeropp"),
     (["--zeropp", "qwz", "--stage", "3", "--zeropp-error-feedback"], "expected --zeropp with qgz"),
     (["--zeropp", "qwz", "--stage", "3", "--zeropp-block", "0"], "--zeropp-block: expected an int >= 1"),
+    (["--zeropp", "qgz", "--stage", "3", "--zeropp-grad-block", "-4"], "--zeropp-grad-block: expected an int >= 1"),
+    (["--zeropp-grad-block", "512", "--stage", "3"], "--zeropp-grad-block is given without --zeropp"),
 ])
 def test_bad_flags_one_line_exit_2(tmp_path, args, needle):
     from test_train import _check

@@ -24,9 +24,9 @@ def test_estimate_zeropp_json(capsys):
     assert main(["--params", "1B", "--nd", "8", "--ranks-per-node", "4", "--zeropp", "qwz,hpz,qgz",
                  "--zeropp-error-feedback", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)["zeropp"]
-    psi, nd, P, N, blk = 10 ** 9, 8, 4, 2, 2048
+    psi, nd, P, N, blk, gblk = 10 ** 9, 8, 4, 2, 2048, 256  # the weights' and the gradients' blocks
     one = (N - 1) / nd * psi * 2                           # one unquantized phase, fp16
-    want = one * ((0.5 + 2 / blk) + 0 + (0.25 + 2 / blk))
+    want = one * ((0.5 + 2 / blk) + 0 + (0.25 + 2 / gblk))
     assert r["internode_bytes_per_step"] == pytest.approx(want, rel=1e-12)
     assert r["internode_bytes_unquantized"] == pytest.approx(3 * one, rel=1e-12)
     assert r["extra_bytes"] == {"hpz_secondary": psi * 2 / P, "qgz_residual": 4 * psi}
@@ -65,7 +65,7 @@ def test_simulate_internode_bytes_per_switch(spec):
         want += internode_bytes("all_gather", nd, g, N)                                      # forward
         if u != U - 1:
             want += 0 if pol.hpz else internode_bytes("all_gather", nd, g, N)               # backward
-        rs = round(wire(S, 4, 2048)) if pol.qgz else 2 * S
+        rs = round(wire(S, 4, 256)) if pol.qgz else 2 * S                  # the gradients' blocks: 256
         want += internode_bytes("reduce_scatter", nd, rs, N)
     assert got == pytest.approx(want, rel=1e-9), (spec, got, want, base)
     assert got < base
@@ -90,7 +90,7 @@ def test_explain_traffic_knows_the_switches(tmp_path, capsys):
     from ringzero.tools import explain as ex
     assert ex.main(["traffic", "--params", "1B", "--nd", "4", "--nodes", "2", "--zeropp", "qwz,hpz,qgz"]) == 0
     out = capsys.readouterr().out
-    want = (2 - 1) / 4 * 10 ** 9 * 2 * ((0.5 + 2 / 2048) + (0.25 + 2 / 2048)) / 1e9
+    want = (2 - 1) / 4 * 10 ** 9 * 2 * ((0.5 + 2 / 2048) + (0.25 + 2 / 256)) / 1e9     # blocks 2048 and 256
     assert f"= {want:.4g} GB (unquantized {3 * 10 ** 9 * 2 / 4 / 1e9:.4g} GB)" in out, out[-600:]
     path, _ = _metrics(tmp_path, psi=1024, n=4, stage="3")
     lines = [json.loads(x) for x in open(path)]

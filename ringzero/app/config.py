@@ -100,7 +100,9 @@ class Config:
                           'all-gathers), "hpz" (a secondary params shard inside the node: the backward\'s gathers '
                           'stay there; stage 3), "qgz" (the gradients\' reduce-scatter in int4/int8 through a '
                           'two-hop all-to-all), comma-separated; "" = off. Turns overlap off')
-    zeropp_block: int = opt(2048, "--zeropp: elements per fp32 scale (qwz, qgz), as ZeRO++'s 2048")
+    zeropp_block: int = opt(2048, "--zeropp: elements per fp32 scale of qwz's int8 weights")
+    zeropp_grad_block: int = opt(256, "--zeropp: elements per fp32 scale of qgz's gradient codes (at 2048, "
+                                 "int4 sends half a gradient as zero)")
     zeropp_bits: int = opt(4, "--zeropp qgz: bits of the gradient codes, 4 (ZeRO++'s) or 8")
     zeropp_error_feedback: bool = opt(False, "--zeropp qgz: keep each rank's quantization residual (4 bytes per "
                                              "parameter) and add it to the next step's gradient")

@@ -146,7 +146,7 @@ def zeropp_bytes(cfg: Config, L, P, ppn: int, sd) -> int:
     n, m = L.shards, max(L.piece_numel)
     scratch = n * Quant(8, cfg.zeropp_block).wire_bytes(m) if "qwz" in words else 0
     if "qgz" in words:
-        g = Quant(cfg.zeropp_bits, cfg.zeropp_block).wire_bytes(m)
+        g = Quant(cfg.zeropp_bits, cfg.zeropp_grad_block).wire_bytes(m)
         scratch += 4 * n * g + 4 * m + 4 * n * m + (4 * n * m if ef else 0)
     return hpz + (4 * L.padded if ef else 0) + scratch
 

@@ -18,11 +18,13 @@ from ringzero.app.exits import ConfigError
 
 
 def zeropp_policy(cfg):
-    """The ZeroPPPolicy of --zeropp, --zeropp-block, --zeropp-bits, --zeropp-error-feedback (runtime/zeropp.py)."""
+    """The ZeroPPPolicy of --zeropp, --zeropp-block, --zeropp-grad-block, --zeropp-bits, --zeropp-error-feedback
+    (runtime/zeropp.py)."""
     from ringzero.runtime.zeropp import ZeroPPPolicy
     try:
         return ZeroPPPolicy.parse(cfg.zeropp, block=int(cfg.zeropp_block), grad_bits=int(cfg.zeropp_bits),
-                                  error_feedback=bool(cfg.zeropp_error_feedback))
+                                  error_feedback=bool(cfg.zeropp_error_feedback),
+                                  grad_block=int(cfg.zeropp_grad_block))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -33,7 +35,7 @@ def validate_zeropp(cfg):
     from ringzero.runtime.zeropp import check
     pol = zeropp_policy(cfg)
     if not pol.enabled:
-        for k in ("zeropp_bits", "zeropp_block", "zeropp_error_feedback"):
+        for k in ("zeropp_bits", "zeropp_block", "zeropp_grad_block", "zeropp_error_feedback"):
             if getattr(cfg, k) != getattr(type(cfg), k):
                 raise ConfigError(f"--{k.replace('_', '-')} is given without --zeropp: add --zeropp qwz,hpz,qgz "
                                   "(or a subset)")

@@ -70,12 +70,13 @@ class QLedger:
 
 
 def zeropp_volume(qwz: bool = False, hpz: bool = False, qgz: bool = False,
-                  weights: Quant = Quant(8, 2048), grads: Quant = Quant(4, 2048), elem_bytes: int = 2) -> dict:
+                  weights: Quant = Quant(8, 2048), grads: Quant = Quant(4, 256), elem_bytes: int = 2) -> dict:
     """Stage 3's cross-node volume per step in units of Ψ * elem_bytes (the seed's 3Ψ at fp16).
 
     Returns {"forward_all_gather", "backward_all_gather", "reduce_scatter", "total"}: each phase's
     bytes per element over elem_bytes (1.0 = the unquantized phase). The unquantized total is 3.0;
-    all three switches with int8 / int4 and block 2048 give 0.5 + 1/1024 + 0 + 0.25 + 1/1024.
+    all three switches with int8 weights in blocks of 2048 and int4 gradients in blocks of 256 (the
+    engine's defaults, runtime/zeropp.py) give 0.5 + 1/1024 + 0 + 0.25 + 1/128.
     """
     wq = weights.bytes_per_element() / elem_bytes if qwz else 1.0
     out = {"forward_all_gather": wq,

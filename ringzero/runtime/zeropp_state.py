@@ -51,7 +51,8 @@ def record(engine) -> dict | None:
     if z is None:
         return None
     return {"world": int(engine.comm.size), "nodes": list(map(int, engine.topology.nodes.node_of)),
-            "padded": int(engine.layout.padded), "block": int(z.policy.block), "grad_bits": int(z.policy.grad_bits)}
+            "padded": int(engine.layout.padded), "block": int(z.policy.block), "grad_bits": int(z.policy.grad_bits),
+            "grad_block": int(z.policy.grad_block)}
 
 
 def write(engine, tmp: str) -> dict:

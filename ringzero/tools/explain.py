@@ -287,13 +287,16 @@ def main(argv=None):
                                     "ringzero.comm.quant) on the small GPT's weights and gradient after a few "
                                     "steps: relative RMS, worst element, share flushed to zero, bytes per element.")
     qp.add_argument("--steps", type=int, default=3, help="Adam steps before the gradient is taken (default 3)")
-    qp.add_argument("--block", type=int, default=2048, help="elements per fp32 scale (default 2048, as ZeRO++)")
+    qp.add_argument("--block", type=int, default=2048, help="elements per fp32 scale of the weights (default 2048)")
+    qp.add_argument("--grad-block", type=int, default=256, help="elements per fp32 scale of the gradient "
+                    "(default 256, as the trainer's qgZ)")
     a = ap.parse_args(argv)
     if a.what == "quantized":
-        if a.steps < 1 or a.block < 1:
-            qp.error(f"expected --steps >= 1 and --block >= 1, got --steps {a.steps} --block {a.block}")
+        if a.steps < 1 or a.block < 1 or a.grad_block < 1:
+            qp.error(f"expected --steps >= 1, --block >= 1 and --grad-block >= 1, got --steps {a.steps} "
+                     f"--block {a.block} --grad-block {a.grad_block}")
         from ringzero.tools.quant_error import print_quant
-        print_quant(a.steps, a.block)
+        print_quant(a.steps, a.block, grad_block=a.grad_block)
         return 0
     if a.what == "offload":
         return _offload(a, op)

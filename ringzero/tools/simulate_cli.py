@@ -100,7 +100,10 @@ def build_parser():
                          "(default optimizer,optimizer+params; params only at stage 3)")
     zp = ap.add_argument_group("ZeRO++ (docs/quantized.md): adds a stage 3 (and hybrid) row with the switches")
     zp.add_argument("--zeropp", default="", help="any of qwz,hpz,qgz (comma-separated), as the trainer's --zeropp")
-    zp.add_argument("--zeropp-block", type=int, default=2048, help="elements per fp32 scale (default 2048)")
+    zp.add_argument("--zeropp-block", type=int, default=2048, help="elements per fp32 scale of qwz's weights "
+                    "(default 2048)")
+    zp.add_argument("--zeropp-grad-block", type=int, default=256, help="elements per fp32 scale of qgz's gradients "
+                    "(default 256)")
     zp.add_argument("--zeropp-bits", type=int, default=4, help="qgz's gradient codes: 4 or 8 (default 4)")
     ap.add_argument("--plot", help="PNG: step time against link bandwidth per stage (matplotlib)")
     ap.add_argument("--json", help="write the predictions (or, for measure, the compute) here")
@@ -337,7 +340,8 @@ def main(argv=None):
         if a.reduce_bucket_mb is not None and not a.reduce_bucket_mb >= 0:
             raise ValueError(f"--reduce-bucket-mb must be >= 0, got {a.reduce_bucket_mb}")
         from ringzero.runtime.zeropp import ZeroPPPolicy
-        zpp = ZeroPPPolicy.parse(a.zeropp, block=a.zeropp_block, grad_bits=a.zeropp_bits)
+        zpp = ZeroPPPolicy.parse(a.zeropp, block=a.zeropp_block, grad_bits=a.zeropp_bits,
+                                 grad_block=a.zeropp_grad_block)
         if zpp.hpz and "hybrid" in stages and not zpp.qwz and not zpp.qgz and "3" not in stages:
             raise ValueError("--zeropp hpz applies to stage 3 (hybrid's gathers stay in the node already)")
         comp, links = _compute(a, cfg, seq), _links(a)

@@ -9,7 +9,7 @@ What it is
         across nodes per step    (N-1)/Nd · Ψ · storage bytes per phase, times the switch's factor
                                  (comm/qledger.zeropp_volume: qwZ (1 + 4/block)/b on each gather,
                                  hpZ 0 on the backward's, qgZ (bits/8 + 4/block)/b on the
-                                 reduce-scatter; b = the storage dtype's bytes): 3 -> 0.752 at fp16
+                                 reduce-scatter; b = the storage dtype's bytes): 3 -> 0.759 at fp16
 
 What it is not
     The engine's measurement (the trainer's closing report prints that beside this formula) or
@@ -24,7 +24,8 @@ from ringzero.runtime import accounting as acc
 def add_args(ap):
     ap.add_argument("--zeropp", default="", help="ZeRO++ at stage 3: any of qwz,hpz,qgz; needs --ranks-per-node "
                                                  "(P ranks per node): hpZ's memory and the bytes across nodes")
-    ap.add_argument("--zeropp-block", type=int, default=2048, help="--zeropp: elements per fp32 scale")
+    ap.add_argument("--zeropp-block", type=int, default=2048, help="--zeropp qwz: elements per fp32 scale")
+    ap.add_argument("--zeropp-grad-block", type=int, default=256, help="--zeropp qgz: elements per fp32 scale")
     ap.add_argument("--zeropp-bits", type=int, default=4, help="--zeropp qgz: 4 or 8")
     ap.add_argument("--zeropp-error-feedback", action="store_true", help="--zeropp qgz: count the 4Ψ residual")
 
@@ -35,7 +36,7 @@ def from_args(a, psi: int):
         return None
     from ringzero.runtime.zeropp import ZeroPPPolicy
     pol = ZeroPPPolicy.parse(a.zeropp, block=a.zeropp_block, grad_bits=a.zeropp_bits,
-                             error_feedback=a.zeropp_error_feedback)
+                             error_feedback=a.zeropp_error_feedback, grad_block=a.zeropp_grad_block)
     if not a.ranks_per_node:
         raise ValueError("--zeropp needs --ranks-per-node (P ranks per node: hpZ's shard and what crosses)")
     return zeropp_estimate(psi, a.nd, a.ranks_per_node, pol, a.precision)
