@@ -150,9 +150,7 @@ class Zero:
         self.step_count = 0
         self.last_step_ledger = {}
         self.last_step_internode = {}        # the part of last_step_ledger sent to other nodes
-        # the same two for the last step taken (not skipped for an fp16 overflow), and its number: a skipped
-        # step updates nothing, so stages 1-2 all-gather no params in it; the traffic report reads these
-        self.taken_step, self.taken_step_ledger, self.taken_step_internode = None, {}, {}
+        self.taken_step, self.taken_step_ledger, self.taken_step_internode = None, {}, {}   # reports.reported_step
 
     @property
     def bufs(self) -> dict:
@@ -256,7 +254,7 @@ class Zero:
         self.last_step_ledger = {k: led1[k] - led0.get(k, 0) for k in led1}
         net1 = reports.ledger_totals(self.topology, "bytes_sent_internode")
         self.last_step_internode = {k: net1[k] - net0.get(k, 0) for k in net1}
-        if not skipped:
+        if not skipped:       # the last step taken: a skipped one updates nothing, so stages 1-2 gather no params
             self.taken_step = self.step_count - 1
             self.taken_step_ledger, self.taken_step_internode = self.last_step_ledger, self.last_step_internode
         return StepResult(loss, gnorm, skipped, scale, int(self._all_scalars[:, 2].max()))

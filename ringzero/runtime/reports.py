@@ -140,13 +140,12 @@ def io_report(engine) -> dict:
 
 
 def reported_step(engine) -> tuple:
-    """(ledger, internode ledger, step number or None): the ledgers the traffic report reads. The last
-    step's, unless it was skipped (an fp16 overflow: no update, so stages 1-2 all-gather no params in it)
-    and an earlier step was taken: then the last step taken's. None: no step was taken yet."""
-    last, net = getattr(engine, "last_step_ledger", {}), getattr(engine, "last_step_internode", {})
+    """(ledger, internode ledger, step number or None): the ledgers the traffic report reads, the last step
+    taken's (engine.taken_step): a step skipped for an fp16 overflow updates nothing, so stages 1-2
+    all-gather no params in it. None: no step was taken yet, and the last step's are read."""
     taken = getattr(engine, "taken_step", None)
-    if taken is None or taken == getattr(engine, "step_count", 0) - 1:
-        return last, net, taken
+    if taken is None:
+        return getattr(engine, "last_step_ledger", {}), getattr(engine, "last_step_internode", {}), None
     return engine.taken_step_ledger, engine.taken_step_internode, taken
 
 
