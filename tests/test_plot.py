@@ -74,6 +74,16 @@ def test_losses_side_by_side(tmp_path, capsys):
     assert "none: final eval loss 2.1000" in text and "qwz,hpz,qgz: final eval loss 2.1200" in text
 
 
+def test_eval_points_end_with_the_final_evaluation():
+    """The side-by-side plot's held-out curve: the periodic evaluations, then the summary's final one at
+    the last step (before, the curve stopped at the last periodic one, 50 steps short)."""
+    steps = [{"step": i, "loss": 3.0, **({"eval_loss": 2.5 - i / 1000} if i % 50 == 49 else {})} for i in range(300)]
+    xs, ys = plot.eval_points(steps[:-1] + [steps[-1] | {"eval_loss": None}], {"eval_loss": 2.2})
+    assert xs == [49, 99, 149, 199, 249, 299] and ys[-1] == 2.2 and ys[0] == 2.5 - 49 / 1000
+    assert plot.eval_points(steps[:10], {"eval_loss": 2.2}) == ([9], [2.2])
+    assert plot.eval_points(steps[:10], None) == ([], [])
+
+
 def test_bad_inputs_exit_2(tmp_path):
     p = tmp_path / "empty.jsonl"
     p.write_text("")

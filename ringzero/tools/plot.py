@@ -130,6 +130,15 @@ def plot_loss(path: str, out: str, title=None) -> str:
     return out
 
 
+def eval_points(steps: list, summ) -> tuple:
+    """(steps, losses) of a run's held-out evaluations: the periodic ones (in their step's record) and
+    the final one (in the summary), at the last step's record, the step after which it ran."""
+    ev = [(d["step"], d["eval_loss"]) for d in steps if d.get("eval_loss") is not None]
+    if summ and summ.get("eval_loss") is not None and steps and (not ev or ev[-1][0] != steps[-1]["step"]):
+        ev.append((steps[-1]["step"], summ["eval_loss"]))
+    return [x for x, _ in ev], [y for _, y in ev]
+
+
 def plot_losses(paths: list, out: str, title=None) -> dict:
     """Several runs side by side (e.g. ZeRO++'s switches against the unquantized run): each file's
     train loss (thin) and eval loss (markers), labelled by the file's name. Returns {name: final eval
@@ -145,10 +154,9 @@ def plot_losses(paths: list, out: str, title=None) -> dict:
         name = os.path.splitext(os.path.basename(path))[0]
         ax.plot([d["step"] for d in steps], [d["loss"] for d in steps], lw=0.8, color=f"C{i}", alpha=0.6,
                 label=f"{name} train")
-        ev = [d for d in steps if d.get("eval_loss") is not None]
-        if ev:
-            ax.plot([d["step"] for d in ev], [d["eval_loss"] for d in ev], "o-", color=f"C{i}", ms=3,
-                    label=f"{name} eval")
+        xs, ys = eval_points(steps, summ)
+        if xs:
+            ax.plot(xs, ys, "o-", color=f"C{i}", ms=3, label=f"{name} eval")
         finals[name] = summ.get("eval_loss") if summ else None
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats per token)")
