@@ -426,10 +426,13 @@ def test_no_allocation_after_the_first_steps(comm):
     """The switches' buffers (hpZ's shard, qgZ's residual, the collectives' scratch) are made once, and
     a step keeps nothing: after 10 steps of warm-up, 10 more grow traced memory by less than 24 KiB and
     move no buffer. Counted after a gc.collect() (what is kept, not cyclic garbage the collector has yet
-    to visit) over steps 20-30, a second window: the Ring's plan cache (an LRU, bounded) is still filling
-    in the first (at n = 8 it adds ~40 KB over the first 50 steps, most in the first 10, and then
-    nothing in 350 more). A leak grows both windows alike: the started calls' Pendings that the progress
-    thread's list once kept (~5.5 KB a step at n = 8) gave ~55 KB here."""
+    to visit) over steps 20-30 and 30-40, the lesser of the two: the Ring's plan cache (an LRU, bounded)
+    is still filling in the first 10-20 steps (at n = 8 it adds ~40 KB over the first 50 steps, most in
+    the first 10, and then nothing in 350 more), and how many of a step's started calls are still
+    listed at its end depends on the machine's load (a CI run at n = 8 read 16.6 KB over 10-20 and
+    26.9 KB over 20-30; run alone, ~6 KB and ~3 KB over 20-30 and 30-40). A leak grows every window
+    alike: the started calls' Pendings that the progress thread's list once kept (~5.5 KB a step at
+    n = 8) gave ~55 KB in each."""
     import gc
     import tracemalloc
     eng = engine(comm, "3", nodes=labels_of(comm.size), zeropp=policy("qwz,hpz,qgz", error_feedback=True))
@@ -440,15 +443,16 @@ def test_no_allocation_after_the_first_steps(comm):
             sorted((k, v.ctypes.data) for k, v in zpp.qc._ws.items()))
     tracemalloc.start()
     at = []
-    for s in range(10, 31):
-        if s in (10, 20, 30):
+    for s in range(10, 41):
+        if s in (10, 20, 30, 40):
             gc.collect()
             at.append(tracemalloc.get_traced_memory()[0])
-        if s < 30:
+        if s < 40:
             eng.step(*data.get(s), 1e-3)
     tracemalloc.stop()
-    first, grown = at[1] - at[0], at[2] - at[1]
+    first, grown = at[1] - at[0], min(at[2] - at[1], at[3] - at[2])
     now = (zpp.secondary.ctypes.data, zpp.residual.ctypes.data,
            sorted((k, v.ctypes.data) for k, v in zpp.qc._ws.items()))
     assert_all(comm, now == ptrs and grown < 24 * 1024,
-               f"moved: {now != ptrs}; grew {grown} B over steps 20-30 ({first} B over 10-20)")
+               f"moved: {now != ptrs}; grew {at[2] - at[1]} B over steps 20-30 and {at[3] - at[2]} B over 30-40 "
+               f"({first} B over 10-20)")
