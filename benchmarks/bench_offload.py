@@ -38,6 +38,7 @@ What it is not: a test (the bitwise checks are tests/test_offload.py).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -158,6 +159,21 @@ def steps(eng, a, comm, say) -> list:
     return rows
 
 
+def refusal(a, model, comm, offload: bool) -> str | None:
+    """The trainer's start-up memory check (app/memcheck.py) for this engine: its one-line refusal, or None.
+    Collective. Each engine is checked before it allocates, as ``python -m ringzero.train`` checks."""
+    from ringzero.app import memcheck
+    from ringzero.app.config import Config, ConfigError
+    cfg = Config(stage=a.stage, precision=a.precision, batch=a.batch, seq_len=a.seq_len, sample_chars=0,
+                 offload=a.offload if offload else "", offload_dir=a.offload_dir if offload else "",
+                 offload_depth=a.depth, offload_threads=a.threads)
+    try:
+        memcheck.check(cfg, model, comm)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 def main() -> int:
     comm = MPI.COMM_WORLD
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -190,7 +206,11 @@ def main() -> int:
     try:
         wr, rd, how = probe(a.offload_dir, parse_size(a.probe), comm, a.threads, OffloadPolicy().tile * 4)
         a.disk = rd, wr
-        eng = Zero(GPT(cfg), comm, a.stage, precision=a.precision, seed=1,
+        model = GPT(cfg)
+        why = refusal(a, model, comm, offload=True)
+        if why:
+            return leave(comm, 2, f"bench_offload: {why}")
+        eng = Zero(model, comm, a.stage, precision=a.precision, seed=1,
                    offload=OffloadPolicy.parse(a.offload, a.offload_dir, ahead=a.ahead, buffers=a.depth + 2,
                                                io_threads=a.threads))
     except (OSError, OffloadError) as e:
@@ -212,8 +232,14 @@ def main() -> int:
             f"{rates[1] / 1e9:.2f} GB/s ({rates[1] / wr:.0%}) (the node's bytes over the slowest rank's busy seconds)")
     say(f"step / max(compute + arithmetic, I/O) = {row['step'] / max(work, io_s):.2f}")
     eng.close()
+    del eng                    # its RAM classes (params, grads) go before the in-RAM engine allocates
+    gc.collect()
     if a.compare_ram:          # the same shapes, steps and tokens with every class in RAM, in this command
-        ram = Zero(GPT(cfg), comm, a.stage, precision=a.precision, seed=1)
+        model = GPT(cfg)
+        why = refusal(a, model, comm, offload=False)
+        if why:
+            return leave(comm, 2, f"bench_offload: --compare-ram: {why}")
+        ram = Zero(model, comm, a.stage, precision=a.precision, seed=1)
         ram_row = sorted(steps(ram, a, comm, say), key=lambda r: r[0]["step"])[(len(rows) - 1) // 2][0]
         say(f"in RAM: step {ram_row['step']:.3f} s (the median of {a.steps}); offloaded / in RAM = "
             f"{row['step'] / ram_row['step']:.2f}")

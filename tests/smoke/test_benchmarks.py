@@ -364,3 +364,17 @@ def test_model_before_after_sh(tmp_path):
                         r"^this tree / {rev}: [\d.]+x the fwd\+bwd time .*; "
                         r"[\d.]+x and [\d.]+x their GEMM floors, [\d.]+x of each other$")
     assert len(re.findall(r"round 1: fwd\+bwd +[\d.]+ ms, GEMM floor +[\d.]+ ms", out)) == 2, out
+
+
+def test_bench_offload_refuses_up_front_with_the_numbers(monkeypatch):
+    """bench_offload checks each engine's memory before it allocates, as the trainer does: on a node
+    with 1 MiB available it ends with the memory check's one line on exit 2, not a kernel kill."""
+    monkeypatch.setenv("RINGZERO_MEM_AVAILABLE", "1MiB")
+    args = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--steps", "1", "--probe", "1M",
+            "--offload-dir", "/tmp", "--compare-ram"]
+    rc, out = run([PY, "-m", "mpi4py", os.path.join("benchmarks", "bench_offload.py"), *args], ranks=2)
+    lines = [x for x in out.splitlines() if x.startswith("bench_offload: ")]
+    assert rc == 2 and "Traceback" not in out, out[-3000:]
+    assert len(lines) == 1 and re.match(r"bench_offload: memory: stage 3 needs [\d,.]+ MiB per rank .*more than "
+                                        r"there is", lines[0]), out[-3000:]
+    assert "per step" not in out, out[-3000:]         # refused before the first engine's steps
