@@ -232,8 +232,8 @@ def main() -> int:
             f"{rates[1] / 1e9:.2f} GB/s ({rates[1] / wr:.0%}) (the node's bytes over the slowest rank's busy seconds)")
     say(f"step / max(compute + arithmetic, I/O) = {row['step'] / max(work, io_s):.2f}")
     eng.close()
-    del eng                    # its RAM classes (params, grads) go before the in-RAM engine allocates
-    gc.collect()
+    del eng, model             # its RAM classes (the model's units hold views of them) go before the in-RAM
+    gc.collect()               # engine allocates
     if a.compare_ram:          # the same shapes, steps and tokens with every class in RAM, in this command
         model = GPT(cfg)
         why = refusal(a, model, comm, offload=False)
