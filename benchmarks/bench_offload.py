@@ -159,6 +159,16 @@ def steps(eng, a, comm, say) -> list:
     return rows
 
 
+def trim_heap():
+    """glibc's malloc_trim(0): return the heap's free pages to the kernel (no-op where libc has none)."""
+    import ctypes
+    import ctypes.util
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def refusal(a, model, comm, offload: bool) -> str | None:
     """The trainer's start-up memory check (app/memcheck.py) for this engine: its one-line refusal, or None.
     Collective. Each engine is checked before it allocates, as ``python -m ringzero.train`` checks."""
@@ -233,7 +243,9 @@ def main() -> int:
     say(f"step / max(compute + arithmetic, I/O) = {row['step'] / max(work, io_s):.2f}")
     eng.close()
     del eng, model             # its RAM classes (the model's units hold views of them) go before the in-RAM
-    gc.collect()               # engine allocates
+    gc.collect()               # engine allocates, and the heap's freed pages back to the kernel: glibc keeps
+    trim_heap()                # them (a rank's ~1 GB at gpt2-large's shapes), and the memory check counts them
+    comm.Barrier()             # every rank's freed before any reads MemAvailable
     if a.compare_ram:          # the same shapes, steps and tokens with every class in RAM, in this command
         model = GPT(cfg)
         why = refusal(a, model, comm, offload=False)
