@@ -255,6 +255,7 @@ def main() -> int:
         ram_row = sorted(steps(ram, a, comm, say), key=lambda r: r[0]["step"])[(len(rows) - 1) // 2][0]
         say(f"in RAM: step {ram_row['step']:.3f} s (the median of {a.steps}); offloaded / in RAM = "
             f"{row['step'] / ram_row['step']:.2f}")
+        say("  in RAM, " + line(ram_row))     # its split: what the offloaded step added, part by part
         ram.close()
     return 0
 
