@@ -10,7 +10,9 @@ tile (1 MiB), ``--threads`` of them in flight per rank, O_DIRECT where the files
 takes it, into blocks reserved first, and no fdatasync, as the engine issues none
 (where O_DIRECT is refused, the page cache, with fdatasync after the writes and the
 pages dropped before the reads, so that the disk is timed and not the cache). That
-gives the node's write and read rate with all its ranks at it, as the step has them. Then an
+gives the node's write and read rate with all its ranks at it, as the step has them. A third
+pass reads and writes at once (half the requests each, alternating), as the update does: that
+is the disk's mix, the ceiling of an update that reads one tile while it writes another. Then an
 engine with ``--offload`` trains
 ``--steps`` steps (after one warm-up) on random tokens, and rank 0 prints the
 median step (by the slowest rank's time) split into parts that add up to it,
@@ -29,7 +31,8 @@ then beside it the offload I/O at the measured rates (the bytes the node's ranks
 read and wrote in a step, the files' counters, at the probe's rates: what the disk
 alone would need), the I/O engine's achieved rates (aio.py: the bytes the node's ranks'
 update streams moved, over the slowest rank's seconds with a tile's requests in flight, for
-reads and for writes) beside the probe's, and step / max(compute + arithmetic, I/O): 1 is a
+reads and for writes, and both together over the slowest rank's update) beside the probe's,
+and step / max(compute + arithmetic, I/O): 1 is a
 step bound by the slower of the two, with the other hidden behind it. ``--compare-ram`` then
 runs the same steps on the same tokens with every class in RAM and prints offloaded / in RAM.
 
@@ -50,8 +53,10 @@ from ringzero.app.exits import leave
 
 
 def probe(path: str, nbytes: int, comm, threads: int = 8, request: int = 1 << 20) -> tuple:
-    """(write, read) bytes/s of the node, and the path ("O_DIRECT" or "page cache"): every rank writes then
-    reads nbytes at once, as the update's I/O engine moves its tiles (aio.py): page-aligned requests of
+    """(write, read, both) bytes/s of the node, and the path ("O_DIRECT" or "page cache"): every rank writes
+    then reads nbytes at once, then does both at once (half its requests reading the first half of
+    the file, half writing the second: the update's mix, whose reads and writes share the disk), as the
+    update's I/O engine moves its tiles (aio.py): page-aligned requests of
     ``request`` bytes (a tile of one fp32 class), ``threads`` of them in flight per rank, O_DIRECT where
     the filesystem takes it, into blocks reserved first (posix_fallocate, as offload.FileStore does), and
     no fdatasync, as the engine issues none. Where O_DIRECT is refused the engine goes through the page
@@ -62,7 +67,7 @@ def probe(path: str, nbytes: int, comm, threads: int = 8, request: int = 1 << 20
 
     from ringzero.runtime.aio import PAGE, AlignedBuffer, IOEngine
     request = -(-request // PAGE) * PAGE
-    nbytes = max(request, nbytes // request * request)              # whole requests
+    nbytes = max(2 * request, nbytes // request * request)          # whole requests, two at least (the mix)
     fd = os.open(path, os.O_TMPFILE | os.O_RDWR, 0o600)
     bufs = [AlignedBuffer(request) for _ in range(threads)]
     for b in bufs:
@@ -73,10 +78,14 @@ def probe(path: str, nbytes: int, comm, threads: int = 8, request: int = 1 << 20
         dfd = IOEngine._open_direct(SimpleNamespace(fd=fd))          # the engine's own probe of O_DIRECT
         io, mode = (fd, "page cache") if dfd is None else (dfd, "O_DIRECT")
 
-        def each(fn):
-            offs = range(0, nbytes, request)
+        def each(fn, lo=0, hi=nbytes):
+            offs = range(lo, hi, request)
             list(pool.map(lambda k: fn(io, [memoryview(bufs[k % threads].raw)[:request]], offs[k]),
                           range(len(offs))))
+
+        def both(k):          # request k of the mix: reads and writes alternate, so both are in flight
+            fn, base = (os.preadv, 0) if k % 2 == 0 else (os.pwritev, half)
+            return fn(io, [memoryview(bufs[k % threads].raw)[:request]], base + k // 2 * request)
         comm.Barrier()
         t0 = time.perf_counter()
         each(os.pwritev)
@@ -90,13 +99,22 @@ def probe(path: str, nbytes: int, comm, threads: int = 8, request: int = 1 << 20
         each(os.preadv)
         comm.Barrier()
         tr = time.perf_counter() - t0
+        half = nbytes // request // 2 * request
+        os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)
+        comm.Barrier()
+        t0 = time.perf_counter()
+        list(pool.map(both, range(2 * (half // request))))
+        if dfd is None:
+            os.fdatasync(fd)
+        comm.Barrier()
+        tb = time.perf_counter() - t0
     finally:
         pool.shutdown()
         if dfd is not None:
             os.close(dfd)
         os.close(fd)
     total = nbytes * comm.size
-    return total / tw, total / tr, mode
+    return total / tw, total / tr, 2 * half * comm.size / tb, mode
 
 
 PARTS = ("compute", "collectives exposed", "update arithmetic", "I/O waited", "update ahead waited")
@@ -153,7 +171,8 @@ def steps(eng, a, comm, say) -> list:
         moved = comm.allreduce(tl.get("offload_read_bytes", 0.0)), comm.allreduce(tl.get("offload_write_bytes", 0.0))
         busy = comm.allreduce(tl.get("offload_read_s", 0.0), MPI.MAX), comm.allreduce(tl.get("offload_write_s", 0.0),
                                                                                       MPI.MAX)
-        rates = (moved[0] / busy[0], moved[1] / busy[1]) if min(busy) > 0 else None
+        upd = comm.allreduce(tl.get("offload_compute_s", 0.0) + tl.get("offload_exposed_s", 0.0), MPI.MAX)
+        rates = (moved[0] / busy[0], moved[1] / busy[1], sum(moved) / upd) if min(busy) > 0 and upd > 0 else None
         if s:                                   # the first step warms up
             rows.append((max(every, key=lambda r: r["step"]), nbytes[0] / a.disk[0] + nbytes[1] / a.disk[1], rates))
     return rows
@@ -214,8 +233,8 @@ def main() -> int:
     dims = {} if a.model else dict(n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head)
     cfg = model_config(a.model or None, 256, block_size=None if a.model else a.seq_len, **dims)
     try:
-        wr, rd, how = probe(a.offload_dir, parse_size(a.probe), comm, a.threads, OffloadPolicy().tile * 4)
-        a.disk = rd, wr
+        wr, rd, mix, how = probe(a.offload_dir, parse_size(a.probe), comm, a.threads, OffloadPolicy().tile * 4)
+        a.disk = rd, wr, mix
         model = GPT(cfg)
         why = refusal(a, model, comm, offload=True)
         if why:
@@ -226,7 +245,8 @@ def main() -> int:
     except (OSError, OffloadError) as e:
         return leave(comm, 2, f"bench_offload: {e}")
     say = print if comm.rank == 0 else (lambda *x, **k: None)
-    say(f"disk in {a.offload_dir}: {comm.size} ranks at once write {wr / 1e9:.2f} GB/s, read {rd / 1e9:.2f} GB/s "
+    say(f"disk in {a.offload_dir}: {comm.size} ranks at once write {wr / 1e9:.2f} GB/s, read {rd / 1e9:.2f} GB/s, "
+        f"both at once {mix / 1e9:.2f} GB/s "
         f"({how}, {a.threads} requests of a tile in flight per rank, as the engine); "
         f"Ψ = {eng.layout.numel:,}, stage {eng.stage}, offload {eng.offload.describe()}, Nd = {comm.size}; "
         f"I/O engine: {eng.offload_stream.io.mode}, {eng.offload_stream.depth} tiles read ahead, "
@@ -239,7 +259,9 @@ def main() -> int:
     say(f"  offload I/O at the measured rate {io_s:.3f} s (the node's bytes at the probe's rates)")
     if rates:
         say(f"  I/O engine achieved: read {rates[0] / 1e9:.2f} GB/s ({rates[0] / rd:.0%} of the disk's), write "
-            f"{rates[1] / 1e9:.2f} GB/s ({rates[1] / wr:.0%}) (the node's bytes over the slowest rank's busy seconds)")
+            f"{rates[1] / 1e9:.2f} GB/s ({rates[1] / wr:.0%}) (the node's bytes over the slowest rank's busy seconds); "
+            f"both {rates[2] / 1e9:.2f} GB/s ({rates[2] / mix:.0%} of the disk's mix) (read + written over the "
+            f"slowest rank's update, its arithmetic included)")
     say(f"step / max(compute + arithmetic, I/O) = {row['step'] / max(work, io_s):.2f}")
     eng.close()
     del eng, model             # its RAM classes (the model's units hold views of them) go before the in-RAM
