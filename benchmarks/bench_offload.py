@@ -78,8 +78,8 @@ def probe(path: str, nbytes: int, comm, threads: int = 8, request: int = 1 << 20
         dfd = IOEngine._open_direct(SimpleNamespace(fd=fd))          # the engine's own probe of O_DIRECT
         io, mode = (fd, "page cache") if dfd is None else (dfd, "O_DIRECT")
 
-        def each(fn, lo=0, hi=nbytes):
-            offs = range(lo, hi, request)
+        def each(fn):
+            offs = range(0, nbytes, request)
             list(pool.map(lambda k: fn(io, [memoryview(bufs[k % threads].raw)[:request]], offs[k]),
                           range(len(offs))))
 
@@ -266,7 +266,7 @@ def main() -> int:
     eng.close()
     del eng, model             # its RAM classes (the model's units hold views of them) go before the in-RAM
     gc.collect()               # engine allocates, and the heap's freed pages back to the kernel: glibc keeps
-    trim_heap()                # them (a rank's ~1 GB at gpt2-large's shapes), and the memory check counts them
+    trim_heap()                # them (~150 MB a rank at gpt2-large's shapes), and the memory check counts them
     comm.Barrier()             # every rank's freed before any reads MemAvailable
     if a.compare_ram:          # the same shapes, steps and tokens with every class in RAM, in this command
         model = GPT(cfg)
