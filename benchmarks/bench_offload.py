@@ -32,8 +32,8 @@ read and wrote in a step, the files' counters, at the probe's rates: what the di
 alone would need), the I/O engine's achieved rates (aio.py: the bytes the node's ranks'
 update streams moved, over the slowest rank's seconds with a tile's requests in flight, for
 reads and for writes, and both together over the slowest rank's update) beside the probe's,
-and step / max(compute + arithmetic, I/O): 1 is a
-step bound by the slower of the two, with the other hidden behind it. ``--compare-ram`` then
+and step / max(compute + arithmetic, I/O): 1 is a step bound by the slower of the two, with
+the other hidden behind it. ``--compare-ram`` then
 runs the same steps on the same tokens with every class in RAM and prints offloaded / in RAM.
 
 What it is not: a test (the bitwise checks are tests/test_offload.py).
