@@ -217,7 +217,7 @@ def main() -> int:
     # step runs no update, so it would time no offload I/O at all
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--offload", default="optimizer")
-    ap.add_argument("--offload-dir", required=True)
+    ap.add_argument("--offload-dir", required=True, help="the offload files' folder (made if missing, as the trainer)")
     ap.add_argument("--ahead", action="store_true", help="the update beside the next forward (stage 3, hybrid)")
     ap.add_argument("--depth", type=int, default=2, help="tiles read ahead (the trainer's --offload-depth)")
     ap.add_argument("--threads", type=int, default=8, help="I/O requests in flight per rank (--offload-threads)")
@@ -227,12 +227,13 @@ def main() -> int:
     ap.add_argument("--probe", default="256M", help="bytes each rank writes and reads to measure the disk")
     a = ap.parse_args()
     from ringzero.nn.gpt import GPT, model_config
-    from ringzero.runtime.offload import OffloadError, OffloadPolicy
+    from ringzero.runtime.offload import OffloadError, OffloadPolicy, make_dir
     from ringzero.runtime.zero import Zero
     from ringzero.sizes import parse_size
     dims = {} if a.model else dict(n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head)
     cfg = model_config(a.model or None, 256, block_size=None if a.model else a.seq_len, **dims)
     try:
+        make_dir(a.offload_dir)        # mkdir -p, as the trainer (and DeepSpeed its swap folder) does
         wr, rd, mix, how = probe(a.offload_dir, parse_size(a.probe), comm, a.threads, OffloadPolicy().tile * 4)
         a.disk = rd, wr, mix
         model = GPT(cfg)

@@ -378,3 +378,20 @@ def test_bench_offload_refuses_up_front_with_the_numbers(monkeypatch):
     assert len(lines) == 1 and re.match(r"bench_offload: memory: stage 3 needs [\d,.]+ MiB per rank .*more than "
                                         r"there is", lines[0]), out[-3000:]
     assert "per step" not in out, out[-3000:]         # refused before the first engine's steps
+
+
+def test_bench_offload_makes_its_folder(tmp_path):
+    """--offload-dir is made where it is missing (mkdir -p, as the trainer and DeepSpeed's swap folder),
+    and one that cannot be made is one line on exit 2 (it was a bare '[Errno 2] No such file or directory')."""
+    base = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--steps", "1", "--probe", "1M"]
+    made = tmp_path / "a" / "b"
+    rc, out = run([PY, "-m", "mpi4py", os.path.join("benchmarks", "bench_offload.py"), *base,
+                   "--offload-dir", str(made)], ranks=2)
+    check(rc, out, r"^step / max\(compute \+ arithmetic, I/O\) = [\d.]+$", "bench_offload.py, a missing folder")
+    assert made.is_dir()
+    (tmp_path / "file").write_text("not a folder")
+    rc, out = run([PY, "-m", "mpi4py", os.path.join("benchmarks", "bench_offload.py"), *base,
+                   "--offload-dir", str(tmp_path / "file" / "sub")], ranks=2)
+    lines = [x for x in out.splitlines() if x.startswith("bench_offload: ")]
+    assert rc == 2 and "Traceback" not in out, out[-3000:]
+    assert len(lines) == 1 and "cannot be made" in lines[0], out[-3000:]
