@@ -228,6 +228,27 @@ def test_capacity_probe_counts_only_memory_as_not_fitting(monkeypatch):
     assert cap.last_error("starting\n" + banner).startswith("prterun detected that one or more processes")
 
 
+def test_capacity_rows_run_when_a_baseline_has_no_verdict(monkeypatch, capsys):
+    """A side whose floor search fails twice for a reason that is not memory (a rank aborting without a
+    line) leaves that baseline out with its reason; the table's rows still run and say what fits."""
+    spec = importlib.util.spec_from_file_location("capacity_base", os.path.join(ROOT, "benchmarks", "capacity.py"))
+    cap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cap)
+
+    def probe(mode, n, c, dims, a):           # the tiny model's search fails; the rows fit up to 3 layers
+        if dims.get("n_embd") == cap.TINY["n_embd"] and "n_layer" in dims and c < (1 << 30):
+            raise cap.ProbeFailed("signal 6 (Aborted).")
+        return dims["n_layer"] <= 3
+
+    monkeypatch.setattr(cap, "probe", probe)
+    rc = cap.main(["--cap", "1GiB", "--nd", "2", "--stages", "0", "--offload", "", "--peers", "", "--max-layers", "8"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "baseline (ringzero, Nd = 2): no verdict, a probe failed twice, not for memory: signal 6 (Aborted)." in out
+    row = [ln for ln in out.splitlines() if ln.startswith("| stage 0 | 2 |")]
+    assert len(row) == 1 and row[0].split(" | ")[2] == "3" and "baseline not measured" in row[0], out
+
+
 def test_step_table_rest_is_taken_step_by_step(monkeypatch):
     """train_peer's "the rest" column: the median over the steps of step - compute - waits, each step's
     own. Here every step's rest is 1 ms while the medians of the parts would give a negative one."""
