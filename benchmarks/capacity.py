@@ -278,9 +278,10 @@ def main(argv=None) -> int:
     base = {}
     if a.baseline:
         for side in ["0"] + (peers[:1]):
+            key = "torch" if side in peers else "ringzero"
             who = f"{'torch ' + side if side in peers else 'ringzero'}, Nd = {min(nds)}"
             try:
-                base["torch" if side in peers else "ringzero"] = b = baseline(side, min(nds), a)
+                base[key] = b = baseline(side, min(nds), a)
             except ProbeFailed as e:        # one side's floor unknown: the table's rows still say what fits
                 print(f"  baseline ({who}): no verdict, a probe failed twice, not for memory: {e}", flush=True)
                 continue

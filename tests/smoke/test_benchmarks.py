@@ -189,12 +189,18 @@ def test_bench_offload_split_adds_up_to_the_step(ahead):
         assert io and abs(sum(float(g) for g in io.groups()[1:]) - float(io[1])) <= 0.002, ln
 
 
+def _capacity_module():
+    """benchmarks/capacity.py as a fresh module (a script, not a package: loaded from its path)."""
+    spec = importlib.util.spec_from_file_location("capacity_tested", os.path.join(ROOT, "benchmarks", "capacity.py"))
+    cap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cap)
+    return cap
+
+
 def test_capacity_probe_counts_only_memory_as_not_fitting(monkeypatch):
     """capacity.py's verdict: a run that ran out of its cap (the lines Python, torch, OpenBLAS and a thread
     print) does not fit; a failure of another kind (a taken port) is run again, and twice is no verdict."""
-    spec = importlib.util.spec_from_file_location("capacity_probe", os.path.join(ROOT, "benchmarks", "capacity.py"))
-    cap = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cap)
+    cap = _capacity_module()
     calls = []
 
     def runs(*outs):
@@ -231,9 +237,7 @@ def test_capacity_probe_counts_only_memory_as_not_fitting(monkeypatch):
 def test_capacity_rows_run_when_a_baseline_has_no_verdict(monkeypatch, capsys):
     """A side whose floor search fails twice for a reason that is not memory (a rank aborting without a
     line) leaves that baseline out with its reason; the table's rows still run and say what fits."""
-    spec = importlib.util.spec_from_file_location("capacity_base", os.path.join(ROOT, "benchmarks", "capacity.py"))
-    cap = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cap)
+    cap = _capacity_module()
 
     def probe(mode, n, c, dims, a):           # the tiny model's search fails; the rows fit up to 3 layers
         if dims.get("n_embd") == cap.TINY["n_embd"] and "n_layer" in dims and c < (1 << 30):
