@@ -100,6 +100,23 @@ def events_per_step(trace_dir) -> float:
     return rz["recorded_events"] / max(1, rz["recorded_steps"])
 
 
+def pairs(args, work):
+    """The off/on launches, alternating which runs first: (on / off ratios, on medians, events per step)."""
+    ratios, on_steps, eps = [], [], None
+    for k in range(args.pairs):
+        med = {}
+        for mode in (("off", "on") if k % 2 == 0 else ("on", "off")):
+            tdir = os.path.join(work, f"tr{k}") if mode == "on" else None
+            load, med[mode] = launch(args, args.extra, tdir, os.path.join(work, f"{mode}{k}.jsonl"))
+            print(f"pair {k + 1} {mode:>3}: median step {med[mode] * 1e3:8.2f} ms   (load {load:.2f} at the start)")
+            if tdir:
+                eps = events_per_step(tdir)
+        ratios.append(med["on"] / med["off"])
+        on_steps.append(med["on"])
+        print(f"pair {k + 1}: on / off = {ratios[-1]:.4f} ({ratios[-1] - 1:+.2%})")
+    return ratios, on_steps, eps
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pairs", type=int, default=3, help="off/on pairs (default 3)")
@@ -115,19 +132,8 @@ def main():
     micro = per_event_ns()
     print(f"recorder: {micro['span']:.0f} ns per span, {micro['collective']:.0f} ns per collective "
           f"(its wrapper and span, less the bare call), in one process")
-    work = tempfile.mkdtemp(prefix="trace_overhead-")
-    ratios, on_steps, eps = [], [], None
-    for k in range(args.pairs):
-        med = {}
-        for mode in (("off", "on") if k % 2 == 0 else ("on", "off")):
-            tdir = os.path.join(work, f"tr{k}") if mode == "on" else None
-            load, med[mode] = launch(args, args.extra, tdir, os.path.join(work, f"{mode}{k}.jsonl"))
-            print(f"pair {k + 1} {mode:>3}: median step {med[mode] * 1e3:8.2f} ms   (load {load:.2f} at the start)")
-            if tdir:
-                eps = events_per_step(tdir)
-        ratios.append(med["on"] / med["off"])
-        on_steps.append(med["on"])
-        print(f"pair {k + 1}: on / off = {ratios[-1]:.4f} ({ratios[-1] - 1:+.2%})")
+    with tempfile.TemporaryDirectory(prefix="trace_overhead-") as work:    # the launches' metrics and traces
+        ratios, on_steps, eps = pairs(args, work)
     est = eps * micro["span"] * 1e-9 / statistics.median(on_steps)
     print(f"median on / off over {args.pairs} pairs: {statistics.median(ratios):.4f} "
           f"({statistics.median(ratios) - 1:+.2%}); load now {os.getloadavg()[0]:.2f}")

@@ -21,6 +21,7 @@ the machine that drew them (docs/trace.md says which).
 import argparse
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -105,7 +106,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="stages,overlap,offload,slow", help="which pictures (comma-separated)")
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "img"), help="folder of the PNGs (docs/img)")
-    p.add_argument("--work", default="", help="folder of the runs' traces (default: a new temporary one)")
+    p.add_argument("--work", default="", help="folder of the runs' traces, kept (default: a new temporary one, "
+                   "removed at the end)")
     p.add_argument("--cluster-prefix", default="rzpic", help="launch/cluster --prefix (default rzpic)")
     p.add_argument("--cluster-net", type=int, default=21, help="launch/cluster --net (default 21)")
     p.add_argument("--max-load", type=float, default=0.0, help="before each command, wait (10 min at most) for "
@@ -120,10 +122,15 @@ def main():
         sys.exit(f"trace_pictures: --only takes stages, overlap, offload, slow; got {','.join(bad)}")
     work = args.work or tempfile.mkdtemp(prefix="trace_pictures-")
     os.makedirs(args.out, exist_ok=True)
-    for name in todo:
-        print(f"== {name}", flush=True)
-        PICTURES[name](work, os.path.abspath(args.out), args)
-    print(f"traces in {work}")
+    try:
+        for name in todo:
+            print(f"== {name}", flush=True)
+            PICTURES[name](work, os.path.abspath(args.out), args)
+    finally:            # a failed run exits through here too: a folder the user did not name is not left behind
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+    if args.work:
+        print(f"traces in {work}")
 
 
 if __name__ == "__main__":

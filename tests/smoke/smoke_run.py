@@ -50,11 +50,12 @@ def mpirun_argv(ranks: int) -> list:
     return [mpirun, *flags, "-n", str(ranks)]
 
 
-def run(argv, ranks=None, timeout=TIMEOUT, cwd=ROOT):
-    """(exit code, stdout+stderr) of one command; 124 when it ran past ``timeout``."""
+def run(argv, ranks=None, timeout=TIMEOUT, cwd=ROOT, env=None):
+    """(exit code, stdout+stderr) of one command, with ``env`` added to the environment; 124 when it ran
+    past ``timeout``."""
     if ranks:
         argv = mpirun_argv(ranks) + list(argv)
-    env = dict(os.environ, **THREADS)
+    env = dict(os.environ, **THREADS, **(env or {}))
     env["PATH"] = os.path.dirname(PY) + os.pathsep + env.get("PATH", "")
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                          cwd=cwd, start_new_session=True)

@@ -86,7 +86,7 @@ RUNS = {
     "sgemm_libs.py": [(None, ["--n-embd", "8", "--rows", "16"], r"^\s+the layer\s+\|\s+[\d.]+")],
     "trace_overhead.py": [(None, ["--pairs", "1", "--ranks", "2", "--steps", "4", "--warm", "2", "--", *TINY_GPT],
                            r"^median on / off over 1 pairs: [\d.]+ \([-+][\d.]+%\); load now")],
-    "trace_pictures.py": [(None, ["--only", "stages", "--out", "/tmp/rz-smoke-trace-pictures", "--", *TINY_GPT],
+    "trace_pictures.py": [(None, ["--only", "stages", "--out", TMP, "--", *TINY_GPT],
                            r"^  -> .*trace-stage3\.png$")],
     "train_peer.py": [(None, PEER, r"^\| ringzero \| 2 \| \d+"),
                       (None, PEER_PRESET, r"^\| ringzero \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| -?[\d.]+ \|$"),
@@ -94,7 +94,7 @@ RUNS = {
                       (None, PEER_LLAMA, r"^\| ringzero \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| -?[\d.]+ \|$")],
     # one host, 4 ranks as 2 emulated nodes (the script's own mpirun), two configs, two steps
     "zeropp_convergence.py": [(None, ["--emulate", "--steps", "2", "--configs", "off,all", "--eval-interval", "1",
-                                      "--eval-batches", "1", "--timeout", "200", "--out", "/tmp/ringzero-zpp-smoke",
+                                      "--eval-batches", "1", "--timeout", "200", "--out", TMP,
                                       *TINY_GPT], r"^\| all \| qwz,hpz,qgz \| [\d.]+ \| [+-][\d.]+ % \|")],
 }
 # not scripts of their own: what runs them
@@ -105,6 +105,8 @@ COVERED_BY = {"torch_gpt.py": "bench_model.py and train_peer.py (the torch side)
               "peer_tables.py": "train_peer.py (its tables)",
               "train_peer_worker.py": "train_peer.py (its ranks)",
               "cluster_opts.py": "bench_stages.py and check_simulate.py (their --cluster flags)"}
+# scripts that keep their runs' files in a temporary folder of this prefix, which they must remove
+SCRATCH = {"trace_overhead.py": "trace_overhead-", "trace_pictures.py": "trace_pictures-"}
 CASES = [(s.partition("#")[0], i, *r) for s, rs in RUNS.items() for i, r in enumerate(rs)]
 IDS = [f"{s}#{i}" for s, rs in RUNS.items() for i in range(len(rs))]
 
@@ -126,10 +128,18 @@ def test_benchmark(script, i, ranks, args, table, request):
         args = [str(request.getfixturevalue("tmp_path") / "out") if a == TMP else a for a in args]
     path = os.path.join("benchmarks", script)
     argv = [PY, "-m", "mpi4py", path, *args] if ranks else [PY, path, *args]
+    scratch = None
+    if script in SCRATCH:       # its own temporary folder goes under a TMPDIR watched here
+        scratch = request.getfixturevalue("tmp_path") / "scratch"
+        scratch.mkdir()
     # the DeepSpeed peer's first run in a fresh venv builds cpu_adam (3+ min on 2 slow cores): room for it
-    rc, out = run(argv, ranks=ranks, timeout=max(TIMEOUT, 900) if args == CAPACITY_PEERS else TIMEOUT)
+    rc, out = run(argv, ranks=ranks, timeout=max(TIMEOUT, 900) if args == CAPACITY_PEERS else TIMEOUT,
+                  env={"TMPDIR": str(scratch)} if scratch else None)
     what = f"benchmarks/{script} ({f'mpirun -n {ranks} ' if ranks else ''}{' '.join(args)})"
     check(rc, out, table, what)
+    if scratch:
+        left = sorted(n for n in os.listdir(scratch) if n.startswith(SCRATCH[script]))
+        assert not left, f"{what}: left its temporary folder(s) behind: {left}"
     if script == "train_peer.py" and args == PEER_SHARDED:
         _check_sharded_peers(rc, out, what)
     elif args == CAPACITY_PEERS:
