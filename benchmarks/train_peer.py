@@ -156,6 +156,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PORT_TRIES = 3
+
+
+def _port_taken(log) -> bool:
+    """Whether a failed launch's log says its rendezvous port was taken (EADDRINUSE)."""
+    with open(log, errors="replace") as f:
+        text = f.read()
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
 # ---- the driver ----------------------------------------------------------------
 
 def launch(cmd, log, timeout):
@@ -211,11 +221,20 @@ def run_mode(mode, n, a, work):
     else:
         where = (["--master", f"198.18.{a.cluster_net}.1", "--ifname", "eth0"] if a.cluster else [])
         cmd = prefix + [sys.executable, worker, "torch", "--mode", mode, "--out", d,
-                        "--port", str(free_port()), "--timeout", str(a.timeout)] + where + model_args(a)
+                        "--port", "PORT", "--timeout", str(a.timeout)] + where + model_args(a)
     log = os.path.join(d, "log.txt")
     t0 = time.perf_counter()
     load = os.getloadavg()[0]           # 1-min load average at launch: the noise gauge
-    rc = launch(cmd, log, a.timeout)
+    for attempt in range(PORT_TRIES):
+        # the rendezvous port is free when picked but another process may bind it before rank 0's
+        # TCPStore does (EADDRINUSE): such a launch never started, so it is launched again on a new port
+        port = str(free_port())
+        rc = launch([port if c == "PORT" else c for c in cmd], log, a.timeout)
+        if rc == 0 or "PORT" not in cmd or attempt + 1 == PORT_TRIES or not _port_taken(log):
+            break
+        print(f"!! {mode} at n={n}: port {port} was taken before the rendezvous bound it; "
+              f"launching again on another", file=sys.stderr)
+    cmd = [port if c == "PORT" else c for c in cmd]
     row = {"mode": mode, "ranks": n, "rc": rc, "log": log, "command": " ".join(cmd), "load": load,
            "wall_s": round(time.perf_counter() - t0, 1)}
     try:

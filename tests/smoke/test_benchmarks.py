@@ -430,3 +430,27 @@ def test_bench_offload_makes_its_folder(tmp_path):
     lines = [x for x in out.splitlines() if x.startswith("bench_offload: ")]
     assert rc == 2 and "Traceback" not in out, out[-3000:]
     assert len(lines) == 1 and "cannot be made" in lines[0], out[-3000:]
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed (RINGZERO_PEER=1 installs it)")
+def test_a_taken_rendezvous_port_is_launched_again(tmp_path, monkeypatch, capsys):
+    """train_peer picks a free port for the torch peers' rendezvous, but another process can bind it before
+    rank 0's TCPStore does. Here the first port handed out is held open: that launch fails with EADDRINUSE,
+    and the mode is launched again on the next port and gives its row."""
+    import socket
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import train_peer
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        ports = iter([taken, train_peer.free_port()])
+        monkeypatch.setattr(train_peer, "free_port", lambda: next(ports))
+        a = train_peer.parse(["--ranks", "2", "--steps", "2", "--warmup", "1", "--modes", "ddp",
+                              "--timeout", "200", "--compute-steps", "0", *TINY_GPT])
+        row = train_peer.run_mode("ddp", 2, a, str(tmp_path))
+    err = capsys.readouterr().err
+    assert row["ok"], row.get("error", "") + row.get("log_tail", "")
+    assert "was taken before the rendezvous bound it; launching again" in err, err
+    assert f"--port {taken} " not in row["command"] and len(row["loss"]) == 2
+    assert next(ports, None) is None                    # both ports were used: one failed launch, one good
