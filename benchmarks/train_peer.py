@@ -228,9 +228,9 @@ def run_mode(mode, n, a, work):
     for attempt in range(PORT_TRIES):
         # the rendezvous port is free when picked but another process may bind it before rank 0's
         # TCPStore does (EADDRINUSE): such a launch never started, so it is launched again on a new port
-        port = str(free_port())
+        port = str(free_port()) if "PORT" in cmd else None          # ringzero's ranks rendezvous through MPI
         rc = launch([port if c == "PORT" else c for c in cmd], log, a.timeout)
-        if rc == 0 or "PORT" not in cmd or attempt + 1 == PORT_TRIES or not _port_taken(log):
+        if rc == 0 or port is None or attempt + 1 == PORT_TRIES or not _port_taken(log):
             break
         print(f"!! {mode} at n={n}: port {port} was taken before the rendezvous bound it; "
               f"launching again on another", file=sys.stderr)
