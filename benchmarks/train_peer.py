@@ -229,13 +229,13 @@ def run_mode(mode, n, a, work):
         # the rendezvous port is free when picked but another process may bind it before rank 0's
         # TCPStore does (EADDRINUSE): such a launch never started, so it is launched again on a new port
         port = str(free_port()) if "PORT" in cmd else None          # ringzero's ranks rendezvous through MPI
-        rc = launch([port if c == "PORT" else c for c in cmd], log, a.timeout)
+        ran = [port if c == "PORT" else c for c in cmd]
+        rc = launch(ran, log, a.timeout)
         if rc == 0 or port is None or attempt + 1 == PORT_TRIES or not _port_taken(log):
             break
         print(f"!! {mode} at n={n}: port {port} was taken before the rendezvous bound it; "
               f"launching again on another", file=sys.stderr)
-    cmd = [port if c == "PORT" else c for c in cmd]
-    row = {"mode": mode, "ranks": n, "rc": rc, "log": log, "command": " ".join(cmd), "load": load,
+    row = {"mode": mode, "ranks": n, "rc": rc, "log": log, "command": " ".join(ran), "load": load,
            "wall_s": round(time.perf_counter() - t0, 1)}
     try:
         if rc != 0:
